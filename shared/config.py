@@ -1,0 +1,128 @@
+"""Configuration: ``config.toml`` in the data dir, overridden by environment variables.
+
+Resolution order (later wins): built-in defaults, ``$RLFLEET_HOME/config.toml``, env vars
+(``REDIS_URL``, ``DATABASE_URL``, ``RLFLEET_MODEL``, ``RLFLEET_THRESHOLD``, ``RLFLEET_PRESET``), then
+explicit CLI flags. Secrets never live here: they are read from env or a 0600 file (see :mod:`secrets_file`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+Preset = Literal["careful", "balanced", "aggressive"]
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("RLFLEET_HOME") or Path.home() / ".rlfleet").expanduser()
+
+
+class TrainSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    preset: Preset = "balanced"
+    threshold: int = Field(32, ge=1, le=100_000, description="pending ratings that start a run")
+    max_ratings: int = Field(512, ge=1, description="cap on ratings one run consumes")
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    # Explicit overrides of the preset's values; None = the preset decides.
+    lr: float | None = Field(None, gt=0, lt=1)
+    steps: int | None = Field(None, ge=1, le=10_000)
+    rank: int | None = Field(None, ge=1, le=512)
+    beta: float | None = Field(None, ge=0)
+    seq_band: tuple[float, float] | None = None
+    max_tokens: int = Field(1024, ge=16, description="prompt+response tokens kept per sample")
+    micro_batch_tokens: int = Field(2048, ge=64)
+    seed: int = 0
+
+
+class ChatSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int = Field(200, ge=1, le=8192)
+    temperature: float = Field(0.7, ge=0, le=5)
+    top_p: float = Field(0.9, gt=0, le=1)
+    system_prompt: str | None = None
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = DEFAULT_MODEL
+    redis_url: str | None = None
+    database_url: str | None = None
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    chat: ChatSettings = Field(default_factory=ChatSettings)
+
+    home: Path = Field(default_factory=data_dir, exclude=True)
+
+    @property
+    def config_path(self) -> Path:
+        return self.home / "config.toml"
+
+    @property
+    def secret_path(self) -> Path:
+        return self.home / "secret"
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'rlfleet.db'}"
+
+    @property
+    def adapters_root(self) -> Path:
+        return self.home / "adapters"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.home / "redis"
+
+    def save(self) -> Path:
+        self.home.mkdir(parents=True, exist_ok=True)
+        data = self.model_dump(mode="json", exclude_none=True, exclude={"home"})
+        # Connection URLs may embed passwords; keep them in env, not on disk, unless the user wrote them.
+        tmp = self.config_path.with_suffix(".toml.tmp")
+        tmp.write_text(tomli_w.dumps(data), encoding="utf-8")
+        os.replace(tmp, self.config_path)
+        return self.config_path
+
+
+def load_config(home: Path | None = None, **overrides: object) -> Config:
+    """Load the config for ``home`` (default: the data dir), apply env vars and ``overrides``."""
+    home = (home or data_dir()).expanduser()
+    raw: dict = {}
+    path = home / "config.toml"
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid TOML ({exc}); fix it or delete it and run `rlfleet init`")
+    env_map = {"REDIS_URL": "redis_url", "DATABASE_URL": "database_url", "RLFLEET_MODEL": "model"}
+    for env, key in env_map.items():
+        if os.environ.get(env):
+            raw[key] = os.environ[env]
+    train = dict(raw.get("train", {}))
+    if os.environ.get("RLFLEET_THRESHOLD"):
+        train["threshold"] = os.environ["RLFLEET_THRESHOLD"]
+    if os.environ.get("RLFLEET_PRESET"):
+        train["preset"] = os.environ["RLFLEET_PRESET"]
+    for key in ("threshold", "preset"):
+        if overrides.get(key) is not None:
+            train[key] = overrides.pop(key)
+    raw["train"] = train
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Config(home=home, **raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"bad config value {where}: {first['msg']} (in {path} or the environment)") from None

@@ -1,0 +1,154 @@
+"""Typed events: the only thing that crosses the queue (DESIGN.md §3).
+
+Every ingress (CLI, chat, bots, bridge) builds one of these and enqueues its JSON; the worker
+parses it back with :func:`parse_event`. Validation happens here, at the edge, so nothing
+malformed ever reaches the queue or the store.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from .errors import BadInput
+
+Source = Literal["slack", "discord", "telegram", "teams", "cli", "claude-code", "codex", "bridge"]
+
+# Limits chosen so a pasted log fits but a runaway payload (or a 10 MB prompt) is refused at the edge.
+MAX_TEXT_CHARS = 200_000
+MAX_MESSAGES = 200
+MAX_PROMPT_CHARS = 400_000
+MAX_COMMENT_CHARS = 2_000
+MAX_ID_CHARS = 256
+MAX_LOGPROBS = 16_384
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _uuid() -> str:
+    return str(uuid.uuid4())
+
+
+def _check_text(value: str, what: str, limit: int = MAX_TEXT_CHARS) -> str:
+    if "\x00" in value:
+        raise ValueError(f"{what} contains a NUL byte")
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value):,} characters; the limit is {limit:,}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates from a bad decode
+        raise ValueError(f"{what} is not valid UTF-8") from exc
+    return value
+
+
+Ident = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str) -> str:
+        return _check_text(v, "message content")
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    event_id: Ident = Field(default_factory=_uuid)
+    source: Source = "cli"
+    actor: Ident = "local"
+    ts: datetime = Field(default_factory=_now)
+
+
+class Capture(_Event):
+    """An answer someone was given, kept so it can be rated later."""
+
+    type: Literal["capture"] = "capture"
+    capture_id: Ident = Field(default_factory=_uuid)
+    conversation: Ident = "default"
+    message_ref: Ident | None = None
+    owner: Ident = "local"
+    prompt: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    response: str
+    model: Ident
+    adapter_version: Ident | None = None
+    behaviour_logprobs: list[float] | None = Field(default=None, max_length=MAX_LOGPROBS)
+    behaviour_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROBS)
+
+    @field_validator("response")
+    @classmethod
+    def _response(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("response is empty")
+        return _check_text(v, "response")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: list[Message]) -> list[Message]:
+        total = sum(len(m.content) for m in v)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt is {total:,} characters; the limit is {MAX_PROMPT_CHARS:,}")
+        if not any(m.role == "user" and m.content.strip() for m in v):
+            raise ValueError("prompt has no non-empty user message")
+        return v
+
+
+class Rating(_Event):
+    """+1 / -1 on a capture, addressed by message ref or ``last`` in a conversation."""
+
+    type: Literal["rating"] = "rating"
+    target: Ident = "last"
+    conversation: Ident | None = None
+    value: Literal[1, -1]
+    comment: str | None = None
+
+    @field_validator("comment")
+    @classmethod
+    def _comment(cls, v: str | None) -> str | None:
+        return None if v is None else _check_text(v, "comment", MAX_COMMENT_CHARS)
+
+
+class Undo(_Event):
+    """Removes the actor's most recent rating."""
+
+    type: Literal["undo"] = "undo"
+
+
+CommandName = Literal["status", "train", "rollback", "reset"]
+
+
+class Command(_Event):
+    type: Literal["command"] = "command"
+    name: CommandName
+    args: dict[str, str | int | bool | None] = Field(default_factory=dict, max_length=16)
+
+
+Event = Annotated[Capture | Rating | Undo | Command, Field(discriminator="type")]
+_adapter: TypeAdapter[Capture | Rating | Undo | Command] = TypeAdapter(Event)
+
+
+def parse_event(raw: str | bytes | dict) -> Capture | Rating | Undo | Command:
+    """Parse and validate an event from JSON (or a dict); raise :class:`BadInput` with one clear line."""
+    try:
+        if isinstance(raw, dict):
+            return _adapter.validate_python(raw)
+        return _adapter.validate_json(raw)
+    except ValidationError as exc:
+        raise BadInput(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    msg = first.get("msg", "invalid")
+    msg = msg.removeprefix("Value error, ")
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"invalid event: {where}: {msg}{more}" if where else f"invalid event: {msg}{more}"

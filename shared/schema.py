@@ -1,0 +1,121 @@
+"""Tables (DESIGN.md §5). Changes go through an Alembic migration in ``shared/migrations``."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ProcessedEvent(Base):
+    """One row per event applied: the idempotency record, written in the same transaction as the effect."""
+
+    __tablename__ = "processed_events"
+    event_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CaptureRow(Base):
+    __tablename__ = "captures"
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(256), unique=True)
+    source: Mapped[str] = mapped_column(String(32))
+    conversation: Mapped[str] = mapped_column(String(256))
+    message_ref: Mapped[str | None] = mapped_column(String(256))
+    owner: Mapped[str] = mapped_column(String(256))
+    prompt: Mapped[list] = mapped_column(JSON)
+    response: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(256))
+    adapter_version: Mapped[str | None] = mapped_column(String(64))
+    behaviour_logprobs: Mapped[list | None] = mapped_column(JSON)
+    behaviour_token_ids: Mapped[list | None] = mapped_column(JSON)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (
+        Index("ix_captures_ref", "message_ref"),
+        Index("ix_captures_conv_owner", "conversation", "owner", "created"),
+    )
+
+
+class RatingRow(Base):
+    """A rating. ``state``: active | replaced | undone. ``run_id``: the run that trained on it.
+
+    ``retract_run_id`` is set when an already-trained rating was undone or replaced and a later run
+    applied the opposite update, so that nothing trained on is stranded.
+    """
+
+    __tablename__ = "ratings"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(256), unique=True)
+    capture_id: Mapped[str] = mapped_column(ForeignKey("captures.id", ondelete="CASCADE"))
+    train_model: Mapped[str] = mapped_column(String(256))
+    actor: Mapped[str] = mapped_column(String(256))
+    source: Mapped[str] = mapped_column(String(32))
+    value: Mapped[int] = mapped_column(Integer)
+    comment: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    adapter_version: Mapped[str | None] = mapped_column(String(64))
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("train_runs.id"))
+    advantage: Mapped[float | None] = mapped_column(Float)
+    retract_run_id: Mapped[int | None] = mapped_column(ForeignKey("train_runs.id"))
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    changed: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (
+        Index("ix_ratings_pending", "train_model", "state", "run_id"),
+        Index("ix_ratings_actor", "actor", "created"),
+    )
+
+
+class TrainRun(Base):
+    """state: queued | running | succeeded | failed | rejected | stale."""
+
+    __tablename__ = "train_runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    error: Mapped[str | None] = mapped_column(Text)
+    version: Mapped[str | None] = mapped_column(String(64))
+    parent: Mapped[str | None] = mapped_column(String(64))
+    lineage: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict | None] = mapped_column(JSON)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AdapterVersion(Base):
+    """status: active | candidate | rejected | rolled_back | stale (the files live in the registry)."""
+
+    __tablename__ = "adapter_versions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(256))
+    version: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    parent: Mapped[str | None] = mapped_column(String(64))
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("train_runs.id"))
+    lineage: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict | None] = mapped_column(JSON)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (UniqueConstraint("model", "version"),)
+
+
+class Baseline(Base):
+    """Per model: the reward EMA, how many ratings moved it, and the lineage counter bumped by reset."""
+
+    __tablename__ = "baselines"
+    model: Mapped[str] = mapped_column(String(256), primary_key=True)
+    ema: Mapped[float | None] = mapped_column(Float)
+    count: Mapped[int] = mapped_column(Integer, default=0)
+    lineage: Mapped[int] = mapped_column(Integer, default=0)

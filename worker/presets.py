@@ -1,0 +1,73 @@
+"""Training presets and the resolved per-run configuration (DESIGN.md §6).
+
+The DESIGN starting points (lr 5e-6 for ~31B models) are scaled to the model's size: measured on
+SmolLM2-135M, lr 2e-4 with about 8 optimizer steps per run of 16-32 ratings moved a preference
+without collapse, 16 steps collapsed. So the learning rate falls with the square root of size.
+The learning benchmark (bench/learning) is what should settle these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rlfleet.shared.config import Preset, TrainSettings
+
+REFERENCE_PARAMS = 135e6  # size at which the base learning rates below were measured
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float
+    steps: int
+    rank: int
+    alpha: int
+    beta: float  # KL weight
+    seq_band: tuple[float, float]  # geometric-mean ratio band; sequences outside are dropped
+    token_band: tuple[float, float] = (0.5, 2.0)
+    pos_weight: float = 1.2
+    adv_clip: float = 2.0
+    grad_clip: float = 1.0
+    ema_decay: float = 0.99
+    max_tokens: int = 1024
+    micro_batch_tokens: int = 2048
+    max_mean_kl: float = 1.0  # a run whose mean per-token KL to the base exceeds this is not promoted
+    seed: int = 0
+    device: str = "auto"
+
+
+_PRESETS: dict[str, TrainConfig] = {
+    "careful": TrainConfig(
+        lr=1.2e-4, steps=6, rank=16, alpha=16, beta=0.002, seq_band=(0.996, 1.001), pos_weight=1.0
+    ),
+    "balanced": TrainConfig(lr=2e-4, steps=8, rank=16, alpha=16, beta=0.001, seq_band=(0.994, 1.002)),
+    "aggressive": TrainConfig(lr=3.2e-4, steps=12, rank=16, alpha=16, beta=0.0005, seq_band=(0.992, 1.004)),
+}
+
+
+def preset(name: Preset) -> TrainConfig:
+    return _PRESETS[name]
+
+
+def resolve(settings: TrainSettings, n_params: float | None = None, moe: bool = False) -> TrainConfig:
+    """The preset with the model-size scaling, MoE adjustments, then the user's explicit overrides."""
+    cfg = _PRESETS[settings.preset]
+    lr = cfg.lr
+    if n_params:
+        lr *= min(1.0, (REFERENCE_PARAMS / n_params) ** 0.5)
+    rank, beta = cfg.rank, cfg.beta
+    if moe:  # routed experts drift more per step: smaller steps, more capacity, softer anchor
+        lr, rank, beta = lr * 0.5, rank + 8, beta * 0.5
+    cfg = replace(
+        cfg,
+        lr=settings.lr or lr,
+        steps=settings.steps or cfg.steps,
+        rank=settings.rank or rank,
+        alpha=settings.rank or rank,
+        beta=beta if settings.beta is None else settings.beta,
+        seq_band=tuple(settings.seq_band) if settings.seq_band else cfg.seq_band,
+        max_tokens=settings.max_tokens,
+        micro_batch_tokens=settings.micro_batch_tokens,
+        seed=settings.seed,
+        device=settings.device,
+    )
+    return cfg

@@ -1,0 +1,35 @@
+"""What a training run consumes and what it returns: plain data, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    rating_id: int
+    prompt: list[dict]  # chat messages [{"role": ..., "content": ...}]
+    response: str
+    reward: float  # +1 good, -1 bad
+    behaviour_logprobs: list[float] | None = None  # per response token, recorded when our model answered
+    behaviour_token_ids: list[int] | None = None  # the tokens those log-probs belong to
+    # Set for a retraction: an already-trained rating that was undone or replaced. The run applies
+    # the opposite of the update it once made, with this advantage, instead of r - ema.
+    fixed_advantage: float | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    total: int
+    tokens_per_s: float
+    loss: float | None = None
+    phase: str = "training"  # loading | reference | training | saving
+
+
+@dataclass
+class RunResult:
+    metrics: dict[str, float | int | str]
+    advantages: dict[int, float] = field(default_factory=dict)  # rating_id -> advantage used
+    promoted_ok: bool = True  # the run's own sanity check (finite loss, KL under the limit)
+    reason: str | None = None
