@@ -1,0 +1,205 @@
+"""``rlfleet chat``: the terminal as a platform. It answers with the local model, captures each answer
+with its behaviour log-probs, and turns the key pressed after it into a rating event on the queue.
+
+Like every adapter it only translates: the worker decides what a rating does.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
+from rlfleet.shared.models import resolve_model
+from rlfleet.shared.queue import QueueHandle, open_queue
+
+HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
+HELP = (
+    "type a message and press enter · after each answer: [1] good  [2] bad  [c] comment  [enter] skip\n"
+    "commands: /rl good|bad [comment] · /rl undo · /rl status · /rl train · /rl rollback [v] · /new · /quit"
+)
+console = Console(highlight=False, soft_wrap=True)
+
+
+@dataclass
+class ChatState:
+    conversation: str
+    history: list[dict]
+    last_capture: str | None = None
+    last_progress: str | None = None
+
+
+def _read(prompt: str) -> str | None:
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def _progress_line(cfg: Config, handle: QueueHandle, slug: str) -> str | None:
+    from rlfleet.shared.status import training_state
+    from rlfleet.shared.store import Store
+
+    tr = training_state(Store(cfg.db_url), handle.redis, slug)
+    p = tr.get("progress")
+    if tr["state"] == "running" and p:
+        rate = f" · {p['tokens_per_s']:.0f} tok/s" if p["tokens_per_s"] else ""
+        return f"training {p.get('version') or ''}: {p['phase']} step {p['step']}/{p['total']}{rate}"
+    if tr["state"] == "queued":
+        return "training queued"
+    if tr["state"] == "failed" and tr.get("error"):
+        return f"last training run failed: {tr['error']}"
+    return None
+
+
+def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
+    from rlfleet.shared.cli import dispatch
+
+    return dispatch(handle, cfg, event)
+
+
+def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
+    state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[])
+    console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
+        f"adapter {responder.current_version()}" if responder.current_version() else "base model (no adapter yet)"))
+    console.print(f"[dim]{HELP}[/]")
+    while True:
+        line = _progress_line(cfg, handle, slug)
+        if line and line != state.last_progress:
+            console.print(f"[cyan]⟳ {line}[/]")
+        state.last_progress = line
+        text = _read("you> ")
+        if text is None or text.strip() in ("/quit", "/exit", "/q"):
+            break
+        text = text.strip()
+        if not text:
+            continue
+        if text == "/new":
+            state.history.clear()
+            console.print("[dim]new conversation[/]")
+            continue
+        if text.startswith("/rl"):
+            _command(text, state, cfg, handle)
+            continue
+        if text.startswith("/"):
+            console.print(f"[red]unknown command {text.split()[0]}[/] · {HELP}")
+            continue
+        switched = responder.refresh()
+        if switched:
+            console.print(f"[green]✓ now answering with adapter {switched}[/]")
+        messages = state.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
+        with console.status("thinking…"):
+            answer = responder.answer(messages)
+        console.print(f"[bold]ai>[/] {answer.text}")
+        state.history = messages + [{"role": "assistant", "content": answer.text}]
+        if not answer.text.strip():
+            console.print("[dim](empty answer: nothing to rate)[/]")
+            continue
+        cap = Capture(
+            source="cli", conversation=state.conversation, owner="local",
+            prompt=[Message(**m) for m in messages], response=answer.text, model=cfg.model,
+            adapter_version=answer.adapter_version, behaviour_logprobs=answer.logprobs,
+            behaviour_token_ids=answer.token_ids,
+        )
+        result = _dispatch(handle, cfg, cap)
+        if not result.get("ok"):
+            console.print(f"[red]not captured: {result.get('message')}[/]")
+            continue
+        state.last_capture = cap.capture_id
+        _ask_rating(state, cfg, handle)
+
+
+def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
+    comment: str | None = None
+    while True:
+        key = _read("[1] good  [2] bad  [c] comment  [enter] skip > ")
+        if key is None:
+            return
+        key = key.strip().lower()
+        if key == "":
+            return
+        if key == "c":
+            comment = _read("comment> ") or None
+            continue
+        if key in ("1", "2", "g", "b", "good", "bad"):
+            value = 1 if key in ("1", "g", "good") else -1
+            _rate(state, cfg, handle, value, comment, target=state.last_capture)
+            return
+        console.print("[dim]press 1, 2, c, or enter[/]")
+
+
+def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: int, comment: str | None,
+          target: str | None) -> None:
+    if target is None:
+        console.print("[yellow]nothing of yours to rate here yet[/]")
+        return
+    result = _dispatch(handle, cfg, Rating(target=target, value=value, comment=comment,
+                                           conversation=state.conversation))
+    _say(result)
+
+
+def _say(result: dict) -> None:
+    if result.get("ok"):
+        msg = result.get("message", "ok")
+        console.print(f"[dim]{msg}[/]")
+        if result.get("training"):
+            console.print(f"[cyan]⟳ {result['training']}[/]")
+    else:
+        console.print(f"[red]{result.get('message', 'failed')}[/]")
+
+
+def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:
+    parts = text.split(maxsplit=2)
+    verb = parts[1].lower() if len(parts) > 1 else "help"
+    rest = parts[2] if len(parts) > 2 else None
+    if verb in ("good", "bad"):
+        _rate(state, cfg, handle, 1 if verb == "good" else -1, rest, state.last_capture)
+    elif verb == "undo":
+        _say(_dispatch(handle, cfg, Undo()))
+    elif verb == "status":
+        from rlfleet.shared.cli import render_status, status_dict
+
+        console.print(render_status(status_dict(cfg, handle)))
+    elif verb in ("train", "rollback", "reset"):
+        args = {"version": rest} if verb == "rollback" else {}
+        _say(_dispatch(handle, cfg, Command(name=verb, args=args)))
+    else:
+        console.print(HELP)
+
+
+def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
+    """Open the queue, start the workers, load the model, chat; stop everything on the way out."""
+    from rlfleet.worker.runner import BackgroundWorkers
+
+    ref = resolve_model(cfg.model)
+    handle = open_queue(cfg)
+    workers = BackgroundWorkers(cfg) if start_workers else None
+    try:
+        if workers:
+            workers.start()
+        if responder is None:
+            from rlfleet.shared.models import pick_device
+            from rlfleet.shared.registry import AdapterRegistry
+            from rlfleet.shared.responder import LocalResponder
+
+            with console.status(f"loading {cfg.model}…"):
+                responder = LocalResponder(
+                    ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=pick_device(cfg.train.device),
+                    max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature,
+                    top_p=cfg.chat.top_p, system_prompt=cfg.chat.system_prompt,
+                )
+        chat_loop(cfg, handle, responder, ref.slug)
+    except RlfleetError:
+        raise
+    except KeyboardInterrupt:
+        console.print()
+    finally:
+        if workers:
+            with console.status("stopping workers…"):
+                workers.stop()
+        handle.close()
+        console.print("[dim]bye[/]")

@@ -1,0 +1,121 @@
+"""Adapter versions on disk: ``adapters/<model-slug>/vNNNN/`` plus a ``CURRENT`` pointer.
+
+Each version folder is a plain peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
+loadable by ``PeftModel.from_pretrained``) with our ``meta.json`` beside it, never inside the config.
+A version is written in a hidden staging folder and renamed into place, and ``CURRENT`` is replaced
+atomically, so a crash never leaves a half-written adapter active.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from .errors import NotFound
+
+_VERSION = re.compile(r"^v(\d{4,})$")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AdapterRegistry:
+    def __init__(self, root: Path, slug: str) -> None:
+        self.dir = Path(root) / slug
+
+    @property
+    def current_file(self) -> Path:
+        return self.dir / "CURRENT"
+
+    def versions(self) -> list[str]:
+        if not self.dir.is_dir():
+            return []
+        found = [p.name for p in self.dir.iterdir() if p.is_dir() and _VERSION.match(p.name)]
+        return sorted(found, key=lambda v: int(v[1:]))
+
+    def next_version(self) -> str:
+        taken = [int(v[1:]) for v in self.versions()]
+        return f"v{(max(taken) + 1 if taken else 1):04d}"
+
+    def path(self, version: str) -> Path:
+        if not _VERSION.match(version):
+            raise NotFound(f"{version!r} is not a version name (expected v0001, v0002, …)")
+        return self.dir / version
+
+    def exists(self, version: str) -> bool:
+        p = self.path(version)
+        return all((p / f).is_file() for f in ADAPTER_FILES)
+
+    def staging(self, version: str) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".staging-{version}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, staging: Path, version: str, meta: dict) -> Path:
+        """Write meta.json and move the staged adapter into place (atomic on one filesystem)."""
+        missing = [f for f in ADAPTER_FILES if not (staging / f).is_file()]
+        if missing:
+            raise RuntimeError(f"adapter for {version} is incomplete: missing {', '.join(missing)}")
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+        for f in staging.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        final = self.path(version)
+        os.rename(staging, final)
+        _fsync_dir(self.dir)
+        return final
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def meta(self, version: str) -> dict:
+        p = self.path(version) / "meta.json"
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def current(self) -> str | None:
+        try:
+            name = self.current_file.read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        return name if _VERSION.match(name) and self.exists(name) else None
+
+    def set_current(self, version: str | None) -> None:
+        if version is None:
+            self.current_file.unlink(missing_ok=True)
+            return
+        if not self.exists(version):
+            raise NotFound(f"adapter version {version} does not exist")
+        tmp = self.dir / f".CURRENT.{os.getpid()}"
+        tmp.write_text(version + "\n", encoding="utf-8")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.current_file)
+        _fsync_dir(self.dir)
+
+    def clean_staging(self) -> int:
+        """Remove staging folders left by a crashed run; returns how many."""
+        if not self.dir.is_dir():
+            return 0
+        stale = [p for p in self.dir.iterdir() if p.name.startswith(".staging-")]
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        return len(stale)

@@ -1,0 +1,335 @@
+"""The local responder: answers chat messages with the base model plus the current LoRA adapter.
+
+``<data>/adapters/<slug>/`` holds one folder per trained version (``v0001/``: a PEFT adapter) and a
+text file ``CURRENT`` that names the active one. No ``CURRENT`` (or an unusable one) means the base
+model. :meth:`LocalResponder.answer` picks up a changed ``CURRENT`` before every answer (hot swap, no
+restart) and records, with every answer, the raw log-probabilities of the generated tokens: the
+behaviour policy is the model itself at temperature 1 without top-p, computed by one fp32 forward pass
+over prompt + answer, i.e. the same quantity the trainer computes (see DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .models import ModelRef, load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+CURRENT_FILE = "CURRENT"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# A version name is a plain folder name: no separators, no dots (peft adapter names become
+# torch ModuleDict keys, which must not contain '.').
+_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_MAX_CURRENT_BYTES = 256
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str  # decoded without special tokens, stripped
+    token_ids: list[int]  # generated ids, including the end token when one was generated
+    logprobs: list[float]  # raw log p(token) under the answering policy (fp32, temperature 1, no top-p)
+    adapter_version: str | None  # None = the base model
+    model: str  # the model spec
+    seconds: float
+    new_tokens: int
+
+
+class LocalResponder:
+    """Base model + hot-swapped LoRA adapter, in process (transformers + peft). Thread-safe."""
+
+    def __init__(
+        self,
+        ref: ModelRef,
+        adapters_dir: Path,
+        device: str = "cpu",
+        max_new_tokens: int = 200,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        system_prompt: str | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        self.ref = ref
+        self.adapters_dir = Path(adapters_dir)
+        self.device = device
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.system_prompt = system_prompt
+
+        self._lock = threading.RLock()
+        self.tokenizer = load_tokenizer(ref)
+        self._base = load_model(ref, device=device)
+        self._peft: Any = None  # PeftModel wrapping self._base while an adapter is loaded
+        self._active: str | None = None  # adapter version in use; None = base
+        self._key: tuple | None = None  # identity of what is loaded (version, weights stat)
+        self._failed_key: tuple | None = None  # a state that failed to load: not retried until it changes
+        self._warned: str | None = None  # last warning about CURRENT, so it is logged once, not per answer
+        self._eos_ids = self._end_token_ids()
+        self.refresh()
+
+    # ------------------------------------------------------------------ adapter selection
+
+    @property
+    def active_version(self) -> str | None:
+        """The adapter version answers come from now (None = base); changes only in refresh()."""
+        return self._active
+
+    @property
+    def model(self) -> Any:
+        """The module that generates: the PeftModel while an adapter is active, else the base."""
+        return self._peft if self._peft is not None else self._base
+
+    def current_version(self) -> str | None:
+        """The version that ``CURRENT`` names, or None: file missing, empty, unreadable, not a
+        plain name, or naming a folder that does not exist (the last two are logged as warnings)."""
+        path = self.adapters_dir / CURRENT_FILE
+        try:
+            with path.open("rb") as fh:
+                raw = fh.read(_MAX_CURRENT_BYTES + 1)
+        except FileNotFoundError:
+            self._warned = None
+            return None
+        except OSError as exc:
+            self._warn(f"cannot read {path}: {exc}; answering with the base model")
+            return None
+        if len(raw) > _MAX_CURRENT_BYTES:
+            self._warn(f"{path} is not a version name (too long); answering with the base model")
+            return None
+        try:
+            name = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            self._warn(f"{path} is not a version name (not text); answering with the base model")
+            return None
+        if not name:
+            self._warned = None
+            return None
+        if not _VERSION_NAME.match(name):
+            self._warn(f"{path} holds {name[:40]!r}, not a version name; answering with the base model")
+            return None
+        if not (self.adapters_dir / name).is_dir():
+            self._warn(f"{path} names {name}, but {self.adapters_dir / name} does not exist; "
+                       "answering with the base model")
+            return None
+        self._warned = None
+        return name
+
+    def refresh(self) -> str | None:
+        """Load the adapter ``CURRENT`` names if that changed since the last load.
+
+        Returns the version now in use when it switched to an adapter, else None (also when it
+        switched back to the base: compare :attr:`active_version` before and after to see that).
+        Cheap when nothing changed: reads ``CURRENT`` and stats two paths. A version that fails to
+        load is logged once; the previous one keeps answering until ``CURRENT`` or its files change.
+        """
+        with self._lock:
+            version = self.current_version()
+            key = self._state_key(version)
+            if key == self._key or key == self._failed_key:
+                return None
+            try:
+                self._switch(version)
+            except Exception as exc:  # a broken adapter must not take the chat down
+                self._failed_key = key
+                still = f"version {self._active}" if self._active else "the base model"
+                log.warning("cannot load adapter %s from %s (%s: %s); still answering with %s",
+                            version, self.adapters_dir, type(exc).__name__, exc, still)
+                return None
+            self._key, self._failed_key = key, None
+            if version is None:
+                log.info("answering with the base model of %s", self.ref.spec)
+                return None
+            log.info("answering with adapter %s of %s", version, self.ref.spec)
+            return version
+
+    def _state_key(self, version: str | None) -> tuple | None:
+        if version is None:
+            return None
+        folder = self.adapters_dir / version
+        for name in ADAPTER_WEIGHTS:
+            try:
+                st = (folder / name).stat()
+            except OSError:
+                continue
+            return (version, name, st.st_mtime_ns, st.st_size)
+        return (version, None, None, None)
+
+    def _switch(self, version: str | None) -> None:
+        if version is None:
+            if self._peft is not None:
+                self._base = self._peft.unload()  # removes the LoRA layers in place; the base is intact
+                self._peft = None
+            self._active = None
+            return
+
+        folder = self.adapters_dir / version
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise FileNotFoundError(f"{folder / ADAPTER_CONFIG} is missing")
+        if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+            raise FileNotFoundError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+
+        if self._peft is not None and version in self._peft.peft_config:
+            # The same name with new files (e.g. a lineage reset reused it): start over from the base.
+            self._base = self._peft.unload()
+            self._peft, self._active, self._key = None, None, None
+
+        from peft import PeftModel  # imported late: costs seconds, and the base model needs none
+
+        with _quiet_peft():
+            if self._peft is None:
+                try:
+                    self._peft = PeftModel.from_pretrained(
+                        self._base, str(folder), adapter_name=version, is_trainable=False,
+                        torch_device=self.device,
+                    )
+                except Exception:
+                    self._repair_base()
+                    raise
+            else:
+                old = self._active
+                try:
+                    self._peft.load_adapter(str(folder), adapter_name=version, is_trainable=False,
+                                            torch_device=self.device)
+                except Exception:
+                    if version in self._peft.peft_config:
+                        self._peft.delete_adapter(version)
+                    raise
+                self._peft.set_adapter(version)
+                if old is not None and old != version and old in self._peft.peft_config:
+                    self._peft.delete_adapter(old)
+        self._peft.eval()
+        self._active = version
+
+    def _repair_base(self) -> None:
+        """PeftModel.from_pretrained injects LoRA layers into the base before loading weights; if
+        loading then failed, those layers stay behind. Reload a clean base in that case."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if any(isinstance(m, BaseTunerLayer) for m in self._base.modules()):
+            log.warning("reloading %s after a failed adapter load", self.ref.spec)
+            self._base = load_model(self.ref, device=self.device)
+
+    # ------------------------------------------------------------------ answering
+
+    def answer(self, messages: list[dict], seed: int | None = None) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version."""
+        import torch
+
+        with self._lock:
+            t0 = time.perf_counter()
+            self.refresh()
+            msgs = [dict(m) for m in messages]
+            if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
+                msgs.insert(0, {"role": "system", "content": self.system_prompt})
+            enc = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+            )
+            prompt = enc["input_ids"].to(self.device)
+            mask = enc.get("attention_mask")
+            mask = torch.ones_like(prompt) if mask is None else mask.to(self.device)
+            model = self.model
+            with torch.inference_mode(), _seeded(seed, self.device):
+                out = model.generate(input_ids=prompt, attention_mask=mask,
+                                     generation_config=self._generation_config(model))
+                new = self._cut_at_end(out[0, prompt.shape[1]:])
+                logprobs = token_logprobs(model, prompt[0], new)
+            ids = new.tolist()
+            text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+            return Answer(
+                text=text, token_ids=ids, logprobs=logprobs, adapter_version=self._active,
+                model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids),
+            )
+
+    def _end_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for source in (self.tokenizer.eos_token_id, getattr(self._base.generation_config, "eos_token_id", None)):
+            for i in source if isinstance(source, (list, tuple)) else [source]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        if not ids:
+            raise ValueError(f"{self.ref.spec} defines no end token")
+        return ids
+
+    def _generation_config(self, model: Any) -> Any:
+        gc = copy.deepcopy(model.generation_config)
+        gc.max_new_tokens = self.max_new_tokens
+        gc.eos_token_id = self._eos_ids
+        if gc.pad_token_id is None:
+            gc.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+                else self._eos_ids[0]
+        gc.num_beams = 1
+        # Sample with exactly temperature/top-p: no top-k or penalties from the model's defaults (the
+        # recorded log-probs are raw either way, but answers should follow the settings). Explicit
+        # no-op values, not None: generate() fills None fields from model.generation_config.
+        gc.top_k = 0
+        gc.repetition_penalty = 1.0
+        if self.temperature > 0:
+            gc.do_sample, gc.temperature, gc.top_p = True, float(self.temperature), float(self.top_p)
+        else:
+            gc.do_sample, gc.temperature, gc.top_p = False, 1.0, 1.0
+        return gc
+
+    def _cut_at_end(self, new: Any) -> Any:
+        import torch
+
+        is_end = torch.isin(new, torch.tensor(self._eos_ids, device=new.device))
+        if bool(is_end.any()):
+            first = int(is_end.nonzero()[0, 0])
+            return new[: first + 1]  # keep the end token: it carries the length signal
+        return new
+
+
+def token_logprobs(model: Any, prompt_ids: Any, new_ids: Any) -> list[float]:
+    """Raw log p(new_ids[t] | prompt, new_ids[:t]) under ``model``: one forward pass, fp32 log-softmax,
+    logits computed only on the answer positions."""
+    import torch
+
+    n = int(new_ids.numel())
+    if n == 0:
+        return []
+    full = torch.cat([prompt_ids, new_ids]).unsqueeze(0)[:, :-1]
+    with torch.inference_mode():
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False,
+                       logits_to_keep=n).logits[0, -n:]
+        lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, new_ids.view(-1, 1)).squeeze(-1)
+    return lp.tolist()
+
+
+@contextmanager
+def _seeded(seed: int | None, device: str) -> Iterator[None]:
+    """Seed sampling for one answer without disturbing the process-wide RNG state."""
+    if seed is None:
+        yield
+        return
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        devices, device_type = [], "cuda"
+    else:
+        devices, device_type = [dev.index or 0], dev.type
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    # peft 0.21 calls a transformers 5 method deprecated in favour of is_activation_checkpointing.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield

@@ -1,0 +1,88 @@
+"""``rlfleet status``: one dict, a stable contract (documented in the README), built from the store,
+the adapter registry and Redis; the worker also publishes it to a Redis key for bots to read."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from rq import Queue, Worker
+
+from .config import Config
+from .queue import EVENTS_QUEUE, TRAIN_QUEUE, progress_key, status_key, train_lock_key
+from .registry import AdapterRegistry
+from .store import Store
+
+
+def _iso(dt) -> str | None:
+    return dt.isoformat() if dt is not None else None
+
+
+def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:
+    run = store.latest_run(slug)
+    out: dict = {"state": "idle", "error": None, "run_id": None, "progress": None}
+    if run is None:
+        return out
+    out["run_id"] = run.id
+    if run.state in ("queued", "running"):
+        alive = conn is None or conn.exists(train_lock_key(slug))
+        if alive:
+            out["state"] = run.state
+        else:  # its worker died and nothing holds the run: say so instead of "running" forever
+            out["state"], out["error"] = "failed", "the training worker stopped during the run"
+    elif run.state in ("failed", "rejected"):
+        out["state"], out["error"] = "failed", run.error
+    if conn is not None and out["state"] == "running":
+        raw = conn.hgetall(progress_key(slug))
+        if raw:
+            p = {k.decode(): v.decode() for k, v in raw.items()}
+            out["progress"] = {
+                "phase": p.get("phase"),
+                "step": int(p.get("step", 0)),
+                "total": int(p.get("total", 0)),
+                "tokens_per_s": float(p.get("tokens_per_s", 0)),
+                "version": p.get("version"),
+            }
+    return out
+
+
+def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str) -> dict:
+    counts = store.counts(slug)
+    ema, lineage = store.baseline(slug)
+    registry = AdapterRegistry(cfg.adapters_root, slug)
+    versions = [
+        {
+            "version": v.version,
+            "status": v.status,
+            "created": _iso(v.created),
+            "parent": v.parent,
+            "metrics": v.metrics or {},
+        }
+        for v in store.versions(slug)
+    ]
+    queue = {"events": 0, "train": 0}
+    workers = 0
+    if conn is not None:
+        queue = {
+            "events": Queue(EVENTS_QUEUE, connection=conn).count,
+            "train": Queue(TRAIN_QUEUE, connection=conn).count,
+        }
+        workers = len(Worker.all(connection=conn))
+    return {
+        "model": cfg.model,
+        "model_slug": slug,
+        "ratings": {"total": counts.total, "good": counts.good, "bad": counts.bad, "pending": counts.pending},
+        "threshold": cfg.train.threshold,
+        "preset": cfg.train.preset,
+        "ema": ema if ema is not None else 0.0,
+        "ema_seeded": ema is not None,
+        "lineage": lineage,
+        "adapter": {"current": registry.current(), "versions": versions},
+        "training": training_state(store, conn, slug),
+        "queue": queue,
+        "workers": workers,
+    }
+
+
+def publish_snapshot(cfg: Config, store: Store, conn: redis.Redis, slug: str) -> None:
+    conn.set(status_key(slug), json.dumps(build_status(cfg, store, conn, slug)), ex=24 * 3600)

@@ -1,0 +1,426 @@
+"""The store: every state change a worker makes, each in one transaction with its idempotency record.
+
+SQLite (WAL) by default, PostgreSQL by ``DATABASE_URL``. The schema is migrated with Alembic on open.
+Functions here take typed events and return small result dataclasses; nothing here knows about Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from .errors import BadInput, ConfigError, NotFound
+from .events import Capture, Rating, Undo
+from .permissions import may_rate
+from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+_ENGINES: dict[str, Engine] = {}
+
+
+def _utc(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def _engine(url: str) -> Engine:
+    if url in _ENGINES:
+        return _ENGINES[url]
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        engine = create_engine(url, future=True, pool_pre_ping=True)
+    except Exception as exc:  # bad URL or missing driver: one line with the fix
+        raise ConfigError(f"cannot use DATABASE_URL: {exc}") from None
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # WAL lets readers (status) run beside the writer (worker)
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=10000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+    _ENGINES[url] = engine
+    return engine
+
+
+def migrate(engine: Engine) -> None:
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a job did, returned to whoever enqueued it (the CLI prints ``message``)."""
+
+    ok: bool
+    message: str
+    duplicate: bool = False
+    capture_id: str | None = None
+    rating_id: int | None = None
+    value: int | None = None
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int
+    good: int
+    bad: int
+    pending: int
+
+
+class Store:
+    def __init__(self, url: str, *, migrate_schema: bool = True) -> None:
+        self.url = url
+        self.engine = _engine(url)
+        if migrate_schema:
+            try:
+                migrate(self.engine)
+            except IntegrityError:
+                pass  # another process migrated at the same moment
+            except Exception as exc:
+                if "OperationalError" in type(exc).__name__ or "connect" in str(exc).lower():
+                    raise ConfigError(f"cannot reach the database ({_redact(url)}): {_first(exc)}") from None
+                raise
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions.begin() as s:
+            yield s
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def _claim(self, s: Session, event_id: str, kind: str) -> bool:
+        """Record the event; False if it was applied before (the repeat is then ignored)."""
+        if s.get(ProcessedEvent, event_id) is not None:
+            return False
+        s.add(ProcessedEvent(event_id=event_id, kind=kind))
+        s.flush()
+        return True
+
+    def apply_capture(self, ev: Capture) -> Applied:
+        try:
+            with self.session() as s:
+                if not self._claim(s, ev.event_id, "capture"):
+                    return Applied(True, "already recorded", duplicate=True, capture_id=ev.capture_id)
+                if s.get(CaptureRow, ev.capture_id) is not None:
+                    raise BadInput(f"capture id {ev.capture_id} is already taken")
+                s.add(
+                    CaptureRow(
+                        id=ev.capture_id,
+                        event_id=ev.event_id,
+                        source=ev.source,
+                        conversation=ev.conversation,
+                        message_ref=ev.message_ref,
+                        owner=ev.owner,
+                        prompt=[m.model_dump() for m in ev.prompt],
+                        response=ev.response,
+                        model=ev.model,
+                        adapter_version=ev.adapter_version,
+                        behaviour_logprobs=ev.behaviour_logprobs,
+                        behaviour_token_ids=ev.behaviour_token_ids,
+                        created=_utc(ev.ts),
+                    )
+                )
+        except IntegrityError:  # a concurrent worker applied the same event
+            return Applied(True, "already recorded", duplicate=True, capture_id=ev.capture_id)
+        return Applied(True, f"captured {ev.capture_id}", capture_id=ev.capture_id)
+
+    def _resolve_target(self, s: Session, ev: Rating) -> CaptureRow:
+        if ev.target == "last":
+            q = select(CaptureRow).where(CaptureRow.owner == ev.actor)
+            if ev.conversation:
+                q = q.where(CaptureRow.conversation == ev.conversation)
+            row = s.scalars(q.order_by(CaptureRow.created.desc(), CaptureRow.id.desc()).limit(1)).first()
+            if row is None:
+                raise NotFound("nothing of yours to rate here: no captured answer yet")
+            return row
+        row = s.get(CaptureRow, ev.target)
+        if row is None:
+            q = select(CaptureRow).where(CaptureRow.message_ref == ev.target)
+            if ev.conversation:
+                q = q.where(CaptureRow.conversation == ev.conversation)
+            row = s.scalars(q.order_by(CaptureRow.created.desc()).limit(1)).first()
+        if row is None:
+            raise NotFound(f"no captured answer with id or message ref {ev.target!r}")
+        return row
+
+    def apply_rating(
+        self, ev: Rating, train_model: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
+    ) -> Applied:
+        try:
+            with self.session() as s:
+                if not self._claim(s, ev.event_id, "rating"):
+                    return Applied(True, "already recorded", duplicate=True)
+                cap = self._resolve_target(s, ev)
+                if not may_rate(ev.actor, cap.owner, raters, admins):
+                    raise NotFound("nothing of yours to rate here")
+                current = s.scalars(
+                    select(RatingRow).where(RatingRow.capture_id == cap.id, RatingRow.state == "active")
+                ).first()
+                now = datetime.now(timezone.utc)
+                if current is not None and current.value == ev.value and current.comment == ev.comment:
+                    return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id,
+                                   value=ev.value)
+                if current is not None:
+                    current.state = "replaced"
+                    current.changed = now
+                row = RatingRow(
+                    event_id=ev.event_id,
+                    capture_id=cap.id,
+                    train_model=train_model,
+                    actor=ev.actor,
+                    source=ev.source,
+                    value=ev.value,
+                    comment=ev.comment,
+                    state="active",
+                    adapter_version=cap.adapter_version,
+                    created=now,
+                    changed=now,
+                )
+                s.add(row)
+                s.flush()
+                word = "good" if ev.value > 0 else "bad"
+                verb = "re-rated" if current is not None else "rated"
+                return Applied(True, f"{verb} {word}: {_preview(cap.response)}", capture_id=cap.id,
+                               rating_id=row.id, value=ev.value)
+        except IntegrityError:
+            return Applied(True, "already recorded", duplicate=True)
+
+    def apply_undo(self, ev: Undo) -> Applied:
+        try:
+            with self.session() as s:
+                if not self._claim(s, ev.event_id, "undo"):
+                    return Applied(True, "already recorded", duplicate=True)
+                row = s.scalars(
+                    select(RatingRow)
+                    .where(RatingRow.actor == ev.actor, RatingRow.state == "active")
+                    .order_by(RatingRow.created.desc(), RatingRow.id.desc())
+                    .limit(1)
+                ).first()
+                if row is None:
+                    raise NotFound("nothing of yours to undo")
+                row.state = "undone"
+                row.changed = datetime.now(timezone.utc)
+                word = "good" if row.value > 0 else "bad"
+                return Applied(True, f"undid your {word} rating", capture_id=row.capture_id, rating_id=row.id,
+                               value=row.value)
+        except IntegrityError:
+            return Applied(True, "already recorded", duplicate=True)
+
+    def mark_processed(self, event_id: str, kind: str) -> bool:
+        try:
+            with self.session() as s:
+                return self._claim(s, event_id, kind)
+        except IntegrityError:
+            return False
+
+    # ---- training data ------------------------------------------------------------------------
+
+    @staticmethod
+    def _pending_clause(model: str):
+        fresh = (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+        # trained, then undone or replaced, and not yet retracted: the next run undoes its effect
+        retract = (
+            RatingRow.state.in_(("undone", "replaced"))
+            & RatingRow.run_id.is_not(None)
+            & RatingRow.retract_run_id.is_(None)
+        )
+        return (RatingRow.train_model == model) & or_(fresh, retract)
+
+    def pending_count(self, model: str) -> int:
+        with self.session() as s:
+            return s.scalar(
+                select(func.count()).select_from(RatingRow).where(
+                    (RatingRow.train_model == model) & (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+                )
+            ) or 0
+
+    def pending_ratings(self, model: str, cap: int) -> list[tuple[RatingRow, CaptureRow]]:
+        with self.session() as s:
+            rows = s.execute(
+                select(RatingRow, CaptureRow)
+                .join(CaptureRow, CaptureRow.id == RatingRow.capture_id)
+                .where(self._pending_clause(model))
+                .order_by(RatingRow.created, RatingRow.id)
+                .limit(cap)
+            ).all()
+            return [(r, c) for r, c in rows]
+
+    def counts(self, model: str) -> Counts:
+        with self.session() as s:
+            active = (RatingRow.train_model == model) & (RatingRow.state == "active")
+            good = s.scalar(select(func.count()).where(active & (RatingRow.value > 0))) or 0
+            bad = s.scalar(select(func.count()).where(active & (RatingRow.value < 0))) or 0
+        return Counts(total=good + bad, good=good, bad=bad, pending=self.pending_count(model))
+
+    # ---- runs, versions, baseline --------------------------------------------------------------
+
+    def create_run(self, model: str) -> int:
+        with self.session() as s:
+            lineage = self._baseline(s, model).lineage
+            run = TrainRun(model=model, state="queued", lineage=lineage)
+            s.add(run)
+            s.flush()
+            return run.id
+
+    def get_run(self, run_id: int) -> TrainRun | None:
+        with self.session() as s:
+            return s.get(TrainRun, run_id)
+
+    def latest_run(self, model: str) -> TrainRun | None:
+        with self.session() as s:
+            return s.scalars(
+                select(TrainRun).where(TrainRun.model == model).order_by(TrainRun.id.desc()).limit(1)
+            ).first()
+
+    def start_run(self, run_id: int, parent: str | None) -> None:
+        with self.session() as s:
+            run = s.get(TrainRun, run_id)
+            if run is None:
+                raise NotFound(f"no training run {run_id}")
+            run.state, run.parent, run.started, run.error = "running", parent, datetime.now(timezone.utc), None
+
+    def fail_run(self, run_id: int, error: str, state: str = "failed") -> None:
+        with self.session() as s:
+            run = s.get(TrainRun, run_id)
+            if run is not None:
+                run.state, run.error, run.finished = state, error[:2000], datetime.now(timezone.utc)
+
+    def finish_run(
+        self,
+        run_id: int,
+        *,
+        model: str,
+        version: str,
+        parent: str | None,
+        metrics: dict,
+        advantages: dict[int, float],
+        retracted: list[int],
+        new_ema: float,
+        promote: bool,
+        reason: str | None = None,
+    ) -> str:
+        """Record a finished run atomically. Returns the version's status (active | rejected | stale)."""
+        now = datetime.now(timezone.utc)
+        with self.session() as s:
+            run = s.get(TrainRun, run_id)
+            if run is None:
+                raise NotFound(f"no training run {run_id}")
+            base = self._baseline(s, model)
+            stale = base.lineage != run.lineage  # a reset happened while this run trained
+            status = "stale" if stale else ("active" if promote else "rejected")
+            if status == "active":
+                s.execute(
+                    update(AdapterVersion)
+                    .where(AdapterVersion.model == model, AdapterVersion.status == "active")
+                    .values(status="candidate")
+                )
+            s.add(
+                AdapterVersion(
+                    model=model, version=version, status=status, parent=parent, run_id=run_id,
+                    lineage=run.lineage, metrics=metrics, created=now,
+                )
+            )
+            run.version, run.metrics, run.finished = version, metrics, now
+            run.state = {"active": "succeeded", "rejected": "rejected", "stale": "stale"}[status]
+            run.error = reason if status != "active" else None
+            if status == "active":
+                # The ratings are consumed only by a promoted run; otherwise they stay pending.
+                for rid, adv in advantages.items():
+                    s.execute(update(RatingRow).where(RatingRow.id == rid).values(run_id=run_id, advantage=adv))
+                if retracted:
+                    s.execute(update(RatingRow).where(RatingRow.id.in_(retracted)).values(retract_run_id=run_id))
+                base.ema = new_ema
+                base.count += len(advantages)
+            return status
+
+    def _baseline(self, s: Session, model: str) -> Baseline:
+        base = s.get(Baseline, model)
+        if base is None:
+            base = Baseline(model=model, ema=None, count=0, lineage=0)
+            s.add(base)
+            s.flush()
+        return base
+
+    def baseline(self, model: str) -> tuple[float | None, int]:
+        with self.session() as s:
+            b = self._baseline(s, model)
+            return b.ema, b.lineage
+
+    def versions(self, model: str) -> list[AdapterVersion]:
+        with self.session() as s:
+            return list(
+                s.scalars(select(AdapterVersion).where(AdapterVersion.model == model).order_by(AdapterVersion.id))
+            )
+
+    def set_active(self, model: str, version: str | None, demoted_status: str = "rolled_back") -> None:
+        """Make ``version`` active (None: the base); the one it replaces gets ``demoted_status``."""
+        with self.session() as s:
+            s.execute(
+                update(AdapterVersion)
+                .where(AdapterVersion.model == model, AdapterVersion.status == "active")
+                .values(status=demoted_status)
+            )
+            if version is not None:
+                s.execute(
+                    update(AdapterVersion)
+                    .where(AdapterVersion.model == model, AdapterVersion.version == version)
+                    .values(status="active")
+                )
+
+    def reset(self, model: str, purge_ratings: bool) -> int:
+        """Start a fresh lineage: versions become stale, the EMA restarts. Returns purged rating count."""
+        with self.session() as s:
+            base = self._baseline(s, model)
+            base.lineage += 1
+            base.ema, base.count = None, 0
+            s.execute(update(AdapterVersion).where(AdapterVersion.model == model).values(status="stale"))
+            purged = 0
+            if purge_ratings:
+                ids = list(s.scalars(select(RatingRow.id).where(RatingRow.train_model == model)))
+                purged = len(ids)
+                if ids:
+                    s.execute(RatingRow.__table__.delete().where(RatingRow.id.in_(ids)))
+            else:
+                # Trained ratings belong to the old lineage: nothing to retract from a fresh base.
+                s.execute(
+                    update(RatingRow)
+                    .where(RatingRow.train_model == model, RatingRow.run_id.is_not(None),
+                           RatingRow.retract_run_id.is_(None), RatingRow.state != "active")
+                    .values(retract_run_id=RatingRow.run_id)
+                )
+            return purged
+
+
+def _preview(text: str, n: int = 60) -> str:
+    one = " ".join(text.split())
+    return one if len(one) <= n else one[: n - 1] + "…"
+
+
+def _first(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

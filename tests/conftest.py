@@ -1,0 +1,121 @@
+"""Shared fixtures: a fresh data dir, a real Redis (the machine's, or an embedded one), real databases.
+
+Each test gets its own Redis DB number flushed before use and its own data dir, so tests run in
+any order. PostgreSQL legs are skipped with a visible reason only when no server answers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+sys.path.insert(0, str(Path(__file__).parent))  # tinymodel.py
+
+PG_ADMIN_URL = os.environ.get("RLFLEET_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_BASE = os.environ.get("RLFLEET_TEST_REDIS", "redis://127.0.0.1:6379")
+TEST_DB = 13  # a DB number of our own on the shared server, flushed per test
+
+
+def _redis_up(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    """The machine's Redis if it answers, else an embedded server for the whole session."""
+    url = f"{REDIS_BASE}/{TEST_DB}"
+    if _redis_up(url):
+        yield url
+        return
+    from rlfleet.shared.embedded_redis import EmbeddedRedis
+
+    emb = EmbeddedRedis(tmp_path_factory.mktemp("redis-home"))
+    emb.acquire()
+    try:
+        yield emb.url
+    finally:
+        emb.release()
+
+
+@pytest.fixture
+def rconn(redis_url) -> redis.Redis:
+    conn = redis.Redis.from_url(redis_url)
+    conn.flushdb()
+    yield conn
+    conn.flushdb()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A fresh data dir; env as a new user has it (no REDIS_URL unless a test sets one)."""
+    h = tmp_path / "rlfleet-home"
+    h.mkdir()
+    monkeypatch.setenv("RLFLEET_HOME", str(h))
+    for var in ("REDIS_URL", "DATABASE_URL", "RLFLEET_MODEL", "RLFLEET_THRESHOLD", "RLFLEET_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    import rlfleet.worker.jobs as jobs
+
+    monkeypatch.setattr(jobs, "_CTX", None)
+    return h
+
+
+@pytest.fixture
+def queued_home(home, rconn, redis_url, monkeypatch) -> Path:
+    """A data dir wired to the test Redis through REDIS_URL."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    return home
+
+
+def _pg_available() -> bool:
+    try:
+        import sqlalchemy as sa
+
+        eng = sa.create_engine(PG_ADMIN_URL, connect_args={"connect_timeout": 2})
+        with eng.connect():
+            pass
+        eng.dispose()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'rlfleet.db'}"
+        return
+    if not _pg_available():
+        pytest.skip(f"no PostgreSQL answers at {PG_ADMIN_URL}")
+    import sqlalchemy as sa
+
+    name = f"rlfleet_t_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        yield url
+    finally:
+        from rlfleet.shared import store as store_mod
+
+        eng = store_mod._ENGINES.pop(url, None)
+        if eng is not None:
+            eng.dispose()
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -1,0 +1,52 @@
+"""Events are validated at the edge: malformed input is refused with one clear line."""
+
+import json
+
+import pytest
+
+from rlfleet.shared.errors import BadInput
+from rlfleet.shared.events import Capture, Rating, parse_event
+
+
+def _capture(**kw):
+    base = {"type": "capture", "prompt": [{"role": "user", "content": "hi"}], "response": "hello", "model": "m"}
+    base.update(kw)
+    return base
+
+
+def test_round_trip_through_json_keeps_every_field():
+    cap = Capture(prompt=[{"role": "user", "content": "hi"}], response="yo", model="m", behaviour_logprobs=[-0.5])
+    back = parse_event(cap.model_dump_json())
+    assert back == cap
+
+
+def test_rating_value_must_be_plus_or_minus_one():
+    with pytest.raises(BadInput, match="value"):
+        parse_event({"type": "rating", "value": 3})
+
+
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        (b"{not json", "invalid event"),
+        (json.dumps({"type": "nope"}).encode(), "type"),
+        (json.dumps(_capture(response="   ")).encode(), "response is empty"),
+        (json.dumps(_capture(prompt=[])).encode(), "prompt"),
+        (json.dumps(_capture(prompt=[{"role": "user", "content": "x" * 10_000_000}])).encode(), "limit"),
+        (json.dumps(_capture(extra_field=1)).encode(), "extra"),
+        (json.dumps(_capture(response="a\x00b")).encode(), "NUL"),
+        (_capture(response="\ud800"), "UTF-8"),  # a lone surrogate from a bad decode
+        (json.dumps(_capture(response="\ud800")).encode(), "invalid"),
+        (json.dumps({"type": "command", "name": "format-disk"}).encode(), "name"),
+    ],
+)
+def test_bad_input_is_one_clear_line(payload, fragment):
+    with pytest.raises(BadInput) as info:
+        parse_event(payload)
+    msg = str(info.value)
+    assert "\n" not in msg and fragment.lower() in msg.lower()
+
+
+def test_event_id_is_unique_per_event():
+    a, b = Rating(value=1), Rating(value=1)
+    assert a.event_id != b.event_id

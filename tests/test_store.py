@@ -1,0 +1,123 @@
+"""The store on SQLite and PostgreSQL: idempotent events, rating rules, pending accounting."""
+
+import pytest
+
+from rlfleet.shared.errors import NotFound
+from rlfleet.shared.events import Capture, Rating, Undo
+from rlfleet.shared.store import Store
+
+MODEL = "tiny"
+
+
+@pytest.fixture
+def store(db_url):
+    return Store(db_url)
+
+
+def cap(text="answer", owner="local", ref=None, conv="c1"):
+    return Capture(prompt=[{"role": "user", "content": "q " + text}], response=text, model="m", owner=owner,
+                   message_ref=ref, conversation=conv)
+
+
+def test_capture_and_rating_are_idempotent_on_event_id(store):
+    c = cap()
+    assert store.apply_capture(c).ok
+    again = store.apply_capture(c)
+    assert again.duplicate
+    r = Rating(value=1, target=c.capture_id)
+    first = store.apply_rating(r, MODEL)
+    assert first.ok and not first.duplicate
+    assert store.apply_rating(r, MODEL).duplicate
+    assert store.counts(MODEL).total == 1
+
+
+def test_rating_last_uses_the_actors_latest_capture(store):
+    a, b = cap("first"), cap("second")
+    store.apply_capture(a)
+    store.apply_capture(b)
+    res = store.apply_rating(Rating(value=-1), MODEL)
+    assert res.capture_id == b.capture_id
+
+
+def test_rating_by_message_ref(store):
+    c = cap(ref="slack:123.456")
+    store.apply_capture(c)
+    assert store.apply_rating(Rating(value=1, target="slack:123.456"), MODEL).capture_id == c.capture_id
+
+
+def test_unknown_target_changes_nothing(store):
+    with pytest.raises(NotFound):
+        store.apply_rating(Rating(value=1, target="no-such-ref"), MODEL)
+    assert store.counts(MODEL).total == 0
+
+
+def test_other_peoples_answers_are_not_rateable_unless_allowlisted(store):
+    c = cap(owner="alice")
+    store.apply_capture(c)
+    with pytest.raises(NotFound, match="nothing of yours"):
+        store.apply_rating(Rating(value=1, target=c.capture_id, actor="mallory"), MODEL)
+    ok = store.apply_rating(Rating(value=1, target=c.capture_id, actor="bob"), MODEL, raters=frozenset({"bob"}))
+    assert ok.ok
+
+
+def test_rerating_replaces_and_undo_removes(store):
+    c = cap()
+    store.apply_capture(c)
+    store.apply_rating(Rating(value=1, target=c.capture_id), MODEL)
+    store.apply_rating(Rating(value=-1, target=c.capture_id), MODEL)
+    counts = store.counts(MODEL)
+    assert (counts.total, counts.good, counts.bad, counts.pending) == (1, 0, 1, 1)
+    undone = store.apply_undo(Undo())
+    assert undone.ok and undone.value == -1
+    assert store.counts(MODEL).total == 0
+    with pytest.raises(NotFound):
+        store.apply_undo(Undo())
+
+
+def test_trained_then_undone_rating_comes_back_as_a_retraction(store):
+    c = cap()
+    store.apply_capture(c)
+    rid = store.apply_rating(Rating(value=1, target=c.capture_id), MODEL).rating_id
+    run = store.create_run(MODEL)
+    store.start_run(run, None)
+    status = store.finish_run(run, model=MODEL, version="v0001", parent=None, metrics={}, advantages={rid: 0.7},
+                              retracted=[], new_ema=0.5, promote=True)
+    assert status == "active"
+    assert store.pending_count(MODEL) == 0 and store.pending_ratings(MODEL, 10) == []
+    store.apply_undo(Undo())
+    pending = store.pending_ratings(MODEL, 10)
+    assert [(r.id, r.state, r.advantage) for r, _ in pending] == [(rid, "undone", 0.7)]
+    assert store.baseline(MODEL) == (0.5, 0)
+
+
+def test_rejected_run_consumes_nothing(store):
+    c = cap()
+    store.apply_capture(c)
+    rid = store.apply_rating(Rating(value=1, target=c.capture_id), MODEL).rating_id
+    run = store.create_run(MODEL)
+    status = store.finish_run(run, model=MODEL, version="v0001", parent=None, metrics={}, advantages={rid: 1.0},
+                              retracted=[], new_ema=1.0, promote=False, reason="kl too high")
+    assert status == "rejected"
+    assert store.pending_count(MODEL) == 1
+    assert store.baseline(MODEL) == (None, 0)
+
+
+def test_reset_during_a_run_makes_its_version_stale(store):
+    run = store.create_run(MODEL)
+    store.reset(MODEL, purge_ratings=False)
+    status = store.finish_run(run, model=MODEL, version="v0001", parent=None, metrics={}, advantages={},
+                              retracted=[], new_ema=0.0, promote=True)
+    assert status == "stale"
+
+
+def test_reset_with_purge_deletes_ratings(store):
+    c = cap()
+    store.apply_capture(c)
+    store.apply_rating(Rating(value=1, target=c.capture_id), MODEL)
+    assert store.reset(MODEL, purge_ratings=True) == 1
+    assert store.counts(MODEL).total == 0
+
+
+def test_migrations_are_reentrant(db_url):
+    Store(db_url)
+    Store(db_url)  # a second open finds the schema at head and changes nothing

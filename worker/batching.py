@@ -1,0 +1,113 @@
+"""Rated samples to token tensors: chat-template encoding, truncation, length-bucketed micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .samples import TrainSample
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]  # prompt tokens then response tokens (the last one the end token)
+    prompt_len: int
+    # Recorded behaviour log-probs for a prefix of the response tokens (all of them, or fewer when
+    # the end token was not recorded or the response was truncated); the trainer fills the rest
+    # from the policy at the start of the run. None: nothing usable was recorded.
+    behaviour_logprobs: list[float] | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_response(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def response_mask(self) -> list[int]:
+        return [0] * self.prompt_len + [1] * self.n_response
+
+
+def _ids(encoded: Any) -> list[int]:
+    """Token ids from whatever apply_chat_template returned (a list, or a dict/BatchEncoding in v5)."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    if encoded and isinstance(encoded[0], list):  # a batch of one
+        encoded = encoded[0]
+    return [int(i) for i in encoded]
+
+
+def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encoded:
+    """Encode one sample: chat-templated prompt, then the response tokens and the end token.
+
+    The end token is part of the response (and of its mask): it is what teaches answer length.
+    Stored behaviour log-probs are used only when the stored token ids are exactly the response's
+    tokens (with or without the end token); a different tokenisation would pair log-probs with the
+    wrong tokens. Over ``max_tokens`` the prompt loses tokens from its left (the turns nearest the
+    answer matter most); a response too long by itself loses its tail, at least one prompt token is
+    kept so the first response token has something to be predicted from.
+    """
+    if max_tokens < 2:
+        raise ValueError("max_tokens must be at least 2")
+    prompt = _ids(tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True))
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no end token")
+    if not prompt:  # a template-less tokenizer and an empty prompt: the first token needs a context
+        prompt = [int(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos)]
+    body = _ids(tokenizer(sample.response, add_special_tokens=False)["input_ids"])
+    response = body + [int(eos)]
+
+    behaviour: list[float] | None = None
+    ids, lps = sample.behaviour_token_ids, sample.behaviour_logprobs
+    if ids is not None and lps is not None and len(ids) == len(lps):
+        if list(ids) == response or list(ids) == body:
+            behaviour = [float(x) for x in lps]
+
+    if len(response) > max_tokens - 1:
+        response = response[: max_tokens - 1]
+    prompt = prompt[-(max_tokens - len(response)) :]
+    if behaviour is not None:
+        behaviour = behaviour[: len(response)] or None
+    return Encoded(input_ids=prompt + response, prompt_len=len(prompt), behaviour_logprobs=behaviour)
+
+
+def micro_batches(encoded: Sequence[Encoded], max_tokens_per_batch: int) -> list[list[int]]:
+    """Indices grouped into micro-batches of similar length.
+
+    Sorted by length, then packed while ``batch size * longest length`` (the padded token count)
+    stays within the budget: similar lengths waste little on padding. A sample longer than the
+    budget gets a batch of its own.
+    """
+    order = sorted(range(len(encoded)), key=lambda i: (encoded[i].length, i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = encoded[i].length  # sorted ascending: the newcomer is the longest
+        if current and (len(current) + 1) * longest > max_tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(items: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``response_mask`` (0 on padding), ``[B, L]``."""
+    width = max(e.length for e in items)
+    input_ids = torch.full((len(items), width), int(pad_id), dtype=torch.long)
+    attention = torch.zeros((len(items), width), dtype=torch.long)
+    response = torch.zeros((len(items), width), dtype=torch.bool)
+    for row, e in enumerate(items):
+        input_ids[row, : e.length] = torch.tensor(e.input_ids, dtype=torch.long)
+        attention[row, : e.length] = 1
+        response[row, e.prompt_len : e.length] = True
+    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}

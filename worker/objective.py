@@ -1,0 +1,125 @@
+"""The training objective (DESIGN.md §6): pure functions over tensors, no I/O, no model.
+
+One rated response is one rollout with reward ``r`` (+1 good, -1 bad). Three policies appear:
+``ref`` (the base, adapter disabled: the KL anchor), ``beh`` (the policy that produced the answer)
+and ``new`` (the policy being trained). Per response token ``t`` of a sequence::
+
+    logr_t  = logp_new(t) - logp_beh(t)
+    ratio_t = exp(logr_t)                                  token kept iff ratio_t in token_band
+    rho     = exp(mean_t logr_t)                           sequence kept iff rho in seq_band
+    kl_t    = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1      (k3 estimator, >= 0)
+
+    loss = mean_over_sequences[ -sum_t(keep_t * ratio_t * A) / n_tokens ] + beta * mean_t(kl_t)
+
+``n_tokens`` is the sequence's own number of response tokens (filtered tokens still count, so a
+filter only ever removes gradient, never rescales the rest); a dropped sequence contributes zero
+but still counts in the mean over sequences, so a band that drops most of a batch visibly shrinks
+the update instead of concentrating it on the few survivors. The KL mean runs over every response
+token of the batch, unfiltered: the anchor holds even where the policy term is switched off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def advantages(rewards: Tensor, ema: float, pos_weight: float, clip: float = 2.0) -> Tensor:
+    """``A = clip((r - ema) * (pos_weight if r > 0 else 1), -clip, clip)``.
+
+    ``pos_weight`` > 1 leans towards liked answers: with the EMA near the average rating a good
+    answer would otherwise pull no harder than a bad one pushes.
+    """
+    rewards = rewards.to(torch.float32)
+    adv = rewards - ema
+    adv = torch.where(rewards > 0, adv * pos_weight, adv)
+    return adv.clamp(-clip, clip)
+
+
+def update_ema(ema: float | None, rewards: Sequence[float], decay: float = 0.99) -> float:
+    """The reward baseline after consuming ``rewards`` in order: ``ema = decay*ema + (1-decay)*r``.
+
+    A missing EMA is seeded with the first run's ratings (their mean): seeding with 0 or with the
+    first single rating would, after an all-good first run, leave every later good answer with an
+    advantage of about zero. Raises ``ValueError`` when there is nothing to seed from.
+    """
+    rewards = [float(r) for r in rewards]
+    if ema is None:
+        if not rewards:
+            raise ValueError("cannot seed the EMA without ratings")
+        ema = sum(rewards) / len(rewards)
+    for r in rewards:
+        ema = decay * ema + (1.0 - decay) * r
+    return float(ema)
+
+
+def k3_kl(logp_new: Tensor, logp_ref: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(new || ref): ``exp(d) - d - 1`` with ``d = logp_ref - logp_new``.
+
+    Unbiased for samples drawn from ``new``, always >= 0, and zero with zero gradient at ``new = ref``.
+    """
+    d = logp_ref - logp_new
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar, differentiable w.r.t. logp_new only
+    accepted_token_frac: float  # response tokens whose ratio is inside token_band
+    accepted_seq_frac: float  # sequences whose rho is inside seq_band
+    mean_kl: float  # mean k3 KL per response token (all tokens, unfiltered)
+    n_tokens: int  # response tokens in the batch
+
+
+def mispo_loss(
+    logp_new: Tensor,
+    logp_beh: Tensor,
+    logp_ref: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    *,
+    token_band: tuple[float, float] = (0.5, 2.0),
+    seq_band: tuple[float, float],
+    beta: float,
+) -> LossOutput:
+    """The loss of one (micro-)batch; see the module docstring for the formula.
+
+    Shapes: ``logp_*`` and ``mask`` are ``[B, T]`` (``mask`` = 1 on response tokens, 0 on prompt and
+    padding); ``advantages`` is ``[B]``. Values of ``logp_*`` off the mask are ignored.
+    """
+    mask_b = mask.bool()
+    maskf = mask_b.to(logp_new.dtype)
+    # Only logp_new carries gradient: the others are fixed targets of this run.
+    logp_beh = logp_beh.detach().to(logp_new.dtype)
+    logp_ref = logp_ref.detach().to(logp_new.dtype)
+    adv = advantages.detach().to(logp_new.dtype)
+
+    # Zero off the mask before exp(): padding may hold anything, and inf * 0 would poison the sum.
+    zeros = torch.zeros_like(logp_new)
+    logr = torch.where(mask_b, logp_new - logp_beh, zeros)
+    ratio = torch.exp(logr)
+    with torch.no_grad():
+        tok_keep = mask_b & (ratio >= token_band[0]) & (ratio <= token_band[1])
+        n_seq_tokens = maskf.sum(dim=1)
+        rho = torch.exp(logr.sum(dim=1) / n_seq_tokens.clamp(min=1))
+        seq_keep = (rho >= seq_band[0]) & (rho <= seq_band[1])
+        keep = tok_keep & seq_keep[:, None]
+
+    per_seq = -(keep.to(ratio.dtype) * ratio).sum(dim=1) * adv / n_seq_tokens.clamp(min=1)
+    policy = per_seq.mean()
+
+    n_tokens = int(mask_b.sum().item())
+    kl = k3_kl(torch.where(mask_b, logp_new, zeros), torch.where(mask_b, logp_ref, zeros))
+    kl_mean = (kl * maskf).sum() / max(n_tokens, 1)
+
+    loss = policy + beta * kl_mean
+    return LossOutput(
+        loss=loss,
+        accepted_token_frac=float(tok_keep.sum().item()) / max(n_tokens, 1),
+        accepted_seq_frac=float(seq_keep.float().mean().item()) if seq_keep.numel() else 0.0,
+        mean_kl=float(kl_mean.detach().item()),
+        n_tokens=n_tokens,
+    )

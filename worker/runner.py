@@ -1,0 +1,134 @@
+"""Running workers: in this process (``rlfleet worker``), or as background children of ``chat``/``up``.
+
+Both queues use RQ's non-forking ``SimpleWorker``: the training worker must keep the base model
+loaded between runs, and the events worker gains nothing from a fork per tiny job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rq import Queue, SimpleWorker
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, open_queue, train_lock_key
+from rlfleet.shared.store import Store
+
+QUEUES = {"events": [EVENTS_QUEUE], "train": [TRAIN_QUEUE], "all": [EVENTS_QUEUE, TRAIN_QUEUE]}
+
+
+def recover(cfg: Config, handle: QueueHandle) -> list[str]:
+    """Repair what a killed process left behind; returns what it did, for the log.
+
+    - half-written adapter folders are removed and CURRENT agrees with the store;
+    - a training run whose job is gone, failed or abandoned is marked failed and its lock released,
+      and training is queued again if the ratings are still there (so it resumes by itself).
+    """
+    from rlfleet.worker.jobs import context, maybe_trigger, reconcile
+
+    notes: list[str] = []
+    reconcile(cfg)
+    conn = handle.redis
+    for name in (EVENTS_QUEUE, TRAIN_QUEUE):
+        StartedJobRegistry(name, connection=conn).cleanup()  # abandoned jobs -> retried or failed
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    run = store.latest_run(slug)
+    if run is not None and run.state in ("queued", "running"):
+        job_id = f"rlfleet-train-{slug}-{run.id}"
+        try:
+            status = Job.fetch(job_id, connection=conn).get_status()
+        except Exception:
+            status = None
+        if status not in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
+            store.fail_run(run.id, "interrupted: the training worker stopped during the run")
+            conn.delete(train_lock_key(slug))
+            notes.append(f"run {run.id} was interrupted; marked failed")
+            msg = maybe_trigger(context(), conn)
+            if msg:
+                notes.append(msg)
+    return notes
+
+
+def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: QueueHandle | None = None) -> bool:
+    """Work the queues named by ``which`` until stopped (or until empty with ``burst``)."""
+    own = handle is None
+    handle = handle or open_queue(cfg)
+    try:
+        if which in ("train", "all") and not burst:
+            for note in recover(cfg, handle):
+                logging.getLogger("rlfleet.worker").warning(note)
+        queues = [Queue(q, connection=handle.redis) for q in QUEUES[which]]
+        worker = SimpleWorker(queues, connection=handle.redis)
+        return worker.work(burst=burst, logging_level="WARNING")
+    finally:
+        if own:
+            handle.close()
+
+
+def worker_env(cfg: Config, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["RLFLEET_HOME"] = str(cfg.home)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+class BackgroundWorkers:
+    """The events and training workers as child processes, stopped cleanly with their parent."""
+
+    def __init__(self, cfg: Config, which: tuple[str, ...] = ("events", "train")) -> None:
+        self.cfg = cfg
+        self.which = which
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.log_dir = cfg.home / "logs"
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name in self.which:
+            log = open(self.log_dir / f"worker-{name}.log", "ab")
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "rlfleet.worker", "--queue", name],
+                env=worker_env(self.cfg),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop them in order
+            )
+            log.close()
+
+    def alive(self) -> dict[str, bool]:
+        return {name: p.poll() is None for name, p in self.procs.items()}
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"worker-{name}.log"
+
+    def stop(self, grace: float = 10.0) -> None:
+        # First SIGTERM: RQ finishes the job in hand. Second: it stops now (a training run is
+        # abandoned, marked failed and re-queued by the next worker's recovery; no rating is lost).
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        for p in self.procs.values():
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
