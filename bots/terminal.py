@@ -64,8 +64,9 @@ def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
 
 def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
     state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[])
+    active = responder.active_version
     console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
-        f"adapter {responder.current_version()}" if responder.current_version() else "base model (no adapter yet)"))
+        f"adapter {active}" if active else "base model (no adapter yet)"))
     console.print(f"[dim]{HELP}[/]")
     while True:
         line = _progress_line(cfg, handle, slug)
@@ -101,7 +102,9 @@ def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
             continue
         cap = Capture(
             source="cli", conversation=state.conversation, owner="local",
-            prompt=[Message(**m) for m in messages], response=answer.text, model=cfg.model,
+            # the prompt exactly as the model saw it (with any system prompt the responder added),
+            # so the trainer rebuilds the context the behaviour log-probs belong to
+            prompt=[Message(**m) for m in answer.messages], response=answer.text, model=cfg.model,
             adapter_version=answer.adapter_version, behaviour_logprobs=answer.logprobs,
             behaviour_token_ids=answer.token_ids,
         )

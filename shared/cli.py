@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from .config import Config, load_config
 from .errors import BadInput, RlfleetError
-from .events import Capture, Command, Message, Rating, Undo
+from .events import Capture, Command, Message, Rating, Undo, describe_validation_error
 from .queue import EVENTS_QUEUE, QueueHandle, enqueue_event, open_queue, wait_for
 
 app = typer.Typer(
@@ -157,8 +158,8 @@ def init(
         data["train"]["threshold"] = threshold
     try:
         new = Config(home=cfg.home, **data)
-    except Exception as exc:
-        raise BadInput(f"bad value: {str(exc).splitlines()[-1].strip()}") from None
+    except ValidationError as exc:
+        raise BadInput(describe_validation_error(exc, "bad value")) from None
     from .models import resolve_model
 
     ref = resolve_model(new.model)
@@ -504,10 +505,6 @@ def chat(
 
 
 def _validation_line(exc: Exception) -> str:
-    from pydantic import ValidationError
-
-    from .events import describe_validation_error
-
     if isinstance(exc, ValidationError):
         return describe_validation_error(exc)
     return str(exc).splitlines()[0]

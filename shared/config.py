@@ -123,6 +123,6 @@ def load_config(home: Path | None = None, **overrides: object) -> Config:
     try:
         return Config(home=home, **raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"bad config value {where}: {first['msg']} (in {path} or the environment)") from None
+        from .events import describe_validation_error
+
+        raise ConfigError(f"{describe_validation_error(exc, 'bad config value')} (in {path} or the environment)") from None

@@ -145,10 +145,10 @@ def parse_event(raw: str | bytes | dict) -> Capture | Rating | Undo | Command:
         raise BadInput(describe_validation_error(exc)) from None
 
 
-def describe_validation_error(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError, prefix: str = "invalid event") -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ()))
     msg = first.get("msg", "invalid")
     msg = msg.removeprefix("Value error, ")
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"invalid event: {where}: {msg}{more}" if where else f"invalid event: {msg}{more}"
+    return f"{prefix}: {where}: {msg}{more}" if where else f"{prefix}: {msg}{more}"

@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # torch ModuleDict keys, which must not contain '.').
 _VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _MAX_CURRENT_BYTES = 256
+_NEVER = object()  # matches no state key (None is a real one: the base model)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Answer:
     model: str  # the model spec
     seconds: float
     new_tokens: int
+    # The conversation the prompt was built from, system prompt included: store this as the capture's
+    # prompt, so the trainer rebuilds the very prompt these log-probs were computed under.
+    messages: list[dict] = field(default_factory=list)
 
 
 class LocalResponder:
@@ -77,7 +81,7 @@ class LocalResponder:
         self._peft: Any = None  # PeftModel wrapping self._base while an adapter is loaded
         self._active: str | None = None  # adapter version in use; None = base
         self._key: tuple | None = None  # identity of what is loaded (version, weights stat)
-        self._failed_key: tuple | None = None  # a state that failed to load: not retried until it changes
+        self._failed_key: object = _NEVER  # a state that failed to load: not retried until it changes
         self._warned: str | None = None  # last warning about CURRENT, so it is logged once, not per answer
         self._eos_ids = self._end_token_ids()
         self.refresh()
@@ -128,6 +132,11 @@ class LocalResponder:
         self._warned = None
         return name
 
+    def _warn(self, message: str) -> None:
+        if message != self._warned:  # once per problem, not once per answer
+            log.warning(message)
+            self._warned = message
+
     def refresh(self) -> str | None:
         """Load the adapter ``CURRENT`` names if that changed since the last load.
 
@@ -149,7 +158,7 @@ class LocalResponder:
                 log.warning("cannot load adapter %s from %s (%s: %s); still answering with %s",
                             version, self.adapters_dir, type(exc).__name__, exc, still)
                 return None
-            self._key, self._failed_key = key, None
+            self._key, self._failed_key = key, _NEVER
             if version is None:
                 log.info("answering with the base model of %s", self.ref.spec)
                 return None
@@ -251,12 +260,13 @@ class LocalResponder:
             text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
             return Answer(
                 text=text, token_ids=ids, logprobs=logprobs, adapter_version=self._active,
-                model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids),
+                model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids), messages=msgs,
             )
 
     def _end_token_ids(self) -> list[int]:
         ids: list[int] = []
-        for source in (self.tokenizer.eos_token_id, getattr(self._base.generation_config, "eos_token_id", None)):
+        configured = getattr(self._base.generation_config, "eos_token_id", None)
+        for source in (self.tokenizer.eos_token_id, configured):
             for i in source if isinstance(source, (list, tuple)) else [source]:
                 if i is not None and int(i) not in ids:
                     ids.append(int(i))

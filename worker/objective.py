@@ -39,20 +39,20 @@ def advantages(rewards: Tensor, ema: float, pos_weight: float, clip: float = 2.0
     return adv.clamp(-clip, clip)
 
 
+EMA_SEED = 0.0
+
+
 def update_ema(ema: float | None, rewards: Sequence[float], decay: float = 0.99) -> float:
     """The reward baseline after consuming ``rewards`` in order: ``ema = decay*ema + (1-decay)*r``.
 
-    A missing EMA is seeded with the first run's ratings (their mean): seeding with 0 or with the
-    first single rating would, after an all-good first run, leave every later good answer with an
-    advantage of about zero. Raises ``ValueError`` when there is nothing to seed from.
+    A missing EMA starts at the neutral 0.0, the midpoint of the ±1 rewards, rather than at the
+    first rating or the first run's mean: either of those zeroes the advantage of the majority
+    class in the first runs (measured: a first run of only good ratings learned nothing), while 0.0
+    lets the first run push liked answers up and disliked ones down.
     """
-    rewards = [float(r) for r in rewards]
-    if ema is None:
-        if not rewards:
-            raise ValueError("cannot seed the EMA without ratings")
-        ema = sum(rewards) / len(rewards)
+    ema = EMA_SEED if ema is None else float(ema)
     for r in rewards:
-        ema = decay * ema + (1.0 - decay) * r
+        ema = decay * ema + (1.0 - decay) * float(r)
     return float(ema)
 
 

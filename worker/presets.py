@@ -3,7 +3,11 @@
 The DESIGN starting points (lr 5e-6 for ~31B models) are scaled to the model's size: measured on
 SmolLM2-135M, lr 2e-4 with about 8 optimizer steps per run of 16-32 ratings moved a preference
 without collapse, 16 steps collapsed. So the learning rate falls with the square root of size.
-The learning benchmark (bench/learning) is what should settle these numbers.
+The sequence bands are wider than DESIGN.md's starting points ([0.994, 1.002] for balanced):
+measured in tests/test_trainer.py's setting, the first optimizer step alone moves every sequence's
+ratio past ±0.2 %, so those bands accept only step 1 of 8 (accepted_seq_frac 0.125) and a run learns
+about as much as a single step. The DESIGN says to keep the filter only at a width that does not
+starve learning. The learning benchmark (bench/learning) is what should settle these numbers.
 """
 
 from __future__ import annotations
@@ -36,11 +40,9 @@ class TrainConfig:
 
 
 _PRESETS: dict[str, TrainConfig] = {
-    "careful": TrainConfig(
-        lr=1.2e-4, steps=6, rank=16, alpha=16, beta=0.002, seq_band=(0.996, 1.001), pos_weight=1.0
-    ),
-    "balanced": TrainConfig(lr=2e-4, steps=8, rank=16, alpha=16, beta=0.001, seq_band=(0.994, 1.002)),
-    "aggressive": TrainConfig(lr=3.2e-4, steps=12, rank=16, alpha=16, beta=0.0005, seq_band=(0.992, 1.004)),
+    "careful": TrainConfig(lr=1.2e-4, steps=6, rank=16, alpha=16, beta=0.002, seq_band=(0.9, 1.1), pos_weight=1.0),
+    "balanced": TrainConfig(lr=2e-4, steps=8, rank=16, alpha=16, beta=0.001, seq_band=(0.8, 1.25)),
+    "aggressive": TrainConfig(lr=3.2e-4, steps=12, rank=16, alpha=16, beta=0.0005, seq_band=(0.67, 1.5)),
 }
 
 

@@ -26,13 +26,18 @@ from rlfleet.shared.models import ModelRef, load_model, load_tokenizer
 
 from .batching import Encoded, collate, encode_sample, micro_batches
 from .objective import advantages as compute_advantages
-from .objective import k3_kl, mispo_loss
+from .objective import EMA_SEED, k3_kl, mispo_loss
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
-_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_POSTPROCESSING = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+)
 
 
 class Trainer:
@@ -61,25 +66,41 @@ class Trainer:
     def _adapter(self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool) -> Iterator[Any]:
         """The base wrapped with a LoRA for the duration of the block; the base is clean afterwards.
 
-        With ``adapter_dir`` the adapter is loaded from it (its own rank and alpha: a lineage keeps
-        its shape); otherwise a fresh LoRA from ``cfg`` (B = 0, so it starts equal to the base).
+        With ``adapter_dir`` the adapter's own config (rank, alpha, modules: a lineage keeps its
+        shape) and weights are loaded; otherwise a fresh LoRA from ``cfg`` (B = 0, so it starts
+        equal to the base). Weights are loaded after wrapping, inside the ``try``, so a bad file
+        still leaves the base clean.
         """
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
 
         if adapter_dir is not None:
-            model = PeftModel.from_pretrained(self.base, str(adapter_dir), is_trainable=trainable)
-        else:
-            if cfg is None:
-                raise ValueError("a fresh adapter needs a TrainConfig")
+            lora = LoraConfig.from_pretrained(str(adapter_dir))
+        elif cfg is not None:
             lora = LoraConfig(
-                r=cfg.rank, lora_alpha=cfg.alpha, target_modules="all-linear", lora_dropout=0.0,
+                r=cfg.rank,
+                lora_alpha=cfg.alpha,
+                target_modules="all-linear",
+                lora_dropout=0.0,
                 task_type="CAUSAL_LM",
             )
-            model = get_peft_model(self.base, lora)
-        # Eval mode while training too: dropout or router noise would make the trained policy differ
-        # from the one the behaviour and reference log-probs were computed with.
-        model.eval()
+        else:
+            raise ValueError("a fresh adapter needs a TrainConfig")
+        lora.inference_mode = not trainable
+        model = get_peft_model(self.base, lora)
         try:
+            if adapter_dir is not None:
+                weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=self.device)
+                loaded = set_peft_model_state_dict(model, weights)
+                missing = [k for k in loaded.missing_keys if "lora_" in k]
+                if loaded.unexpected_keys or missing:
+                    raise ValueError(
+                        f"adapter {adapter_dir} does not fit {self.ref.spec}: "
+                        f"unexpected {loaded.unexpected_keys[:3]}, missing {missing[:3]}"
+                    )
+            # Eval mode while training too: dropout or router noise would make the trained policy
+            # differ from the one the behaviour and reference log-probs were computed with.
+            model.eval()
             yield model
         finally:
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
@@ -116,9 +137,7 @@ class Trainer:
         body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         config = getattr(lm, "config", None)
-        plain_head = not any(
-            getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING
-        )
+        plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
         if body is not None and isinstance(head, torch.nn.Linear) and plain_head:
             with self._autocast(autocast):
                 hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
@@ -180,11 +199,17 @@ class Trainer:
             for step in range(cfg.steps):
                 opt.zero_grad(set_to_none=True)
                 step_loss = kl_sum = tok_acc = seq_acc = 0.0
-                for k, (group, batch) in enumerate(zip(groups, batches)):
+                for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
                     logp_new = self._logprobs(model, batch, autocast)
                     out = mispo_loss(
-                        logp_new, beh_lp[k], ref_lp[k], batch["response_mask"], adv[group],
-                        token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta,
+                        logp_new,
+                        beh_lp[k],
+                        ref_lp[k],
+                        batch["response_mask"],
+                        adv[group],
+                        token_band=cfg.token_band,
+                        seq_band=cfg.seq_band,
+                        beta=cfg.beta,
                     )
                     # Each micro-batch's loss is a mean over its sequences: weighting by its share
                     # of sequences makes the accumulated gradient the mean over the whole step.
@@ -195,7 +220,10 @@ class Trainer:
                     tok_acc += out.accepted_token_frac * out.n_tokens
                     seq_acc += out.accepted_seq_frac * len(group)
                 torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
+                if seq_acc > 0:
+                    # With every sequence filtered out the gradient is KL-only; AdamW's momentum and
+                    # decay would still move the weights, defeating the filter as a trust region.
+                    opt.step()
                 loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
                 token_fracs.append(tok_acc / max(n_response, 1))
                 seq_fracs.append(seq_acc / n_samples)
@@ -232,7 +260,7 @@ class Trainer:
             ok, reason = False, f"mean KL to the base {max(mean_kl, final_kl):.3f} > limit {cfg.max_mean_kl}"
         return RunResult(
             metrics=metrics,
-            advantages={s.rating_id: float(a) for s, a in zip(samples, adv.tolist())},
+            advantages={s.rating_id: float(a) for s, a in zip(samples, adv.tolist(), strict=True)},
             promoted_ok=ok,
             reason=reason,
         )
@@ -240,16 +268,16 @@ class Trainer:
     def _advantages(self, samples: Sequence[TrainSample], ema: float | None, cfg: TrainConfig) -> Tensor:
         """Retractions keep their fixed advantage; the rest get ``r - ema`` (see objective.advantages).
 
-        Without an EMA yet, the baseline is the mean of this run's fresh ratings (the same seeding
+        Without an EMA yet, the baseline is the neutral EMA_SEED (the same seeding
         rule as ``update_ema``).
         """
-        fresh = [s.reward for s in samples if s.fixed_advantage is None]
-        baseline = ema if ema is not None else (sum(fresh) / len(fresh) if fresh else 0.0)
+        baseline = ema if ema is not None else EMA_SEED
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         adv = compute_advantages(rewards, baseline, cfg.pos_weight, cfg.adv_clip)
         fixed = [s.fixed_advantage for s in samples]
         return torch.tensor(
-            [a if f is None else float(f) for a, f in zip(adv.tolist(), fixed)], dtype=torch.float32
+            [a if f is None else float(f) for a, f in zip(adv.tolist(), fixed, strict=True)],
+            dtype=torch.float32,
         )
 
     @torch.no_grad()
@@ -271,7 +299,8 @@ class Trainer:
         with model.disable_adapter():
             ref = [self._logprobs(model, b, autocast) for b in batches]
         need_start = parent_adapter is not None and any(
-            encoded[i].behaviour_logprobs is None or len(encoded[i].behaviour_logprobs) < encoded[i].n_response
+            encoded[i].behaviour_logprobs is None
+            or len(encoded[i].behaviour_logprobs) < encoded[i].n_response
             for g in groups
             for i in g
         )
@@ -279,7 +308,7 @@ class Trainer:
             beh = [self._logprobs(model, b, autocast) for b in batches]
         else:
             beh = [r.clone() for r in ref]
-        for g, b in zip(groups, beh):
+        for g, b in zip(groups, beh, strict=True):
             for row, i in enumerate(g):
                 stored = encoded[i].behaviour_logprobs
                 if stored:
@@ -292,7 +321,7 @@ class Trainer:
         self, model: Any, groups: list[list[int]], batches: list[dict], ref: list[Tensor], autocast: bool
     ) -> float:
         total = count = 0.0
-        for batch, ref_lp in zip(batches, ref):
+        for batch, ref_lp in zip(batches, ref, strict=True):
             mask = batch["response_mask"]
             new = self._logprobs(model, batch, autocast)
             total += float(k3_kl(new[mask], ref_lp[mask]).sum())
@@ -302,26 +331,33 @@ class Trainer:
     # -- evaluation helpers -------------------------------------------------------------------
 
     @torch.no_grad()
-    def mean_logprobs(
+    def token_logprobs(
         self, pairs: Sequence[tuple[list[dict], str]], adapter_dir: Path | None = None, max_tokens: int = 1024
-    ) -> list[float]:
-        """Mean per-token log-prob (end token included) of each ``(prompt, response)`` pair under the
-        base, or the base plus the adapter in ``adapter_dir``; same encoding as training."""
-        samples = [TrainSample(rating_id=i, prompt=p, response=r, reward=0.0) for i, (p, r) in enumerate(pairs)]
+    ) -> list[list[float]]:
+        """Per-token log-probs of each ``(prompt, response)`` pair's response tokens (end token
+        included) under the base, or the base plus the adapter in ``adapter_dir``; fp32, the same
+        encoding and computation as training, so usable as recorded behaviour log-probs."""
+        samples = [
+            TrainSample(rating_id=i, prompt=p, response=r, reward=0.0) for i, (p, r) in enumerate(pairs)
+        ]
         encoded = [encode_sample(self.tokenizer, s, max_tokens) for s in samples]
         groups, batches = self._batches(encoded, 4096)
-        result = [0.0] * len(encoded)
+        result: list[list[float]] = [[] for _ in encoded]
         with contextlib.ExitStack() as stack:
             model = self.base
             if adapter_dir is not None:
                 model = stack.enter_context(self._adapter(Path(adapter_dir), None, trainable=False))
-            for g, batch in zip(groups, batches):
+            for g, batch in zip(groups, batches, strict=True):
                 lp = self._logprobs(model, batch)
-                mask = batch["response_mask"]
-                means = (lp * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
                 for row, i in enumerate(g):
-                    result[i] = float(means[row])
+                    result[i] = lp[row][batch["response_mask"][row]].tolist()
         return result
+
+    def mean_logprobs(
+        self, pairs: Sequence[tuple[list[dict], str]], adapter_dir: Path | None = None, max_tokens: int = 1024
+    ) -> list[float]:
+        """Mean per-token log-prob of each pair's response; see :meth:`token_logprobs`."""
+        return [sum(v) / max(len(v), 1) for v in self.token_logprobs(pairs, adapter_dir, max_tokens)]
 
     def sequence_logprobs(self, prompt: list[dict], response: str, adapter_dir: Path | None) -> float:
         """Mean per-token log-prob of ``response`` after ``prompt``; see :meth:`mean_logprobs`."""

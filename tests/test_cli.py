@@ -1,0 +1,129 @@
+"""The CLI end to end through the real queue: event -> Redis -> RQ worker -> store -> status."""
+
+import json
+import os
+import stat
+
+import pytest
+from typer.testing import CliRunner
+
+from rlfleet.shared.cli import app
+
+runner = CliRunner()
+
+
+def rl(*args, input=None):
+    return runner.invoke(app, list(args), input=input, catch_exceptions=False)
+
+
+def rl_main(*args):
+    """Through main(): RlfleetError becomes one red line and an exit code."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rlfleet.worker.__main__"] if False else
+                          [sys.executable, "-c", "from rlfleet.shared.cli import main; main()", *args],
+                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+
+
+def status_json():
+    res = rl("status", "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_capture_rate_undo_and_status_json_contract(queued_home):
+    res = rl("capture", "--prompt", "What is 2+2?", "--response", "4", "--message-ref", "m-1")
+    assert res.exit_code == 0, res.output
+    capture_id = res.output.strip()
+    assert len(capture_id) == 36
+
+    assert rl("good", "--target", "m-1", "--comment", "terse").exit_code == 0
+    st = status_json()
+    assert st["ratings"] == {"total": 1, "good": 1, "bad": 0, "pending": 1}
+    assert st["threshold"] == 32 and st["model"] == "smollm2-135m"
+    assert st["adapter"] == {"current": None, "versions": []}
+    assert st["training"]["state"] == "idle" and st["training"]["error"] is None
+    assert set(st["queue"]) == {"events", "train"} and isinstance(st["workers"], int)
+    assert isinstance(st["ema"], float)
+
+    assert rl("bad").exit_code == 0  # re-rate the last answer
+    assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
+    assert rl("undo").exit_code == 0
+    assert status_json()["ratings"]["total"] == 0
+
+
+def test_unknown_target_is_one_line_error_and_changes_nothing(queued_home):
+    res = rl("good", "--target", "nope")
+    assert res.exit_code == 2
+    assert "no captured answer" in res.output
+    assert status_json()["ratings"]["total"] == 0
+
+
+def test_empty_and_huge_responses_are_refused(queued_home, tmp_path):
+    res = rl_main("capture", "--prompt", "hi", "--response", "  ")
+    assert res.returncode == 2 and "response is empty" in res.stderr and "Traceback" not in res.stderr
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 10_000_000)
+    res = rl_main("capture", "--prompt", f"@{big}", "--response", "ok")
+    assert res.returncode == 2 and "limit" in res.stderr and "Traceback" not in res.stderr
+    bad_utf8 = tmp_path / "bad.txt"
+    bad_utf8.write_bytes(b"\xff\xfe\x00bad")
+    res = rl_main("capture", "--prompt", f"@{bad_utf8}", "--response", "ok")
+    assert res.returncode == 2 and "UTF-8" in res.stderr
+    assert status_json()["ratings"]["total"] == 0
+
+
+def test_unreachable_redis_is_a_clear_error(home, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    res = rl_main("good")
+    assert res.returncode == 5
+    assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_missing_model_path_is_a_clear_error(home):
+    res = rl_main("init", "--yes", "--model", "/no/such/model")
+    assert res.returncode == 6 and "does not exist" in res.stderr
+    assert not (home / "config.toml").exists()
+
+
+def test_init_writes_config_and_a_private_secret(home):
+    res = rl("init", "--yes", "--threshold", "8", "--preset", "careful", "--no-check-model")
+    assert res.exit_code == 0, res.output
+    text = (home / "config.toml").read_text()
+    assert "threshold = 8" in text and 'preset = "careful"' in text
+    secret = home / "secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert secret.read_text().strip() not in res.output
+    first = secret.read_text()
+    rl("init", "--yes", "--no-check-model")
+    assert secret.read_text() == first  # kept, never regenerated behind the user's back
+
+
+def test_bad_preset_is_refused(home):
+    res = rl_main("init", "--yes", "--preset", "reckless", "--no-check-model")
+    assert res.returncode == 2 and "preset" in res.stderr
+
+
+def test_rollback_with_no_versions_says_so(queued_home):
+    res = rl("rollback")
+    assert res.exit_code == 2 and "nothing to roll back" in res.output
+    res = rl("rollback", "v0042")
+    assert res.exit_code == 2 and "no adapter version v0042" in res.output
+
+
+def test_train_with_nothing_pending_says_so(queued_home):
+    res = rl("train")
+    assert res.exit_code == 2 and "nothing to train on" in res.output
+
+
+def test_reset_needs_yes_without_a_terminal(queued_home):
+    res = rl_main("reset")
+    assert res.returncode == 2 and "--yes" in res.stderr
+
+
+@pytest.mark.parametrize("cmd", ["init", "chat", "capture", "good", "bad", "undo", "status", "train", "rollback",
+                                 "reset", "up", "worker"])
+def test_every_command_has_help(cmd):
+    res = rl(cmd, "--help")
+    assert res.exit_code == 0 and "Usage" in res.output

@@ -1,0 +1,117 @@
+"""The training objective against values computed by hand (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlfleet.worker.objective import advantages, k3_kl, mispo_loss, update_ema
+
+LN = math.log
+WIDE = (0.0, float("inf"))
+
+
+def test_advantage_baseline_pos_weight_and_clip():
+    r = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    assert advantages(r, ema=0.5, pos_weight=1.2).tolist() == pytest.approx([0.6, -1.5, 0.6, -1.5])
+    # Good answers against a very negative baseline: (1 - -1) * 1.2 = 2.4, clipped to 2.
+    assert advantages(r[:2], ema=-1.0, pos_weight=1.2).tolist() == pytest.approx([2.0, 0.0])
+    # pos_weight never touches bad answers; the clip is symmetric.
+    assert advantages(torch.tensor([-1.0, 1.0]), ema=0.9, pos_weight=3.0, clip=0.5).tolist() == pytest.approx(
+        [-0.5, 0.3]
+    )
+
+
+def test_ema_starts_neutral_then_moves_toward_the_rewards():
+    expected = 0.0
+    for r in (1, 1, -1, 1):
+        expected = 0.99 * expected + 0.01 * r
+    assert expected == pytest.approx(0.01960399, abs=1e-7)
+    assert update_ema(None, [1, 1, -1, 1]) == pytest.approx(expected)
+    assert update_ema(0.2, [1.0]) == pytest.approx(0.208)
+    assert update_ema(0.2, [1.0], decay=0.5) == pytest.approx(0.6)
+    assert update_ema(0.3, []) == pytest.approx(0.3)
+    assert update_ema(None, []) == 0.0
+
+
+def test_k3_kl_values():
+    new = torch.tensor([LN(0.5), LN(0.5), LN(0.5)])
+    ref = torch.tensor([LN(0.25), LN(0.5), LN(1.0)])
+    # d = ref - new = [ln .5, 0, ln 2]: exp(d) - d - 1
+    assert k3_kl(new, ref).tolist() == pytest.approx([0.5 + LN(2) - 1, 0.0, 2 - LN(2) - 1], abs=1e-6)
+
+
+def _leaf(values):
+    return torch.tensor(values, dtype=torch.float32, requires_grad=True)
+
+
+def test_token_filter_drops_gradient_outside_band():
+    beh = torch.full((1, 3), LN(0.5))
+    new = _leaf([[LN(0.5 * 0.4), LN(0.5 * 1.0), LN(0.5 * 2.5)]])  # ratios 0.4, 1.0, 2.5
+    out = mispo_loss(new, beh, new.detach(), torch.ones(1, 3), torch.tensor([1.0]), seq_band=WIDE, beta=0.0)
+    out.loss.backward()
+    assert out.accepted_token_frac == pytest.approx(1 / 3)
+    assert new.grad[0, 0].item() == 0.0 and new.grad[0, 2].item() == 0.0  # exactly zero, not small
+    # Kept token: d/dnew of -ratio * A / n_tokens = -ratio * A / 3 = -1/3.
+    assert new.grad[0, 1].item() == pytest.approx(-1 / 3)
+    assert out.loss.item() == pytest.approx(-1 / 3)
+
+
+def test_sequence_filter_drops_sequences_outside_band():
+    beh = torch.zeros(2, 2)
+    new = _leaf([[0.0, 0.0], [0.1, 0.1]])  # rho = 1 and e^0.1 = 1.105
+    adv = torch.tensor([1.0, 1.0])
+    out = mispo_loss(new, beh, beh, torch.ones(2, 2), adv, seq_band=(0.9, 1.05), beta=0.0)
+    out.loss.backward()
+    assert out.accepted_seq_frac == 0.5
+    assert out.accepted_token_frac == 1.0  # every token is inside the token band
+    assert new.grad[1].tolist() == [0.0, 0.0]
+    # Kept sequence: -ratio * A / n_tokens / B per token = -1 / 2 / 2.
+    assert new.grad[0].tolist() == pytest.approx([-0.25, -0.25])
+    # The dropped sequence still counts in the mean over sequences: (-1 + 0) / 2.
+    assert out.loss.item() == pytest.approx(-0.5)
+    wide = mispo_loss(new.detach(), beh, beh, torch.ones(2, 2), adv, seq_band=(0.9, 1.2), beta=0.0)
+    assert wide.accepted_seq_frac == 1.0
+
+
+def test_total_loss_on_hand_made_batch():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    logr = [[0.0, LN(1.5), LN(3.0)], [LN(0.8), LN(1.25), 50.0]]  # last entry is padding: ignored
+    d = [[0.0, LN(2.0), LN(0.5)], [LN(2.0), 0.0, 100.0]]  # logp_ref - logp_new
+    beh = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -50.0]])
+    new = _leaf((beh + torch.tensor(logr)).tolist())
+    ref = (new.detach() + torch.tensor(d)).requires_grad_(True)
+    beh.requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0])
+    out = mispo_loss(new, beh, ref, mask, adv, seq_band=(0.5, 2.0), beta=0.1)
+    # Policy: seq 0 keeps ratios 1 and 1.5 (3 is outside the token band), rho = exp(mean logr) = 1.65
+    # is inside the sequence band: -(1 + 1.5) * 1 / 3. Seq 1: -(0.8 + 1.25) * -2 / 2 = 2.05.
+    policy = (-(2.5 / 3) + 2.05) / 2
+    kl = (0 + (2 - LN(2) - 1) + (0.5 + LN(2) - 1) + (2 - LN(2) - 1) + 0) / 5
+    assert out.loss.item() == pytest.approx(policy + 0.1 * kl, rel=1e-5)
+    assert out.mean_kl == pytest.approx(kl, rel=1e-5)
+    assert out.n_tokens == 5
+    assert out.accepted_token_frac == pytest.approx(0.8)
+    assert out.accepted_seq_frac == 1.0
+    out.loss.backward()
+    g = new.grad
+    # d kl / d new = 1 - exp(d); policy: -ratio * A / (n_tokens * B)
+    assert g[0, 0].item() == pytest.approx(-1 / 6, rel=1e-5)
+    assert g[0, 2].item() == pytest.approx(0.1 * (1 - 0.5) / 5, rel=1e-5)  # filtered: KL only
+    assert g[1, 1].item() == pytest.approx(1.25 * 2 / 4 + 0.0, rel=1e-5)
+    assert g[1, 2].item() == 0.0  # padding
+    assert beh.grad is None and ref.grad is None  # only logp_new is differentiated
+
+
+def test_zero_gradient_when_everything_is_filtered():
+    beh = torch.zeros(2, 3)
+    new = _leaf([[0.1, 0.2, 0.3], [-0.1, 0.0, 0.1]])
+    out = mispo_loss(
+        new, beh, new.detach(), torch.ones(2, 3), torch.tensor([1.0, -1.0]), seq_band=(2.0, 3.0), beta=0.5
+    )
+    out.loss.backward()
+    assert out.accepted_seq_frac == 0.0
+    assert out.loss.item() == 0.0
+    assert torch.count_nonzero(new.grad).item() == 0

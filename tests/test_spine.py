@@ -1,0 +1,193 @@
+"""The whole loop on a tiny model: capture -> Redis/RQ -> store -> trigger -> MIS-PO LoRA run ->
+versioned adapter -> CURRENT -> rollback, undo of trained ratings, failure handling."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from rq import Queue, SimpleWorker
+from typer.testing import CliRunner
+
+from rlfleet.shared.cli import app, dispatch
+from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Rating, Undo
+from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.store import Store
+
+runner = CliRunner()
+
+
+def rl(*args):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def status():
+    res = rl("status", "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+@pytest.fixture
+def tiny_home(queued_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "4")
+    cfg = load_config()
+    # a few fast steps: this test checks the plumbing; learning is shown in test_trainer
+    cfg.train.steps = 2
+    cfg.train.max_tokens = 96
+    cfg.save()
+    return queued_home
+
+
+def _rate_some(cfg, handle, n, value_of=lambda i: 1 if i % 2 == 0 else -1):
+    results = []
+    for i in range(n):
+        cap = Capture(prompt=[{"role": "user", "content": f"question {i}"}], response=f"answer number {i}",
+                      model="external", conversation="t")
+        assert dispatch(handle, cfg, cap)["ok"]
+        results.append(dispatch(handle, cfg, Rating(value=value_of(i), target=cap.capture_id)))
+    return results
+
+
+def _work_train_queue(handle):
+    SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(burst=True)
+
+
+def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        results = _rate_some(cfg, handle, 3)
+        assert all("training" not in r or r["training"] is None for r in results)
+        assert status()["ratings"]["pending"] == 3
+        results = _rate_some(cfg, handle, 3)
+        assert results[0]["training"].startswith("training run")  # the 4th rating triggers
+        assert "already queued" in results[1]["training"]  # never two runs for one model
+        assert handle.train.count == 1
+        assert status()["training"]["state"] == "queued"
+
+        _work_train_queue(handle)
+        st = status()
+        assert st["training"]["state"] == "idle", st["training"]
+        assert st["adapter"]["current"] == "v0001"
+        (v,) = st["adapter"]["versions"]
+        assert v["status"] == "active" and v["metrics"]["ratings_used"] == 6
+        for key in ("mean_advantage", "loss", "mean_kl", "accepted_token_frac", "accepted_seq_frac", "tokens_per_s"):
+            assert key in v["metrics"]
+        assert st["ratings"]["pending"] == 0 and st["ema_seeded"]
+
+        reg = AdapterRegistry(cfg.adapters_root, st["model_slug"])
+        meta = reg.meta("v0001")
+        assert meta["parent"] is None and len(meta["rating_ids"]) == 6
+        from peft import PeftModel
+
+        from rlfleet.shared.models import load_model, resolve_model
+
+        PeftModel.from_pretrained(load_model(resolve_model(cfg.model)), str(reg.path("v0001")))
+
+        # second run continues the lineage
+        _rate_some(cfg, handle, 4)
+        _work_train_queue(handle)
+        st = status()
+        assert st["adapter"]["current"] == "v0002"
+        assert reg.meta("v0002")["parent"] == "v0001"
+        assert [v["status"] for v in st["adapter"]["versions"]] == ["candidate", "active"]
+
+        # rollback is instant and goes to the parent; then to the base
+        assert rl("rollback").exit_code == 0
+        assert reg.current() == "v0001"
+        assert rl("rollback", "base").exit_code == 0
+        assert reg.current() is None
+        assert rl("rollback", "v0002").exit_code == 0
+        assert reg.current() == "v0002"
+    finally:
+        handle.close()
+
+
+def test_undo_of_a_trained_rating_is_retracted_by_the_next_run(tiny_home):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        _rate_some(cfg, handle, 4)
+        _work_train_queue(handle)
+        assert status()["adapter"]["current"] == "v0001"
+        assert dispatch(handle, cfg, Undo())["ok"]
+        store = Store(cfg.db_url)
+        slug = status()["model_slug"]
+        pending = store.pending_ratings(slug, 10)
+        assert len(pending) == 1 and pending[0][0].state == "undone"
+        res = rl("train", "--wait", "--json")
+        assert res.exit_code == 0, res.output
+        meta = AdapterRegistry(cfg.adapters_root, slug).meta("v0002")
+        assert meta["retracted_rating_ids"] == [pending[0][0].id] and meta["rating_ids"] == []
+        assert store.pending_ratings(slug, 10) == []
+    finally:
+        handle.close()
+
+
+def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        _rate_some(cfg, handle, 4)
+        _work_train_queue(handle)
+        assert status()["adapter"]["current"] == "v0001"
+        _rate_some(cfg, handle, 3)
+
+        import rlfleet.worker.trainer as trainer_mod
+
+        def boom(self, *a, **k):
+            raise RuntimeError("out of memory (simulated)")
+
+        monkeypatch.setattr(trainer_mod.Trainer, "run", boom)
+        _rate_some(cfg, handle, 1)
+        _work_train_queue(handle)
+        st = status()
+        assert st["adapter"]["current"] == "v0001"
+        assert st["training"]["state"] == "failed" and "out of memory" in st["training"]["error"]
+        assert st["ratings"]["pending"] == 4  # nothing consumed
+        reg = AdapterRegistry(cfg.adapters_root, st["model_slug"])
+        assert reg.versions() == ["v0001"]
+        assert not [p for p in reg.dir.iterdir() if p.name.startswith(".staging")]
+    finally:
+        handle.close()
+
+
+def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
+    """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "4")
+    cfg = load_config()
+    cfg.train.steps = 2
+    cfg.train.max_tokens = 96
+    cfg.save()
+    from rlfleet.worker.runner import BackgroundWorkers
+
+    handle = open_queue(cfg)
+    workers = BackgroundWorkers(cfg)
+    workers.start()
+    try:
+        assert handle.embedded is not None
+        _rate_some(cfg, handle, 4)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if AdapterRegistry(cfg.adapters_root, status()["model_slug"]).current() == "v0001":
+                break
+            assert all(workers.alive().values()), workers.log_path("train").read_text()[-2000:]
+            time.sleep(0.5)
+        st = status()
+        assert st["adapter"]["current"] == "v0001", st
+        assert st["workers"] == 2
+    finally:
+        workers.stop()
+        handle.close()
+    assert not (home / "redis" / "redis.sock").exists() or not _answers(home)
+
+
+def _answers(home) -> bool:
+    from rlfleet.shared.embedded_redis import EmbeddedRedis
+
+    return EmbeddedRedis.running(home)

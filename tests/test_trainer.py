@@ -1,0 +1,290 @@
+"""Encoding, batching and training runs on the tiny offline model (tests/tinymodel.py, built once per
+session by the ``tiny_model_dir`` fixture in conftest.py)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlfleet.shared.models import resolve_model
+from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
+from rlfleet.worker.presets import TrainConfig, preset
+from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.trainer import Trainer
+
+GOOD, BAD = "yes yes yes yes", "no no no no"
+TEMPLATES = ["Tell me about {}.", "What is {}?", "Describe {} briefly.", "Do you like {}?"]
+TRAIN_TOPICS = [
+    "cats", "dogs", "rain", "tea", "maps", "jazz", "bread", "snow",
+    "chess", "kites", "ships", "moss", "owls", "rust", "silk", "wolves",
+]  # fmt: skip
+HELD_OUT = ["clocks", "bees", "pears", "tides", "figs", "lamps"]
+# The tiny model needs a far larger step than a real one to show a preference in a few steps, and a
+# wide sequence band (the presets' bands drop most sequences after the first step: see the report).
+LEARN = replace(preset("balanced"), lr=3e-3, steps=8, seq_band=(0.5, 2.0))
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir) -> Iterator[Trainer]:
+    # On tensors this small, thread start-up costs more than the work: one thread is 3-4x faster
+    # on a busy 2-core machine. Restored afterwards for the rest of the session.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield Trainer(resolve_model(str(tiny_model_dir)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok(trainer):
+    return trainer.tokenizer
+
+
+def prompt_ids(tok, messages) -> list[int]:
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def base_logits(trainer: Trainer) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids(trainer.tokenizer, chat("probe")) + [70, 71, 72]])
+    with torch.no_grad():
+        return trainer.base(input_ids=ids).logits.clone()
+
+
+# -- encoding and batching --------------------------------------------------------------------
+
+
+def test_encode_sample_masks_exactly_response_and_end_token(tok):
+    s = TrainSample(1, chat("hi there"), "fine, thanks", 1.0)
+    enc = encode_sample(tok, s, max_tokens=1024)
+    body = tok("fine, thanks", add_special_tokens=False)["input_ids"]
+    assert enc.input_ids[: enc.prompt_len] == prompt_ids(tok, s.prompt)
+    assert enc.input_ids[enc.prompt_len :] == body + [tok.eos_token_id]
+    assert enc.response_mask == [0] * enc.prompt_len + [1] * (len(body) + 1)
+    assert enc.behaviour_logprobs is None
+
+    short = encode_sample(tok, TrainSample(2, chat("x"), "ok", 1.0), 1024)
+    batch = collate([enc, short], tok.pad_token_id)
+    row = 1  # the short one is right-padded
+    assert batch["input_ids"][row, short.length :].eq(tok.pad_token_id).all()
+    assert batch["attention_mask"][row].sum().item() == short.length
+    assert batch["response_mask"][row].tolist() == short.response_mask + [0] * (enc.length - short.length)
+
+
+def test_stored_behaviour_used_only_for_matching_tokens(tok):
+    body = tok("sure", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+
+    def enc(ids, lps):
+        s = TrainSample(1, chat("q"), "sure", 1.0, behaviour_logprobs=lps, behaviour_token_ids=ids)
+        return encode_sample(tok, s, 1024)
+
+    full = [-0.1 * (i + 1) for i in range(len(body) + 1)]
+    assert enc(body + [eos], full).behaviour_logprobs == full
+    assert enc(body, full[:-1]).behaviour_logprobs == full[:-1]  # end token not recorded: a prefix
+    assert enc([b + 1 for b in body], full[:-1]).behaviour_logprobs is None  # other tokens
+    assert enc(body + [eos], full[:-1]).behaviour_logprobs is None  # lengths disagree
+
+
+def test_truncation_keeps_the_answer_and_the_prompt_tail(tok):
+    long_prompt = chat("word " * 200)
+    s = TrainSample(1, long_prompt, "short answer", 1.0)
+    enc = encode_sample(tok, s, max_tokens=64)
+    full_prompt = prompt_ids(tok, long_prompt)
+    assert enc.length == 64
+    assert enc.input_ids[: enc.prompt_len] == full_prompt[-enc.prompt_len :]  # generation prompt kept
+    assert enc.n_response == len("short answer") + 1
+
+    body = tok("z" * 100, add_special_tokens=False)["input_ids"]
+    s = TrainSample(2, chat("q"), "z" * 100, 1.0, behaviour_logprobs=[-1.0] * 100, behaviour_token_ids=body)
+    enc = encode_sample(tok, s, max_tokens=32)
+    assert (enc.length, enc.prompt_len, enc.n_response) == (32, 1, 31)
+    assert enc.behaviour_logprobs == [-1.0] * 31
+
+
+def test_micro_batches_respect_the_token_budget():
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 120) for _ in range(60)] + [300]
+    encoded = [Encoded(input_ids=[1] * n, prompt_len=1) for n in lengths]
+    batches = micro_batches(encoded, 256)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        padded = len(b) * max(lengths[i] for i in b)
+        assert padded <= 256 or len(b) == 1
+    assert [lengths[i] for b in batches for i in b] == sorted(lengths)  # bucketed by length
+    assert len(batches) < len(lengths) // 2  # and actually packed
+
+
+def test_token_logprobs_match_a_full_forward(trainer):
+    tok = trainer.tokenizer
+    pairs = [(chat("Tell me about owls."), "hoot hoot"), (chat("x"), "a much longer answer, padded less")]
+    fast = trainer.token_logprobs(pairs)
+    for (prompt, response), got in zip(pairs, fast, strict=True):
+        p = prompt_ids(tok, prompt)
+        r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logits = trainer.base(input_ids=torch.tensor([p + r])).logits[0]
+        want = torch.log_softmax(logits[len(p) - 1 : -1], -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert got == pytest.approx(want.tolist(), abs=1e-5)
+    # A config that post-processes logits forces the full-logits path (Llama ignores the field, so
+    # both paths must agree).
+    trainer.base.config.final_logit_softcapping = 30.0
+    try:
+        slow = trainer.token_logprobs(pairs)
+    finally:
+        del trainer.base.config.final_logit_softcapping
+    for a, b in zip(fast, slow, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+# -- training runs ----------------------------------------------------------------------------
+
+
+def preference_samples() -> list[TrainSample]:
+    samples = []
+    for i, topic in enumerate(TRAIN_TOPICS):
+        p = chat(TEMPLATES[i % len(TEMPLATES)].format(topic))
+        samples.append(TrainSample(2 * i, p, GOOD, 1.0))
+        samples.append(TrainSample(2 * i + 1, p, BAD, -1.0))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def learned(trainer, tmp_path_factory):
+    """One learning run shared by the tests that inspect it."""
+    out = tmp_path_factory.mktemp("runs") / "v0001"
+    seen = []
+    result = trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
+    return out, result, seen
+
+
+def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learned, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    out, result, seen = learned
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert not (out / "meta.json").exists()  # the caller writes it
+    for key in (
+        "ratings_used", "retractions", "mean_advantage", "loss", "mean_kl", "accepted_token_frac",
+        "accepted_seq_frac", "tokens_per_s", "seconds", "steps", "lr", "n_tokens",
+    ):  # fmt: skip
+        assert key in result.metrics, key
+    assert result.metrics["ratings_used"] == 32 and result.metrics["steps"] == LEARN.steps
+    assert result.promoted_ok and result.reason is None
+    # ema None: baseline = mean of this run's ratings = 0, so +1 -> 1.2 and -1 -> -1.
+    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
+    assert [p.phase for p in seen][0] == "reference"
+    assert [p.step for p in seen if p.phase == "training"] == list(range(1, LEARN.steps + 1))
+
+    before = base_logits(trainer)
+    assert not any("lora" in name for name, _ in trainer.base.named_modules())
+    model = PeftModel.from_pretrained(trainer.base, str(out))
+    try:
+        ids = torch.tensor([prompt_ids(trainer.tokenizer, chat("probe")) + [70, 71, 72]])
+        with torch.no_grad():
+            assert not torch.allclose(model(input_ids=ids).logits, before)  # the adapter does something
+    finally:
+        model.unload()
+    assert torch.equal(base_logits(trainer), before)
+
+    # A second run starts from the clean base: same seed and data give the same adapter exactly.
+    small = preference_samples()[:4]
+    cfg = replace(LEARN, steps=2)
+    trainer.run(small, None, cfg, None, tmp_path / "a")
+    trainer.run(small, None, cfg, None, tmp_path / "b")
+    wa, wb = (
+        load_file(tmp_path / "a" / "adapter_model.safetensors"),
+        load_file(tmp_path / "b" / "adapter_model.safetensors"),
+    )
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert torch.equal(base_logits(trainer), before)
+
+
+def test_learning_moves_held_out_preferences(trainer, learned):
+    out, result, _ = learned
+    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
+    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
+
+    def mean(pairs, adapter):
+        values = trainer.mean_logprobs(pairs, adapter)
+        return sum(values) / len(values)
+
+    good_shift = mean(good, out) - mean(good, None)
+    bad_shift = mean(bad, out) - mean(bad, None)
+    assert good_shift > 0.2, (good_shift, result.metrics)
+    assert bad_shift < -0.2, (bad_shift, result.metrics)
+    assert result.metrics["accepted_seq_frac"] > 0.5
+    assert 0 < result.metrics["mean_kl"] < LEARN.max_mean_kl
+    # sequence_logprobs is the single-pair form of the same measurement.
+    assert trainer.sequence_logprobs(good[0][0], GOOD, out) == pytest.approx(
+        trainer.mean_logprobs(good[:1], out)[0]
+    )
+
+
+def test_first_step_accepts_every_sequence_even_in_the_narrowest_band(trainer, tmp_path):
+    # Reference, behaviour and the trained policy go through the same fp32 path, so before any
+    # update every ratio is exactly 1: a narrow band can only drop what training moved.
+    cfg = replace(preset("careful"), steps=1)
+    result = trainer.run(preference_samples()[:8], None, cfg, None, tmp_path / "a")
+    assert result.metrics["accepted_seq_frac"] == 1.0
+    assert result.metrics["accepted_token_frac"] == 1.0
+    assert result.metrics["mean_kl"] == 0.0
+
+
+def test_stored_behaviour_logprobs_are_used(trainer, tmp_path):
+    tok = trainer.tokenizer
+    ids = tok(GOOD, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    p = chat("Tell me about cats.")
+    true = trainer.token_logprobs([(p, GOOD)])[0]
+    assert len(true) == len(ids)
+    cfg = replace(preset("careful"), steps=1)
+
+    def first_step(lps, token_ids):
+        s = TrainSample(1, p, GOOD, 1.0, behaviour_logprobs=lps, behaviour_token_ids=token_ids)
+        return trainer.run([s], None, cfg, None, tmp_path / "a").metrics
+
+    # Recorded exactly as the trainer computes them: every ratio is 1, even the careful band keeps it.
+    assert first_step(true, ids)["accepted_seq_frac"] == 1.0
+    # Recorded one nat low: every ratio is e = 2.7, outside the token band [0.5, 2].
+    shifted = first_step([x - 1.0 for x in true], ids)
+    assert shifted["accepted_token_frac"] == 0.0 and shifted["accepted_seq_frac"] == 0.0
+    # The same values for other tokens are ignored: the run-start policy is the behaviour.
+    assert first_step([x - 1.0 for x in true], [i + 1 for i in ids])["accepted_token_frac"] == 1.0
+
+
+def test_retraction_keeps_its_fixed_advantage(trainer, tmp_path):
+    samples = preference_samples()[:3] + [TrainSample(99, chat("old"), GOOD, 1.0, fixed_advantage=-0.7)]
+    result = trainer.run(samples, 0.5, replace(LEARN, steps=1), None, tmp_path / "a")
+    assert result.advantages[99] == pytest.approx(-0.7)
+    assert result.advantages[0] == pytest.approx(0.6)  # (1 - 0.5) * 1.2
+    assert result.advantages[1] == pytest.approx(-1.5)
+    assert (result.metrics["ratings_used"], result.metrics["retractions"]) == (3, 1)
+
+
+def test_parent_adapter_is_continued(trainer, learned, tmp_path):
+    from safetensors.torch import load_file
+
+    parent, _, _ = learned
+    # lr 0 keeps the weights; a band of +-1e-5 keeps a sequence only if the run-start policy equals
+    # the behaviour policy, i.e. the parent's weights were loaded before the behaviour pass.
+    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
+    result = trainer.run(preference_samples()[:8], None, cfg, parent, tmp_path / "v2")
+    assert result.metrics["accepted_seq_frac"] == 1.0
+    assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
+    w1 = load_file(parent / "adapter_model.safetensors")
+    w2 = load_file(tmp_path / "v2" / "adapter_model.safetensors")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    p = chat("Describe clocks briefly.")
+    assert trainer.sequence_logprobs(p, GOOD, tmp_path / "v2") == pytest.approx(
+        trainer.sequence_logprobs(p, GOOD, parent)
+    )
