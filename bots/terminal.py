@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
@@ -18,7 +19,7 @@ from rlfleet.shared.models import resolve_model
 from rlfleet.shared.queue import QueueHandle, open_queue
 
 HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
-HELP = (
+HELP = escape(
     "type a message and press enter · after each answer: [1] good  [2] bad  [c] comment  [enter] skip\n"
     "commands: /rl good|bad [comment] · /rl undo · /rl status · /rl train · /rl rollback [v] · /new · /quit"
 )
@@ -95,7 +96,7 @@ def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
         messages = state.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
         with console.status("thinking…"):
             answer = responder.answer(messages)
-        console.print(f"[bold]ai>[/] {answer.text}")
+        console.print(f"[bold]ai>[/] {escape(answer.text)}")
         state.history = messages + [{"role": "assistant", "content": answer.text}]
         if not answer.text.strip():
             console.print("[dim](empty answer: nothing to rate)[/]")
@@ -148,11 +149,11 @@ def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: int, commen
 def _say(result: dict) -> None:
     if result.get("ok"):
         msg = result.get("message", "ok")
-        console.print(f"[dim]{msg}[/]")
+        console.print(f"[dim]{escape(msg)}[/]")
         if result.get("training"):
             console.print(f"[cyan]⟳ {result['training']}[/]")
     else:
-        console.print(f"[red]{result.get('message', 'failed')}[/]")
+        console.print(f"[red]{escape(str(result.get('message', 'failed')))}[/]")
 
 
 def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:

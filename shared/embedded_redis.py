@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -128,8 +129,11 @@ class EmbeddedRedis:
         with self._locked():
             if not self._ping():
                 self._start()
-            self._wait(self._ready, START_TIMEOUT, f"redis-server to answer on {self.socket_path} "
-                       f"(see {self.logfile})")
+            self._wait(
+                self._ready,
+                START_TIMEOUT,
+                f"redis-server to answer on {self.socket_path} (see {self.logfile})",
+            )
             conn = self._control()
             self._prune(conn)
             pid = os.getpid()
@@ -183,8 +187,9 @@ class EmbeddedRedis:
 
     def _client(self, **kw: object) -> redis.Redis:
         # decode_responses stays False: RQ stores pickles and requires bytes.
-        return redis.Redis(unix_socket_path=str(self.socket_path), socket_connect_timeout=2,
-                           health_check_interval=30, **kw)
+        return redis.Redis(
+            unix_socket_path=str(self.socket_path), socket_connect_timeout=2, health_check_interval=30, **kw
+        )
 
     def _control(self) -> redis.Redis:
         # No retries for our own pings, leases and SHUTDOWN: "nothing listens" must come back at
@@ -205,7 +210,11 @@ class EmbeddedRedis:
     def _ready(self) -> bool:
         pid = self._server_pid()
         if pid is not None and not _pid_alive(pid):
-            raise QueueUnavailable(f"redis-server exited while starting; see {self.logfile}")
+            # The log's last line says why, e.g. "Bad file format reading the append only file".
+            why = "no log"
+            with contextlib.suppress(OSError, IndexError):
+                why = self.logfile.read_text(errors="replace").strip().splitlines()[-1].split(" # ", 1)[-1]
+            raise QueueUnavailable(f"redis-server exited while starting ({why}); see {self.logfile}")
         return self._ping(loading_ok=False)
 
     def _server_pid(self) -> int | None:
@@ -218,7 +227,7 @@ class EmbeddedRedis:
         # deleted, e.g. by a /tmp cleaner), stop it first: two servers on one AOF would corrupt it.
         old = self._server_pid()
         if old is not None and _pid_alive(old) and self._is_redis(old):
-            os.kill(old, 15)  # SIGTERM: redis shuts down cleanly, fsyncing the AOF
+            os.kill(old, signal.SIGTERM)  # redis shuts down cleanly, fsyncing the AOF
             self._wait(lambda: not _pid_alive(old), STOP_TIMEOUT, "the unreachable old redis-server to exit")
         self.pidfile.unlink(missing_ok=True)  # stale (a crash): it would read as "exited while starting"
         if self.socket_path.parent != self.dir:
@@ -228,7 +237,8 @@ class EmbeddedRedis:
                 raise QueueUnavailable(f"{self.socket_path.parent} is not a private dir of yours; remove it")
         # For people and non-Python tools (redis-cli -s); rlfleet itself derives the same path.
         (self.dir / "socket").write_text(f"{self.socket_path}\n")
-        # A stale socket file or pidfile from a crash is fine: redis-server replaces both.
+        # A stale socket file from a crash is fine: redis-server unlinks it before binding.
+        # fmt: off
         argv = [
             redis_server_binary(),
             "--daemonize", "yes",
@@ -243,6 +253,7 @@ class EmbeddedRedis:
             "--pidfile", str(self.pidfile),
             "--logfile", str(self.logfile),
         ]
+        # fmt: on
         try:
             # Returns once the daemon has forked; config errors are printed before that, and exit 1.
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=START_TIMEOUT)
@@ -259,8 +270,11 @@ class EmbeddedRedis:
         pid = int(conn.info("server")["process_id"])
         conn.shutdown()  # fsyncs the AOF; the ConnectionError it ends with is caught by redis-py
         conn.close()
-        self._wait(lambda: not _pid_alive(pid) and not self.socket_path.exists(), STOP_TIMEOUT,
-                   f"redis-server (pid {pid}) to exit after SHUTDOWN (see {self.logfile})")
+        self._wait(
+            lambda: not _pid_alive(pid) and not self.socket_path.exists(),
+            STOP_TIMEOUT,
+            f"redis-server (pid {pid}) to exit after SHUTDOWN (see {self.logfile})",
+        )
 
     @staticmethod
     def _is_redis(pid: int) -> bool:
@@ -268,8 +282,10 @@ class EmbeddedRedis:
         with contextlib.suppress(OSError):
             return b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
         with contextlib.suppress(OSError):  # no /proc (macOS)
-            return b"redis-server" in subprocess.run(["ps", "-o", "command=", "-p", str(pid)],
-                                                     capture_output=True).stdout
+            return (
+                b"redis-server"
+                in subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True).stdout
+            )
         return False
 
     @staticmethod

@@ -65,8 +65,12 @@ def children():
     procs: list[subprocess.Popen] = []
 
     def spawn(home: Path, key: str, mode: str) -> tuple[subprocess.Popen, int]:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(home), key, mode],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(home), key, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(proc)
         ready, _, _ = select.select([proc.stdout], [], [], 15)
         assert ready, "child did not acquire the server in time"
@@ -169,8 +173,12 @@ def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
     conn = emb.acquire()
     conn.set("survivor", "yes")
     conn.bgrewriteaof()  # on disk now, not just within the next everysec fsync
-    wait_until(lambda: conn.info("persistence")["aof_rewrite_in_progress"] == 0
-               and conn.info("persistence")["aof_rewrite_scheduled"] == 0)
+    wait_until(
+        lambda: (
+            conn.info("persistence")["aof_rewrite_in_progress"] == 0
+            and conn.info("persistence")["aof_rewrite_scheduled"] == 0
+        )
+    )
     pid = server_pid(conn)
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not er._pid_alive(pid))
@@ -191,8 +199,15 @@ def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
 
 def test_racing_starters_start_one_server(tmp_path, embedded):
     embedded()  # for its teardown: the server is killed even if this test fails
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), f"k{i}", "hold"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(tmp_path), f"k{i}", "hold"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
     try:
         pids = set()
         for p in procs:  # all started at once, all holding: they race for the start
@@ -240,6 +255,13 @@ def test_long_data_dir_uses_a_short_socket_path(tmp_path, embedded, children):
     emb.release()
     assert not EmbeddedRedis.running(home)
     assert not emb.socket_path.exists()
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(tmp_path, embedded):
+    (tmp_path / "redis").mkdir()
+    (tmp_path / "redis" / "appendonly.aof").write_bytes(b"*3\r\n$3\r\nSET\r\ngarbage\r\n")
+    with pytest.raises(QueueUnavailable, match=r"append only file.*redis\.log"):
+        embedded().acquire()
 
 
 def test_no_redis_server_binary_is_a_clear_error(monkeypatch):
