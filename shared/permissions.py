@@ -9,7 +9,9 @@ ADMIN_ACTIONS: frozenset[str] = frozenset({"train", "rollback", "reset"})
 LOCAL_ACTOR = "local"  # the terminal user: always admin of their own data dir
 
 
-def may_rate(actor: str, owner: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()) -> bool:
+def may_rate(
+    actor: str, owner: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
+) -> bool:
     """A rating counts only from the capture's owner or an allowlisted rater or admin."""
     return actor == owner or actor in raters or actor in admins
 

@@ -16,7 +16,7 @@ import redis
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 
-from .config import Config
+from .config import Config, redact_url
 from .errors import QueueUnavailable
 from .events import Capture, Command, Rating, Undo
 
@@ -76,7 +76,7 @@ def open_queue(cfg: Config) -> QueueHandle:
             conn.ping()
         except (redis.RedisError, ValueError) as exc:
             raise QueueUnavailable(
-                f"cannot reach Redis at {_redact(cfg.redis_url)} ({exc.__class__.__name__}); "
+                f"cannot reach Redis at {redact_url(cfg.redis_url)} ({exc.__class__.__name__}); "
                 "start it, fix REDIS_URL, or unset it to use the embedded server"
             ) from None
         return QueueHandle(conn, cfg.redis_url)
@@ -124,9 +124,3 @@ def wait_for(job: Job, timeout: float) -> dict | None:
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

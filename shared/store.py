@@ -16,6 +16,7 @@ from sqlalchemy import Engine, create_engine, event, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
 from .events import Capture, Rating, Undo
 from .permissions import may_rate
@@ -95,7 +96,7 @@ class Store:
                 pass  # another process migrated at the same moment
             except Exception as exc:
                 if "OperationalError" in type(exc).__name__ or "connect" in str(exc).lower():
-                    raise ConfigError(f"cannot reach the database ({_redact(url)}): {_first(exc)}") from None
+                    raise ConfigError(f"cannot reach the database ({redact_url(url)}): {_first(exc)}") from None
                 raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -418,9 +419,3 @@ def _first(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
 
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

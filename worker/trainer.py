@@ -25,8 +25,8 @@ from torch import Tensor
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import advantages as compute_advantages
 from .objective import EMA_SEED, k3_kl, mispo_loss
+from .objective import advantages as compute_advantages
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
 
