@@ -18,7 +18,9 @@ from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from .config import Config, load_config
@@ -276,7 +278,7 @@ def status_dict(cfg: Config, handle: QueueHandle | None) -> dict:
     return build_status(cfg, Store(cfg.db_url), handle.redis if handle else None, slug)
 
 
-def render_status(st: dict) -> Table:
+def render_status(st: dict) -> Group:
     t = Table(show_header=False, box=None, pad_edge=False)
     r = st["ratings"]
     t.add_row("model", st["model"])
@@ -290,23 +292,25 @@ def render_status(st: dict) -> Table:
         p = tr["progress"]
         line += f" · {p['phase']} step {p['step']}/{p['total']} · {p['tokens_per_s']:.0f} tok/s"
     if tr.get("error"):
-        line += f" · [red]{tr['error']}[/]"
+        line += f" · [red]{escape(tr['error'])}[/]"
     t.add_row("training", line)
     t.add_row("queue", f"{st['queue']['events']} events, {st['queue']['train']} training jobs waiting")
     t.add_row("workers", str(st["workers"]))
     versions = st["adapter"]["versions"]
-    if versions:
-        vt = Table("version", "status", "created", "ratings", "loss", "KL", "accepted tok/seq", "tok/s")
-        for v in versions[-10:]:
-            m = v["metrics"]
-            vt.add_row(
-                v["version"], v["status"], (v["created"] or "")[:19].replace("T", " "),
-                str(m.get("ratings_used", "")), _fmt(m.get("loss")), _fmt(m.get("mean_kl"), 4),
-                f"{_fmt(m.get('accepted_token_frac'), 2)}/{_fmt(m.get('accepted_seq_frac'), 2)}",
-                _fmt(m.get("tokens_per_s"), 0),
-            )
-        t.add_row("versions", vt)
-    return t
+    if not versions:
+        return Group(t)
+    # Narrow enough for an 80-column terminal: the full metrics are in --json and meta.json.
+    vt = Table("version", "status", "created", "ratings", "KL", "acc tok/seq", "tok/s",
+               box=box.SIMPLE_HEAD, pad_edge=False, title="versions (newest last)", title_justify="left")
+    for v in versions[-10:]:
+        m = v["metrics"]
+        vt.add_row(
+            v["version"], v["status"], (v["created"] or "")[5:16].replace("T", " "),
+            str(m.get("ratings_used", "")), _fmt(m.get("mean_kl"), 3),
+            f"{_fmt(m.get('accepted_token_frac'), 2)}/{_fmt(m.get('accepted_seq_frac'), 2)}",
+            _fmt(m.get("tokens_per_s"), 0),
+        )
+    return Group(t, vt)
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

@@ -13,6 +13,9 @@ import hashlib
 import importlib.util
 import os
 import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,9 +119,13 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
     """Load the base model in ``dtype`` (fp32 by default: GGUF weights are dequantised to it)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     kwargs: dict[str, Any] = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Our callers show their own "loading" line; transformers' per-tensor bars would flood worker
+    # logs and fight the chat's spinner for the terminal.
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
     except (OSError, ValueError) as exc:
@@ -131,3 +138,14 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+@contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence two known-harmless warnings around peft calls: peft 0.21 calls a transformers 5
+    method deprecated in favour of is_activation_checkpointing, and a GGUF model's folder has no
+    config.json for peft to compare the vocabulary against (it is unchanged: we never resize it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
+        yield

@@ -15,14 +15,13 @@ import logging
 import re
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .models import ModelRef, load_model, load_tokenizer
+from .models import ModelRef, load_model, load_tokenizer, quiet_peft
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ class LocalResponder:
 
         from peft import PeftModel  # imported late: costs seconds, and the base model needs none
 
-        with _quiet_peft():
+        with quiet_peft():
             if self._peft is None:
                 try:
                     self._peft = PeftModel.from_pretrained(
@@ -334,12 +333,4 @@ def _seeded(seed: int | None, device: str) -> Iterator[None]:
         devices, device_type = [dev.index or 0], dev.type
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.manual_seed(seed)
-        yield
-
-
-@contextmanager
-def _quiet_peft() -> Iterator[None]:
-    # peft 0.21 calls a transformers 5 method deprecated in favour of is_activation_checkpointing.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield

@@ -4,6 +4,7 @@ the adapter registry and Redis; the worker also publishes it to a Redis key for 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import redis
 from rq import Queue, Worker
@@ -14,8 +15,11 @@ from .registry import AdapterRegistry
 from .store import Store
 
 
-def _iso(dt) -> str | None:
-    return dt.isoformat() if dt is not None else None
+def _iso(dt: datetime | None) -> str | None:
+    if dt is None:
+        return None
+    # SQLite hands back naive datetimes; every time we store is UTC, so say so.
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).isoformat()
 
 
 def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:

@@ -24,6 +24,7 @@ from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, Rating
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 _ENGINES: dict[str, Engine] = {}
+_MIGRATED: set[str] = set()  # URLs brought to head by this process: once is enough
 
 
 def _utc(dt: datetime) -> datetime:
@@ -89,9 +90,10 @@ class Store:
     def __init__(self, url: str, *, migrate_schema: bool = True) -> None:
         self.url = url
         self.engine = _engine(url)
-        if migrate_schema:
+        if migrate_schema and url not in _MIGRATED:
             try:
                 migrate(self.engine)
+                _MIGRATED.add(url)
             except IntegrityError:
                 pass  # another process migrated at the same moment
             except Exception as exc:

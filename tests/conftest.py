@@ -106,6 +106,7 @@ def db_url(request, tmp_path) -> str:
     finally:
         from rlfleet.shared import store as store_mod
 
+        store_mod._MIGRATED.discard(url)
         eng = store_mod._ENGINES.pop(url, None)
         if eng is not None:
             eng.dispose()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfleet.shared.models import ModelRef, load_model, load_tokenizer
+from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
 
 from .batching import Encoded, collate, encode_sample, micro_batches
 from .objective import EMA_SEED, k3_kl, mispo_loss
@@ -87,7 +87,8 @@ class Trainer:
         else:
             raise ValueError("a fresh adapter needs a TrainConfig")
         lora.inference_mode = not trainable
-        model = get_peft_model(self.base, lora)
+        with quiet_peft():
+            model = get_peft_model(self.base, lora)
         try:
             if adapter_dir is not None:
                 weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=self.device)
@@ -235,7 +236,8 @@ class Trainer:
             final_kl = self._mean_kl(model, groups, batches, ref_lp, autocast)
             report(Progress(cfg.steps, cfg.steps, 0.0, loss_value, phase="saving"))
             out_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(str(out_dir))
+            with quiet_peft():
+                model.save_pretrained(str(out_dir))
 
         n_retractions = sum(s.fixed_advantage is not None for s in samples)
         metrics: dict[str, float | int | str] = {

