@@ -30,15 +30,20 @@ def status():
     return json.loads(res.output)
 
 
-@pytest.fixture
-def tiny_home(queued_home, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+def _use_tiny_model(model_dir, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(model_dir))
     monkeypatch.setenv("RLFLEET_THRESHOLD", "4")
     cfg = load_config()
-    # a few fast steps: this test checks the plumbing; learning is shown in test_trainer
+    # a few fast steps: these tests check the plumbing; learning is shown in test_trainer
     cfg.train.steps = 2
     cfg.train.max_tokens = 96
     cfg.save()
+    return cfg
+
+
+@pytest.fixture
+def tiny_home(queued_home, tiny_model_dir, monkeypatch):
+    _use_tiny_model(tiny_model_dir, monkeypatch)
     return queued_home
 
 
@@ -158,12 +163,7 @@ def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch
 
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
     """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
-    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
-    monkeypatch.setenv("RLFLEET_THRESHOLD", "4")
-    cfg = load_config()
-    cfg.train.steps = 2
-    cfg.train.max_tokens = 96
-    cfg.save()
+    cfg = _use_tiny_model(tiny_model_dir, monkeypatch)
     from rlfleet.worker.runner import BackgroundWorkers
 
     handle = open_queue(cfg)
