@@ -53,7 +53,7 @@ def _progress_line(cfg: Config, handle: QueueHandle, slug: str) -> str | None:
     if tr["state"] == "queued":
         return "training queued"
     if tr["state"] == "failed" and tr.get("error"):
-        return f"last training run failed: {tr['error']}"
+        return f"last training run did not go live: {tr['error']}"
     return None
 
 

@@ -299,18 +299,36 @@ def render_status(st: dict) -> Group:
     versions = st["adapter"]["versions"]
     if not versions:
         return Group(t)
-    # Narrow enough for an 80-column terminal: the full metrics are in --json and meta.json.
-    vt = Table("version", "status", "created", "ratings", "KL", "acc tok/seq", "tok/s",
-               box=box.SIMPLE_HEAD, pad_edge=False, title="versions (newest last)", title_justify="left")
-    for v in versions[-10:]:
-        m = v["metrics"]
-        vt.add_row(
-            v["version"], v["status"], (v["created"] or "")[5:16].replace("T", " "),
-            str(m.get("ratings_used", "")), _fmt(m.get("mean_kl"), 3),
-            f"{_fmt(m.get('accepted_token_frac'), 2)}/{_fmt(m.get('accepted_seq_frac'), 2)}",
-            _fmt(m.get("tokens_per_s"), 0),
-        )
-    return Group(t, vt)
+    return Group(t, versions_table(versions[-10:], title="versions (newest last)"))
+
+
+HISTORY_FIELDS = ("ratings_used", "heldout_n", "heldout_margin_before", "heldout_margin_after", "heldout_kl",
+                  "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "verdict", "reason")
+
+
+def history_rows(versions: list[dict]) -> list[dict]:
+    return [
+        {"version": v["version"], "status": v["status"], "created": v["created"], "parent": v.get("parent"),
+         **{k: v["metrics"].get(k) for k in HISTORY_FIELDS}}
+        for v in versions
+    ]
+
+
+def versions_table(versions: list[dict], title: str | None = None) -> Table:
+    """One row per version, narrow enough for 80 columns (the rest is in --json and meta.json)."""
+    t = Table("version", "status", "created", "ratings", "held-out margin", "KL", "acc tok", "verdict",
+              box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+    for r in history_rows(versions):
+        before, after = r["heldout_margin_before"], r["heldout_margin_after"]
+        margin = f"{before:+.3f} → {after:+.3f}" if before is not None and after is not None else "–"
+        verdict = r["verdict"] or ""
+        if r["reason"] and r["status"] != "active":
+            verdict += f": {r['reason']}"
+        kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]
+        t.add_row(r["version"], r["status"], (r["created"] or "")[5:16].replace("T", " "),
+                  str(r["ratings_used"] or ""), margin, _fmt(kl, 3), _fmt(r["accepted_token_frac"], 2),
+                  escape(verdict))
+    return t
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -424,6 +442,33 @@ def rollback(
     cfg = _config()
     with _queue(cfg) as q:
         _emit(dispatch(q, cfg, Command(name="rollback", args={"version": version})), as_json)
+
+
+@app.command()
+def promote(
+    version: Annotated[str, typer.Argument(help="Version to serve (v0003).")],
+    force: Annotated[bool, typer.Option("--force", help="Serve it even though the gate rejected it.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve a version; one the evaluation gate rejected only with --force."""
+    cfg = _config()
+    with _queue(cfg) as q:
+        _emit(dispatch(q, cfg, Command(name="promote", args={"version": version, "force": force})), as_json)
+
+
+@app.command()
+def history(as_json: JsonOpt = False) -> None:
+    """Every adapter version: ratings used, held-out margin before/after, KL, accepted tokens, verdict."""
+    cfg = _config()
+    with _queue(cfg) as q:
+        st = status_dict(cfg, q)
+    versions = st["adapter"]["versions"]
+    if as_json:
+        out.print_json(json.dumps(history_rows(versions), default=str))
+    elif not versions:
+        out.print("no adapter versions yet")
+    else:
+        out.print(versions_table(versions))
 
 
 @app.command()

@@ -36,6 +36,10 @@ class TrainSettings(BaseModel):
     preset: Preset = "balanced"
     threshold: int = Field(32, ge=1, le=100_000, description="pending ratings that start a run")
     max_ratings: int = Field(512, ge=1, description="cap on ratings one run consumes")
+    # The evaluation gate (worker/gate.py): held-out ratings a candidate must not do worse on.
+    gate: bool = True
+    holdout_frac: float = Field(0.15, ge=0.0, le=0.5)
+    min_holdout: int = Field(4, ge=1, le=1000)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # Explicit overrides of the preset's values; None = the preset decides.
     lr: float | None = Field(None, gt=0, lt=1)

@@ -122,7 +122,7 @@ class Undo(_Event):
     type: Literal["undo"] = "undo"
 
 
-CommandName = Literal["status", "train", "rollback", "reset"]
+CommandName = Literal["status", "train", "rollback", "promote", "reset"]
 
 
 class Command(_Event):

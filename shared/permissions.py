@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-Action = Literal["rate", "undo", "status", "train", "rollback", "reset"]
-ADMIN_ACTIONS: frozenset[str] = frozenset({"train", "rollback", "reset"})
+Action = Literal["rate", "undo", "status", "train", "rollback", "promote", "reset"]
+ADMIN_ACTIONS: frozenset[str] = frozenset({"train", "rollback", "promote", "reset"})
 LOCAL_ACTOR = "local"  # the terminal user: always admin of their own data dir
 
 

@@ -250,7 +250,7 @@ class LocalResponder:
             mask = enc.get("attention_mask")
             mask = torch.ones_like(prompt) if mask is None else mask.to(self.device)
             model = self.model
-            with torch.inference_mode(), _seeded(seed, self.device):
+            with torch.inference_mode(), seeded_rng(seed, self.device):
                 out = model.generate(input_ids=prompt, attention_mask=mask,
                                      generation_config=self._generation_config(model))
                 new = self._cut_at_end(out[0, prompt.shape[1]:])
@@ -319,7 +319,7 @@ def token_logprobs(model: Any, prompt_ids: Any, new_ids: Any) -> list[float]:
 
 
 @contextmanager
-def _seeded(seed: int | None, device: str) -> Iterator[None]:
+def seeded_rng(seed: int | None, device: str) -> Iterator[None]:
     """Seed sampling for one answer without disturbing the process-wide RNG state."""
     if seed is None:
         yield

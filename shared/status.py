@@ -34,8 +34,10 @@ def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:
             out["state"] = run.state
         else:  # its worker died and nothing holds the run: say so instead of "running" forever
             out["state"], out["error"] = "failed", "the training worker stopped during the run"
-    elif run.state in ("failed", "rejected"):
+    elif run.state == "failed":
         out["state"], out["error"] = "failed", run.error
+    elif run.state == "rejected":  # trained, but the gate kept it from being served
+        out["state"], out["error"] = "failed", f"{run.version} was not promoted: {run.error}"
     if conn is not None and out["state"] == "running":
         raw = conn.hgetall(progress_key(slug))
         if raw:

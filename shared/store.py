@@ -6,7 +6,7 @@ Functions here take typed events and return small result dataclasses; nothing he
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -247,13 +247,13 @@ class Store:
         )
         return (RatingRow.train_model == model) & or_(fresh, retract)
 
-    def pending_count(self, model: str) -> int:
+    def pending_count(self, model: str, since: datetime | None = None) -> int:
+        """Active ratings not trained on yet (only those made after ``since``, when given)."""
+        clause = (RatingRow.train_model == model) & (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+        if since is not None:
+            clause &= RatingRow.created > _utc(since)
         with self.session() as s:
-            return s.scalar(
-                select(func.count()).select_from(RatingRow).where(
-                    (RatingRow.train_model == model) & (RatingRow.state == "active") & RatingRow.run_id.is_(None)
-                )
-            ) or 0
+            return s.scalar(select(func.count()).select_from(RatingRow).where(clause)) or 0
 
     def pending_ratings(self, model: str, cap: int) -> list[tuple[RatingRow, CaptureRow]]:
         with self.session() as s:
@@ -346,13 +346,69 @@ class Store:
             run.error = reason if status != "active" else None
             if status == "active":
                 # The ratings are consumed only by a promoted run; otherwise they stay pending.
-                for rid, adv in advantages.items():
-                    s.execute(update(RatingRow).where(RatingRow.id == rid).values(run_id=run_id, advantage=adv))
-                if retracted:
-                    s.execute(update(RatingRow).where(RatingRow.id.in_(retracted)).values(retract_run_id=run_id))
-                base.ema = new_ema
-                base.count += len(advantages)
+                self._consume(s, base, run_id, advantages, retracted, new_ema)
             return status
+
+    @staticmethod
+    def _consume(
+        s: Session, base: Baseline, run_id: int, advantages: dict[int, float], retracted: list[int],
+        new_ema: float,
+    ) -> None:
+        for rid, adv in advantages.items():
+            s.execute(update(RatingRow).where(RatingRow.id == rid).values(run_id=run_id, advantage=adv))
+        if retracted:
+            s.execute(update(RatingRow).where(RatingRow.id.in_(retracted)).values(retract_run_id=run_id))
+        base.ema = new_ema
+        base.count += len(advantages)
+
+    def version(self, model: str, version: str) -> AdapterVersion | None:
+        with self.session() as s:
+            return s.scalars(
+                select(AdapterVersion).where(AdapterVersion.model == model, AdapterVersion.version == version)
+            ).first()
+
+    def force_promote(
+        self,
+        model: str,
+        version: str,
+        advantages: dict[int, float],
+        retracted: list[int],
+        ema_after: Callable[[float | None, list[float]], float],
+    ) -> int:
+        """Serve a version the gate rejected, as if its run had passed: it becomes active and consumes
+        those of its ratings still pending (the EMA moves over them). Returns how many it consumed."""
+        with self.session() as s:
+            row = s.scalars(
+                select(AdapterVersion).where(AdapterVersion.model == model, AdapterVersion.version == version)
+            ).first()
+            if row is None:
+                raise NotFound(f"no adapter version {version}")
+            base = self._baseline(s, model)
+            if row.lineage != base.lineage:
+                raise BadInput(f"{version} is from before a reset: it belongs to an old lineage")
+            still = {
+                r.id: r.value
+                for r in s.scalars(
+                    select(RatingRow).where(
+                        RatingRow.id.in_(list(advantages)), RatingRow.run_id.is_(None), RatingRow.state == "active"
+                    )
+                )
+            }
+            ema = ema_after(base.ema, [float(still[rid]) for rid in sorted(still)])
+            retracted = list(
+                s.scalars(
+                    select(RatingRow.id).where(RatingRow.id.in_(retracted), RatingRow.retract_run_id.is_(None))
+                )
+            )
+            s.execute(
+                update(AdapterVersion)
+                .where(AdapterVersion.model == model, AdapterVersion.status == "active")
+                .values(status="candidate")
+            )
+            row.status = "active"
+            keep = {rid: adv for rid, adv in advantages.items() if rid in still}
+            self._consume(s, base, row.run_id, keep, retracted, ema)
+            return len(keep)
 
     def _baseline(self, s: Session, model: str) -> Baseline:
         base = s.get(Baseline, model)

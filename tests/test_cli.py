@@ -123,7 +123,7 @@ def test_reset_needs_yes_without_a_terminal(queued_home):
 
 
 @pytest.mark.parametrize("cmd", ["init", "chat", "capture", "good", "bad", "undo", "status", "train", "rollback",
-                                 "reset", "up", "worker"])
+                                 "reset", "up", "worker", "promote", "history"])
 def test_every_command_has_help(cmd):
     res = rl(cmd, "--help")
     assert res.exit_code == 0 and "Usage" in res.output

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import redis
 from rq import get_current_job
@@ -25,6 +26,7 @@ from rlfleet.shared.queue import TRAIN_JOB, TRAIN_QUEUE, progress_key, train_loc
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.status import build_status, publish_snapshot
 from rlfleet.shared.store import Store
+from rlfleet.worker.gate import GateConfig, Verdict, judge, split_holdout
 
 log = logging.getLogger("rlfleet.worker")
 LOCK_TTL = 24 * 3600  # a training run longer than this is treated as dead
@@ -94,10 +96,24 @@ def _lock_is_stale(conn: redis.Redis, job_id: bytes | None) -> bool:
     return job.get_status() in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED)
 
 
+def _waiting_after_failure(ctx: Context) -> bool:
+    """After a failed or rejected run its ratings are still pending: retrying on every new rating
+    would train on nearly the same data again and again. Wait for half a threshold of new ones
+    (an interrupted run is retried at once: nothing was wrong with its data)."""
+    last = ctx.store.latest_run(ctx.slug)
+    if last is None or last.state not in ("failed", "rejected") or last.started is None:
+        return False
+    if (last.error or "").startswith("interrupted"):
+        return False
+    return ctx.store.pending_count(ctx.slug, since=last.started) < max(1, ctx.cfg.train.threshold // 2)
+
+
 def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str | None:
     """Queue one training run when pending ratings reach the threshold; never two for one model."""
     pending = ctx.store.pending_count(ctx.slug)
     if not force and pending < ctx.cfg.train.threshold:
+        return None
+    if not force and _waiting_after_failure(ctx):
         return None
     if force and not ctx.store.pending_ratings(ctx.slug, 1):
         return "nothing to train on: no pending ratings"
@@ -195,6 +211,16 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
             )
         )
 
+    # Retractions always train; fresh ratings lose their newest slice to the gate's held-out set,
+    # which stays pending (never trained on in this run) and trains the next one.
+    gcfg = gate_config(ctx.cfg)
+    fresh = [s for s in samples if s.fixed_advantage is None]
+    held: list[TrainSample] = []
+    if gcfg.enabled:
+        _, held = split_holdout(fresh, [s.reward for s in fresh], gcfg.holdout_frac, gcfg.min_holdout)
+    held_ids = {s.rating_id for s in held}
+    train_samples = [s for s in samples if s.rating_id not in held_ids]
+
     trainer = get_trainer(ctx.cfg)
     tcfg = presets.resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe)
     ema, _lineage = ctx.store.baseline(ctx.slug)
@@ -208,14 +234,23 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
 
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
-        result = trainer.run(samples, ema, tcfg, parent_dir, staging, progress=report)
-        fresh = [s.reward for s in samples if s.fixed_advantage is None]
-        new_ema = update_ema(ema, fresh, tcfg.ema_decay) if fresh else (ema if ema is not None else 0.0)
-        metrics = {**result.metrics, "ema_before": ema, "ema_after": new_ema}
+        result = trainer.run(train_samples, ema, tcfg, parent_dir, staging, progress=report)
+        verdict = None
+        if held and result.promoted_ok:
+            report(Progress(0, 1, 0.0, phase="evaluating"))
+            verdict = evaluate_candidate(trainer, held, parent_dir, staging, gcfg, tcfg.max_tokens)
+        trained = [s.reward for s in train_samples if s.fixed_advantage is None]
+        new_ema = update_ema(ema, trained, tcfg.ema_decay) if trained else (ema if ema is not None else 0.0)
+        promote_ok = result.promoted_ok and (verdict is None or verdict.promote)
+        reason = result.reason or (verdict.reason if verdict else None)
+        gate_metrics = verdict.metrics if verdict else {"verdict": "unchecked" if not held else "rejected"}
+        metrics = {**result.metrics, **gate_metrics, "ema_before": ema, "ema_after": new_ema, "reason": reason}
+        advantages = {rid: adv for rid, adv in result.advantages.items() if rid not in retracted}
         meta = {
             "version": version, "parent": parent, "model": ctx.cfg.model, "slug": ctx.slug, "run_id": run_id,
-            "rating_ids": [s.rating_id for s in samples if s.fixed_advantage is None],
-            "retracted_rating_ids": retracted, "metrics": metrics,
+            "rating_ids": [s.rating_id for s in train_samples if s.fixed_advantage is None],
+            "heldout_rating_ids": sorted(held_ids),
+            "retracted_rating_ids": retracted, "advantages": advantages, "metrics": metrics,
             "config": {k: v for k, v in asdict(tcfg).items()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seconds": round(time.time() - started, 1),
@@ -225,14 +260,38 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
         ctx.registry.discard(staging)
         raise
     status = ctx.store.finish_run(
-        run_id, model=ctx.slug, version=version, parent=parent, metrics=metrics,
-        advantages={rid: adv for rid, adv in result.advantages.items() if rid not in retracted},
-        retracted=retracted, new_ema=new_ema, promote=result.promoted_ok, reason=result.reason,
+        run_id, model=ctx.slug, version=version, parent=parent, metrics=metrics, advantages=advantages,
+        retracted=retracted, new_ema=new_ema, promote=promote_ok, reason=reason,
     )
     if status == "active":
         ctx.registry.set_current(version)
-        return {"ok": True, "message": f"{version} is live (trained on {len(samples)} ratings)", "version": version}
-    return {"ok": False, "message": f"{version} was not promoted: {result.reason or status}", "version": version}
+        n = len(train_samples)
+        checked = f", held-out check passed on {len(held)}" if held else ""
+        return {"ok": True, "message": f"{version} is live (trained on {n} ratings{checked})", "version": version}
+    return {"ok": False, "message": f"{version} was not promoted: {reason or status}", "version": version}
+
+
+def gate_config(cfg: Config) -> GateConfig:
+    return GateConfig(
+        enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout
+    )
+
+
+def evaluate_candidate(
+    trainer, held: list, parent_dir: Path | None, candidate_dir: Path, gcfg: GateConfig, max_tokens: int
+) -> Verdict:
+    """Measure base, parent and candidate on the held-out ratings and judge the candidate."""
+    from rlfleet.worker.evaluate import score_model
+
+    pairs = [(s.prompt, s.response) for s in held]
+    rewards = [s.reward for s in held]
+    base = score_model(trainer, pairs, None, gcfg, max_tokens)
+    # The parent is only needed for its margin: no sampling.
+    parent = base if parent_dir is None else score_model(
+        trainer, pairs, parent_dir, replace(gcfg, eval_prompts=0), max_tokens
+    )
+    cand = score_model(trainer, pairs, candidate_dir, gcfg, max_tokens)
+    return judge(rewards, base, parent, cand, gcfg)
 
 
 # ---- commands ---------------------------------------------------------------------------------------
@@ -249,6 +308,8 @@ def run_command(ctx: Context, cmd: Command) -> dict:
         return {"ok": queued or "already" in (msg or ""), "message": msg or "nothing to do"}
     if cmd.name == "rollback":
         return rollback(ctx, cmd.args.get("version"))
+    if cmd.name == "promote":
+        return promote(ctx, str(cmd.args.get("version") or ""), bool(cmd.args.get("force")))
     if cmd.name == "reset":
         purged = ctx.store.reset(ctx.slug, bool(cmd.args.get("purge_ratings")))
         ctx.registry.set_current(None)
@@ -268,12 +329,50 @@ def rollback(ctx: Context, target: object) -> dict:
         ctx.registry.set_current(None)
         ctx.store.set_active(ctx.slug, None)
         return {"ok": True, "message": "rolled back to the base model", "version": None}
-    if not ctx.registry.exists(target):
-        known = ", ".join(ctx.registry.versions()) or "none yet"
-        return {"ok": False, "message": f"no adapter version {target} (versions: {known})"}
+    refusal = _unservable(ctx, target)
+    if refusal:
+        return {"ok": False, "message": refusal}
     ctx.registry.set_current(target)
     ctx.store.set_active(ctx.slug, target)
     return {"ok": True, "message": f"now serving {target}", "version": target}
+
+
+def _unservable(ctx: Context, version: str, force: bool = False) -> str | None:
+    """Why ``version`` may not be served (None: it may)."""
+    if not ctx.registry.exists(version):
+        known = ", ".join(ctx.registry.versions()) or "none yet"
+        return f"no adapter version {version} (versions: {known})"
+    row = ctx.store.version(ctx.slug, version)
+    if row is None or row.status == "stale":
+        return f"{version} is from before a reset (an old lineage); train a new version instead"
+    if row.status == "rejected" and not force:
+        why = (row.metrics or {}).get("reason") or "it failed its checks"
+        return f"{version} was rejected: {why}. `rlfleet promote {version} --force` serves it anyway"
+    return None
+
+
+def promote(ctx: Context, version: str, force: bool) -> dict:
+    """Serve ``version``; a version the gate rejected only with ``force``."""
+    from rlfleet.worker.objective import update_ema
+
+    refusal = _unservable(ctx, version, force)
+    if refusal:
+        return {"ok": False, "message": refusal}
+    row = ctx.store.version(ctx.slug, version)
+    if row.status != "rejected":
+        ctx.registry.set_current(version)
+        ctx.store.set_active(ctx.slug, version)
+        return {"ok": True, "message": f"now serving {version}", "version": version}
+    meta = ctx.registry.meta(version)
+    decay = float(meta.get("config", {}).get("ema_decay", 0.99))
+    consumed = ctx.store.force_promote(
+        ctx.slug, version, {int(k): float(v) for k, v in meta.get("advantages", {}).items()},
+        [int(r) for r in meta.get("retracted_rating_ids", [])],
+        ema_after=lambda ema, rewards: update_ema(ema, rewards, decay),
+    )
+    ctx.registry.set_current(version)
+    return {"ok": True, "message": f"now serving {version} (forced past the gate; {consumed} ratings consumed)",
+            "version": version}
 
 
 def reconcile(cfg: Config) -> None:

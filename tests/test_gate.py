@@ -1,0 +1,100 @@
+"""The gate's pure parts: the held-out split, the margin and its noise, collapse signals, verdicts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from rlfleet.worker.gate import GateConfig, ModelScores, distinct_n, judge, margin, paired_noise, split_holdout
+
+CFG = GateConfig()
+
+
+def test_split_holds_out_the_newest_of_each_class():
+    items = list(range(32))
+    rewards = [1.0 if i % 4 else -1.0 for i in items]  # 24 good, 8 bad
+    train, held = split_holdout(items, rewards, 0.15, 4)
+    assert len(held) == 5 and sorted(train + held) == items
+    good = [i for i in held if rewards[i] > 0]
+    bad = [i for i in held if rewards[i] < 0]
+    assert len(good) == 4 and len(bad) == 1
+    assert good == [27, 29, 30, 31] and bad == [28]  # the newest of each class
+
+
+def test_split_keeps_a_minimum_and_skips_tiny_runs():
+    assert split_holdout(list(range(7)), [1.0] * 7, 0.15, 4) == (list(range(7)), [])
+    train, held = split_holdout(list(range(10)), [1.0, -1.0] * 5, 0.15, 4)
+    assert len(held) == 4 and len(train) == 6
+    assert sum(1 for i in held if i % 2 == 0) == 2  # balanced classes split evenly
+
+
+def test_split_represents_a_rare_class():
+    rewards = [1.0] * 30 + [-1.0] * 2
+    _, held = split_holdout(list(range(32)), rewards, 0.15, 4)
+    assert any(rewards[i] < 0 for i in held)
+
+
+def test_margin_and_noise_by_hand():
+    assert margin([-1.0, -3.0, -2.0], [1, -1, -1]) == pytest.approx(-1.0 - (-2.5))
+    assert margin([-1.0, -2.0], [1, 1]) == pytest.approx(-1.5)  # no bad answers: good side alone
+    assert margin([-1.0, -2.0], [-1, -1]) == pytest.approx(1.5)
+    # good changes 0.1, 0.3 (mean 0.2); bad -0.2, 0.0 (mean -0.1): squared deviations 0.01 each,
+    # pooled variance 0.04 / 2 = 0.02; SE = sqrt(0.02 * (1/2 + 1/2)) = 0.1414
+    assert paired_noise([0.1, 0.3, -0.2, 0.0], [0.0] * 4, [1, 1, -1, -1]) == pytest.approx(math.sqrt(0.02))
+    assert math.isinf(paired_noise([0.1, 0.2], [0.0, 0.0], [1, -1]))  # one answer per class: no spread
+
+
+def test_distinct_n():
+    assert distinct_n([[1, 2, 3, 4]]) == 1.0
+    assert distinct_n([[7, 7, 7, 7, 7]]) == pytest.approx(1 / 4)
+    assert distinct_n([[1], []]) == 1.0
+
+
+def _scores(lps, kl=0.01, entropy=2.0, distinct=0.9, length=30.0):
+    return ModelScores(logprobs=lps, kl=kl, entropy=entropy, distinct2=distinct, answer_tokens=length)
+
+
+REWARDS = [1, 1, -1, -1]
+BASE = _scores([-2.0, -2.1, -2.0, -2.2], kl=0.0)
+
+
+def test_a_better_candidate_is_promoted():
+    cand = _scores([-1.6, -1.7, -2.5, -2.6])
+    v = judge(REWARDS, BASE, BASE, cand, CFG)
+    assert v.promote and v.reason is None and v.metrics["verdict"] == "promoted"
+    assert v.metrics["heldout_margin_after"] > v.metrics["heldout_margin_before"]
+
+
+def test_a_slightly_worse_candidate_within_noise_passes():
+    cand = _scores([-2.01, -2.11, -2.0, -2.2])  # margin 0.05 -> 0.04, within the 0.02 floor
+    assert judge(REWARDS, BASE, BASE, cand, CFG).promote
+
+
+def test_inverted_preferences_are_rejected():
+    cand = _scores([-2.6, -2.7, -1.5, -1.6])
+    v = judge(REWARDS, BASE, BASE, cand, CFG)
+    assert not v.promote and "margin fell" in v.reason and v.metrics["verdict"] == "rejected"
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"kl": 0.9}, "KL to the base"),
+        ({"entropy": 0.3}, "entropy"),
+        ({"distinct": 0.2}, "distinct bigrams"),
+        ({"length": 1.0}, "shrank"),
+        ({"kl": float("nan")}, "non-finite"),
+    ],
+)
+def test_drift_and_collapse_are_rejected(change, fragment):
+    good = dict(lps=[-1.6, -1.7, -2.5, -2.6])
+    v = judge(REWARDS, BASE, BASE, _scores(**good, **change), CFG)
+    assert not v.promote and fragment in v.reason
+
+
+def test_short_answers_are_not_collapse_when_the_base_is_short_too():
+    base = replace(BASE, answer_tokens=5.0)
+    cand = _scores([-1.6, -1.7, -2.5, -2.6], length=1.5)
+    assert judge(REWARDS, base, base, cand, CFG).promote

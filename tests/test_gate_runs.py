@@ -1,0 +1,163 @@
+"""The evaluation gate on real runs of the tiny model: a good candidate is promoted, one trained
+against the user's current taste is rejected and kept out of service, `promote --force` overrides."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from test_spine import _work_train_queue, rl, status
+from test_trainer import BAD, GOOD, LEARN, TEMPLATES, chat
+
+from rlfleet.shared.cli import dispatch
+from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Rating
+from rlfleet.shared.models import resolve_model
+from rlfleet.shared.queue import open_queue
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.worker.gate import GateConfig
+from rlfleet.worker.jobs import evaluate_candidate
+from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.trainer import Trainer
+
+TOPICS = ["cats", "dogs", "rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "moss"]
+HELD = ["clocks", "bees", "pears", "tides"]
+
+
+def pairs(topics, flip=False):
+    out = []
+    for i, topic in enumerate(topics):
+        p = chat(TEMPLATES[i % len(TEMPLATES)].format(topic))
+        sign = -1.0 if flip else 1.0
+        out += [TrainSample(2 * i, p, GOOD, sign), TrainSample(2 * i + 1, p, BAD, -sign)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield Trainer(resolve_model(str(tiny_model_dir)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("flip, promoted", [(False, True), (True, False)])
+def test_gate_promotes_a_good_candidate_and_rejects_one_trained_on_inverted_labels(
+    trainer, tmp_path, flip, promoted
+):
+    out = tmp_path / "cand"
+    run = trainer.run(pairs(TOPICS, flip), None, LEARN, None, out)
+    assert run.promoted_ok  # the run's own checks pass either way: only the gate tells them apart
+    verdict = evaluate_candidate(trainer, pairs(HELD), None, out, GateConfig(), 1024)
+    m = verdict.metrics
+    assert verdict.promote is promoted, verdict
+    assert m["heldout_n"] == 8 and m["heldout_kl"] > 0 and m["entropy_ratio"] > 0
+    if promoted:
+        assert m["heldout_margin_after"] > m["heldout_margin_before"] + 0.3
+    else:
+        assert m["heldout_margin_after"] < m["heldout_margin_before"] - 0.3
+        assert "margin fell" in verdict.reason
+
+
+def test_gate_compares_with_the_parent_not_the_base(trainer, tmp_path):
+    parent = tmp_path / "parent"
+    trainer.run(pairs(TOPICS), None, LEARN, None, parent)
+    # A continuation that learned nothing new is no worse than its parent, though far from the base.
+    same = tmp_path / "same"
+    trainer.run(pairs(TOPICS[:2]), None, replace(LEARN, lr=1e-9, steps=1), parent, same)
+    v = evaluate_candidate(trainer, pairs(HELD), parent, same, GateConfig(), 1024)
+    assert v.promote, v
+    assert v.metrics["heldout_margin_before"] == pytest.approx(v.metrics["heldout_margin_after"], abs=1e-3)
+    assert v.metrics["heldout_margin_before"] > 0.3  # the parent's margin, not the base's ~0
+
+
+# ---- through the queue, the worker and the CLI ----------------------------------------------------
+
+
+@pytest.fixture
+def gated_home(queued_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "12")
+    cfg = load_config()
+    cfg.train.lr, cfg.train.steps, cfg.train.seq_band = LEARN.lr, LEARN.steps, LEARN.seq_band
+    cfg.train.max_tokens = 96
+    cfg.save()
+    return queued_home
+
+
+def _rate(cfg, handle, topic: str, answer: str, value: int) -> dict:
+    cap = Capture(prompt=chat(f"Tell me about {topic}."), response=answer, model="external", conversation="g")
+    assert dispatch(handle, cfg, cap)["ok"]
+    return dispatch(handle, cfg, Rating(value=value, target=cap.capture_id))
+
+
+def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(gated_home):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        # The user first liked "no" answers, then changed their mind: the newest ratings (held out)
+        # say "yes" is good, so a candidate trained on the older ones does worse on them.
+        for t in TOPICS[:4]:
+            _rate(cfg, handle, t, BAD, 1)
+            _rate(cfg, handle, t, GOOD, -1)
+        for t in HELD[:2]:
+            _rate(cfg, handle, t, GOOD, 1)
+            _rate(cfg, handle, t, BAD, -1)
+        _work_train_queue(handle)
+        st = status()
+        (v,) = st["adapter"]["versions"]
+        assert v["status"] == "rejected" and st["adapter"]["current"] is None
+        assert v["metrics"]["verdict"] == "rejected" and v["metrics"]["heldout_n"] == 4
+        assert st["training"]["state"] == "failed" and "v0001 was not promoted" in st["training"]["error"]
+        assert st["ratings"]["pending"] == 12  # a rejected run consumes nothing
+
+        hist = json.loads(rl("history", "--json").output)
+        assert hist[0]["verdict"] == "rejected" and "margin fell" in hist[0]["reason"]
+        assert hist[0]["heldout_margin_after"] < hist[0]["heldout_margin_before"]
+        assert "rejected" in rl("history").output
+
+        # Not served by accident: neither rollback nor a plain promote takes it.
+        res = rl("rollback", "v0001")
+        assert res.exit_code != 0 and "promote v0001 --force" in res.output
+        assert rl("promote", "v0001").exit_code != 0
+        reg = AdapterRegistry(cfg.adapters_root, st["model_slug"])
+        assert reg.current() is None
+
+        # One more rating does not retry at once on nearly the same data...
+        assert _rate(cfg, handle, "owls", GOOD, 1)["training"] is None
+        # ...half a threshold of new ones does.
+        results = [_rate(cfg, handle, t, GOOD, 1) for t in ("rust", "silk", "wolves", "figs", "lamps")]
+        assert results[-1]["training"].startswith("training run")
+
+        res = rl("promote", "v0001", "--force", "--json")
+        assert res.exit_code == 0, res.output
+        assert reg.current() == "v0001"
+        st = status()
+        assert st["adapter"]["versions"][0]["status"] == "active"
+        assert st["ratings"]["pending"] == 18 - 8  # the forced version consumed what it trained on
+    finally:
+        handle.close()
+
+
+def test_a_good_run_is_promoted_and_its_held_out_ratings_train_the_next(gated_home):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        for t in TOPICS[:6]:
+            _rate(cfg, handle, t, GOOD, 1)
+            _rate(cfg, handle, t, BAD, -1)
+        _work_train_queue(handle)
+        st = status()
+        assert st["adapter"]["current"] == "v0001", st["training"]
+        m = st["adapter"]["versions"][0]["metrics"]
+        assert m["verdict"] == "promoted" and m["heldout_n"] == 4 and m["ratings_used"] == 8
+        assert m["heldout_margin_after"] > m["heldout_margin_before"]
+        assert st["ratings"]["pending"] == 4
+        meta = AdapterRegistry(cfg.adapters_root, st["model_slug"]).meta("v0001")
+        assert set(meta["heldout_rating_ids"]).isdisjoint(meta["rating_ids"])
+    finally:
+        handle.close()

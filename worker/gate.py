@@ -1,0 +1,159 @@
+"""The evaluation gate: which ratings a run holds out, and whether its candidate may be served.
+
+Pure functions over plain numbers; `worker/evaluate.py` measures the models, `worker/jobs.py` acts
+on the verdict. A candidate is compared with its parent (the version served when the run started,
+or the base) on ratings the run never trained on:
+
+- margin: the mean per-token log-probability of held-out good answers minus that of bad ones. The
+  candidate must not fall below the parent's by more than the noise of the paired differences;
+- KL to the base on the held-out answers, under a cap;
+- collapse: the entropy of the next-token distribution on held-out answers, and the distinct
+  bigrams and length of sampled answers, must not fall far below the base's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    enabled: bool = True
+    holdout_frac: float = 0.15
+    min_holdout: int = 4  # fewer rated answers than 2x this: the run is not gated (said in its verdict)
+    noise_sigmas: float = 2.0  # the margin may fall this many standard errors (of paired deltas)...
+    min_noise: float = 0.02  # ...or this much in nats per token, whichever is larger, before rejection
+    max_kl: float = 0.5  # mean per-token KL(candidate || base) on held-out answers, nats
+    min_entropy_ratio: float = 0.4  # candidate / base next-token entropy on held-out answers
+    min_distinct_ratio: float = 0.5  # candidate / base distinct bigrams of sampled answers
+    min_answer_tokens: float = 2.0  # mean sampled length below this (base above 4x it) is collapse
+    eval_prompts: int = 4  # held-out prompts sampled for the collapse check (0: teacher-forced only)
+    eval_new_tokens: int = 48
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """One model measured on the held-out set."""
+
+    logprobs: list[float]  # mean per-token log-prob of each held-out answer
+    kl: float  # mean per-token KL to the base over all held-out answer tokens (0 for the base)
+    entropy: float  # mean next-token entropy over held-out answer positions
+    distinct2: float | None = None  # distinct bigram fraction of sampled answers
+    answer_tokens: float | None = None  # mean sampled answer length
+
+
+@dataclass(frozen=True)
+class Verdict:
+    promote: bool
+    reason: str | None
+    metrics: dict[str, float | int | str | None] = field(default_factory=dict)
+
+
+def split_holdout(
+    items: Sequence[T], rewards: Sequence[float], frac: float, min_n: int
+) -> tuple[list[T], list[T]]:
+    """``(train, held_out)``: the newest ``frac`` of each class (items come oldest first), at least
+    ``min_n`` in all, and nothing held out when that would leave fewer to train on than to test.
+
+    Per class, so a run with few bad ratings still tests on some; newest, so the test is the
+    user's current taste and the held-out ratings train the next run.
+    """
+    n = len(items)
+    want = max(min_n, round(frac * n))
+    if n < 2 * min_n or want > n // 2:
+        return list(items), []
+    classes: dict[bool, list[int]] = {True: [], False: []}
+    for i, r in enumerate(rewards):
+        classes[r > 0].append(i)
+    quota = {k: round(want * len(v) / n) for k, v in classes.items()}
+    for k, v in classes.items():  # each class present twice or more is represented
+        if len(v) >= 2 and quota[k] == 0:
+            quota[k] = 1
+    while sum(quota.values()) < want:
+        k = max(classes, key=lambda c: len(classes[c]) - quota[c])
+        quota[k] += 1
+    held = {i for k, v in classes.items() for i in v[len(v) - quota[k]:]}
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+def margin(logprobs: Sequence[float], rewards: Sequence[float]) -> float:
+    """Mean log-prob of good answers minus that of bad ones (one side alone when the other is absent)."""
+    good = [lp for lp, r in zip(logprobs, rewards, strict=True) if r > 0]
+    bad = [lp for lp, r in zip(logprobs, rewards, strict=True) if r <= 0]
+    return (_mean(good) if good else 0.0) - (_mean(bad) if bad else 0.0)
+
+
+def paired_noise(cand: Sequence[float], parent: Sequence[float], rewards: Sequence[float]) -> float:
+    """Standard error of the margin's change, from the per-answer changes ``cand - parent`` of each
+    class (pooled variance around each class's mean change)."""
+    by_class: dict[bool, list[float]] = {True: [], False: []}
+    for c, p, r in zip(cand, parent, rewards, strict=True):
+        by_class[r > 0].append(c - p)
+    present = [d for d in by_class.values() if d]
+    dof = sum(len(d) for d in present) - len(present)
+    if dof < 1:
+        return float("inf")
+    pooled = sum((x - _mean(d)) ** 2 for d in present for x in d) / dof
+    return math.sqrt(pooled * sum(1 / len(d) for d in present))
+
+
+def distinct_n(token_lists: Sequence[Sequence[int | str]], n: int = 2) -> float:
+    """Distinct n-grams over all n-grams of the answers (1.0 when there are none to count)."""
+    grams = [tuple(t[i : i + n]) for t in token_lists for i in range(len(t) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def judge(
+    rewards: Sequence[float], base: ModelScores, parent: ModelScores, cand: ModelScores, cfg: GateConfig
+) -> Verdict:
+    """Promote ``cand`` unless it is worse than ``parent`` beyond noise, drifts too far, or collapses."""
+    m_parent = margin(parent.logprobs, rewards)
+    m_cand = margin(cand.logprobs, rewards)
+    noise = max(cfg.min_noise, cfg.noise_sigmas * paired_noise(cand.logprobs, parent.logprobs, rewards))
+    entropy_ratio = cand.entropy / base.entropy if base.entropy > 0 else 1.0
+    metrics: dict[str, float | int | str | None] = {
+        "heldout_n": len(rewards),
+        "heldout_good": sum(1 for r in rewards if r > 0),
+        "heldout_margin_before": m_parent,
+        "heldout_margin_after": m_cand,
+        "heldout_noise": noise,
+        "heldout_kl": cand.kl,
+        "entropy_ratio": entropy_ratio,
+    }
+    distinct_ratio = None
+    if cand.distinct2 is not None and base.distinct2:
+        distinct_ratio = cand.distinct2 / base.distinct2
+        metrics["distinct2_ratio"] = distinct_ratio
+    if cand.answer_tokens is not None:
+        metrics["answer_tokens"] = cand.answer_tokens
+        metrics["answer_tokens_base"] = base.answer_tokens
+
+    reasons = []
+    if not all(math.isfinite(x) for x in (m_cand, cand.kl, cand.entropy)):
+        reasons.append("non-finite scores on the held-out answers")
+    if m_cand < m_parent - noise:
+        reasons.append(f"held-out margin fell from {m_parent:+.3f} to {m_cand:+.3f} (noise ±{noise:.3f})")
+    if cand.kl > cfg.max_kl:
+        reasons.append(f"KL to the base {cand.kl:.3f} > {cfg.max_kl}")
+    if entropy_ratio < cfg.min_entropy_ratio:
+        reasons.append(f"collapse: entropy {entropy_ratio:.2f}x the base's")
+    if distinct_ratio is not None and distinct_ratio < cfg.min_distinct_ratio:
+        reasons.append(f"collapse: distinct bigrams {distinct_ratio:.2f}x the base's")
+    if (
+        cand.answer_tokens is not None
+        and base.answer_tokens is not None
+        and cand.answer_tokens < cfg.min_answer_tokens <= base.answer_tokens / 4
+    ):
+        reasons.append(f"collapse: answers shrank to {cand.answer_tokens:.1f} tokens")
+    verdict = "rejected" if reasons else "promoted"
+    metrics["verdict"] = verdict
+    return Verdict(promote=not reasons, reason="; ".join(reasons) or None, metrics=metrics)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
