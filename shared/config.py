@@ -40,7 +40,8 @@ class TrainSettings(BaseModel):
     gate: bool = True
     holdout_frac: float = Field(0.15, ge=0.0, le=0.5)
     min_holdout: int = Field(4, ge=1, le=1000)
-    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
+    device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
     # Explicit overrides of the preset's values; None = the preset decides.
     lr: float | None = Field(None, gt=0, lt=1)
     steps: int | None = Field(None, ge=1, le=10_000)
@@ -50,6 +51,8 @@ class TrainSettings(BaseModel):
     max_tokens: int = Field(1024, ge=16, description="prompt+response tokens kept per sample")
     micro_batch_tokens: int = Field(2048, ge=64)
     seed: int = 0
+    # The training loss; the alternatives exist for the learning benchmark's comparison.
+    objective: Literal["mispo", "soft", "reinforce", "kto"] = "mispo"
 
 
 class ChatSettings(BaseModel):

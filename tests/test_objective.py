@@ -115,3 +115,62 @@ def test_zero_gradient_when_everything_is_filtered():
     assert out.accepted_seq_frac == 0.0
     assert out.loss.item() == 0.0
     assert torch.count_nonzero(new.grad).item() == 0
+
+
+# ---- the benchmark's alternatives ------------------------------------------------------------------
+
+
+def test_soft_loss_clips_pessimistically_and_weights_by_drift():
+    from rlfleet.worker.objective import soft_loss
+
+    # One sequence, two tokens; behaviour = ref = 0 so ratio = exp(new), drift = mean k3(new, 0).
+    new = torch.tensor([[LN(1.5), LN(0.9)]], requires_grad=True)
+    zeros = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    out = soft_loss(new, zeros, zeros, mask, torch.tensor([1.0]), clip_eps=0.2, drift_tau=0.1, beta=0.0)
+    # A > 0: min(r*A, clip(r)*A) -> token 1: min(1.5, 1.2) = 1.2 (clipped, no gradient); token 2: 0.9.
+    k3 = [math.exp(-LN(1.5)) + LN(1.5) - 1, math.exp(-LN(0.9)) + LN(0.9) - 1]
+    weight = math.exp(-(sum(k3) / 2) / 0.1)
+    assert out.loss.item() == pytest.approx(-(1.2 + 0.9) / 2 * weight, rel=1e-5)
+    assert out.accepted_token_frac == pytest.approx(0.5) and out.accepted_seq_frac == pytest.approx(weight)
+    out.loss.backward()
+    assert new.grad[0, 0].item() == 0.0  # the clipped token passes no gradient
+    assert new.grad[0, 1].item() == pytest.approx(-0.9 / 2 * weight, rel=1e-5)  # d(r)/d(logp) = r
+
+    # A < 0: min picks the unclipped 1.5 * -1 for the first token (pessimistic), so it keeps gradient.
+    new.grad = None
+    out = soft_loss(new, zeros, zeros, mask, torch.tensor([-1.0]), clip_eps=0.2, drift_tau=0.1, beta=0.0)
+    assert out.loss.item() == pytest.approx((1.5 + 0.9 * 1.0) / 2 * weight, rel=1e-5)
+    out.loss.backward()
+    assert new.grad[0, 0].item() == pytest.approx(1.5 / 2 * weight, rel=1e-5)
+
+
+def test_reinforce_loss_is_advantage_weighted_log_likelihood():
+    from rlfleet.worker.objective import reinforce_loss
+
+    new = torch.tensor([[-1.0, -3.0, 0.0], [-2.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    far = torch.full((2, 3), 5.0)  # behaviour far away: no ratio, nothing is filtered
+    out = reinforce_loss(new, far, far, mask, torch.tensor([1.0, -0.5]))
+    # sequence 1: -(mean logp -2) * 1 = 2; sequence 2: -(-2) * -0.5 = -1; mean over sequences 0.5
+    assert out.loss.item() == pytest.approx(0.5)
+    assert out.accepted_token_frac == 1.0 and out.mean_kl > 0
+    out.loss.backward()
+    assert torch.allclose(new.grad, torch.tensor([[-0.25, -0.25, 0.0], [0.25, 0.0, 0.0]]))
+
+
+def test_loss_for_picks_the_configured_objective():
+    from dataclasses import replace
+
+    from rlfleet.worker.objective import loss_for
+    from rlfleet.worker.presets import preset
+
+    new = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    beh = torch.tensor([[-1.1, -2.0]])
+    mask, adv = torch.ones(1, 2), torch.tensor([1.0])
+    cfg = preset("balanced")
+    expected = mispo_loss(new, beh, beh, mask, adv, seq_band=cfg.seq_band, beta=cfg.beta).loss.item()
+    assert loss_for(cfg)(new, beh, beh, mask, adv).loss.item() == pytest.approx(expected)
+    assert loss_for(replace(cfg, objective="reinforce"))(new, beh, beh, mask, adv).loss.item() == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="unknown objective"):
+        loss_for(replace(cfg, objective="dpo"))

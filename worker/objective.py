@@ -20,8 +20,9 @@ token of the batch, unfiltered: the anchor holds even where the policy term is s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -123,3 +124,85 @@ def mispo_loss(
         mean_kl=float(kl_mean.detach().item()),
         n_tokens=n_tokens,
     )
+
+
+# ---- alternatives, for the learning benchmark's comparison (bench/learning) -----------------------
+
+
+def _masked(logp_new: Tensor, logp_beh: Tensor, logp_ref: Tensor, mask: Tensor, advantages: Tensor):
+    mask_b = mask.bool()
+    zeros = torch.zeros_like(logp_new)
+    beh = torch.where(mask_b, logp_beh.detach().to(logp_new.dtype), zeros)
+    ref = torch.where(mask_b, logp_ref.detach().to(logp_new.dtype), zeros)
+    new = torch.where(mask_b, logp_new, zeros)
+    n_seq = mask_b.sum(dim=1).to(logp_new.dtype).clamp(min=1)
+    return mask_b, new, beh, ref, n_seq, advantages.detach().to(logp_new.dtype)
+
+
+def soft_loss(
+    logp_new: Tensor,
+    logp_beh: Tensor,
+    logp_ref: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    drift_tau: float = 0.05,
+    beta: float,
+) -> LossOutput:
+    """A ReinforceClaw-style soft objective: PPO's pessimistic clipped surrogate per token, each
+    sequence weighted by ``exp(-drift / drift_tau)`` where ``drift`` is its mean k3 KL to the base
+    (soft: a sequence that drifted is down-weighted, not dropped), plus ``beta`` * KL.
+
+    accepted_token_frac = tokens whose ratio is inside the clip range; accepted_seq_frac = the mean
+    sequence weight.
+    """
+    mask_b, new, beh, ref, n_seq, adv = _masked(logp_new, logp_beh, logp_ref, mask, advantages)
+    maskf = mask_b.to(new.dtype)
+    ratio = torch.exp(new - beh)
+    a = adv[:, None]
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    kl = k3_kl(new, ref) * maskf
+    with torch.no_grad():
+        weight = torch.exp(-(kl.sum(dim=1) / n_seq) / drift_tau)
+        inside = mask_b & (ratio >= 1 - clip_eps) & (ratio <= 1 + clip_eps)
+    policy = (-(surrogate * maskf).sum(dim=1) / n_seq * weight).mean()
+    n_tokens = int(mask_b.sum().item())
+    kl_mean = kl.sum() / max(n_tokens, 1)
+    return LossOutput(
+        loss=policy + beta * kl_mean,
+        accepted_token_frac=float(inside.sum().item()) / max(n_tokens, 1),
+        accepted_seq_frac=float(weight.mean().item()) if weight.numel() else 0.0,
+        mean_kl=float(kl_mean.detach().item()),
+        n_tokens=n_tokens,
+    )
+
+
+def reinforce_loss(
+    logp_new: Tensor, logp_beh: Tensor, logp_ref: Tensor, mask: Tensor, advantages: Tensor
+) -> LossOutput:
+    """Plain REINFORCE with the EMA baseline: ``-A * mean_t logp_new``; no ratio, filter or KL term
+    (the KL is still measured and reported)."""
+    mask_b, new, _beh, ref, n_seq, adv = _masked(logp_new, logp_beh, logp_ref, mask, advantages)
+    maskf = mask_b.to(new.dtype)
+    policy = (-(new * maskf).sum(dim=1) / n_seq * adv).mean()
+    n_tokens = int(mask_b.sum().item())
+    with torch.no_grad():
+        kl_mean = float((k3_kl(new, ref) * maskf).sum().item()) / max(n_tokens, 1)
+    return LossOutput(loss=policy, accepted_token_frac=1.0, accepted_seq_frac=1.0, mean_kl=kl_mean,
+                      n_tokens=n_tokens)
+
+
+OBJECTIVES = ("mispo", "soft", "reinforce")
+
+
+def loss_for(cfg: Any) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], LossOutput]:
+    """The loss named by ``cfg.objective``, with that config's knobs bound."""
+    name = getattr(cfg, "objective", "mispo")
+    if name == "mispo":
+        return lambda *t: mispo_loss(*t, token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta)
+    if name == "soft":
+        return lambda *t: soft_loss(*t, clip_eps=cfg.clip_eps, drift_tau=cfg.drift_tau, beta=cfg.beta)
+    if name == "reinforce":
+        return reinforce_loss
+    raise ValueError(f"unknown objective {name!r} (known: {', '.join(OBJECTIVES)})")

@@ -37,6 +37,9 @@ class TrainConfig:
     max_mean_kl: float = 1.0  # a run whose mean per-token KL to the base exceeds this is not promoted
     seed: int = 0
     device: str = "auto"
+    objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for); kto in the benchmark
+    clip_eps: float = 0.2  # soft: PPO clip range
+    drift_tau: float = 0.05  # soft: a sequence's weight is exp(-its mean KL to the base / drift_tau)
 
 
 _PRESETS: dict[str, TrainConfig] = {
@@ -71,5 +74,6 @@ def resolve(settings: TrainSettings, n_params: float | None = None, moe: bool = 
         micro_batch_tokens=settings.micro_batch_tokens,
         seed=settings.seed,
         device=settings.device,
+        objective=settings.objective,
     )
     return cfg

@@ -25,7 +25,7 @@ from torch import Tensor
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import EMA_SEED, k3_kl, mispo_loss
+from .objective import EMA_SEED, k3_kl, loss_for
 from .objective import advantages as compute_advantages
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
@@ -191,6 +191,7 @@ class Trainer:
             report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
             ref_lp, beh_lp = self._fixed_logprobs(model, encoded, groups, batches, parent_adapter, autocast)
 
+            loss_fn = loss_for(cfg)
             params = [p for p in model.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=cfg.lr)
             token_fracs: list[float] = []
@@ -202,16 +203,7 @@ class Trainer:
                 step_loss = kl_sum = tok_acc = seq_acc = 0.0
                 for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
                     logp_new = self._logprobs(model, batch, autocast)
-                    out = mispo_loss(
-                        logp_new,
-                        beh_lp[k],
-                        ref_lp[k],
-                        batch["response_mask"],
-                        adv[group],
-                        token_band=cfg.token_band,
-                        seq_band=cfg.seq_band,
-                        beta=cfg.beta,
-                    )
+                    out = loss_fn(logp_new, beh_lp[k], ref_lp[k], batch["response_mask"], adv[group])
                     # Each micro-batch's loss is a mean over its sequences: weighting by its share
                     # of sequences makes the accumulated gradient the mean over the whole step.
                     share = len(group) / n_samples
