@@ -52,7 +52,7 @@ class TrainSettings(BaseModel):
     micro_batch_tokens: int = Field(2048, ge=64)
     seed: int = 0
     # The training loss; the alternatives exist for the learning benchmark's comparison.
-    objective: Literal["mispo", "soft", "reinforce", "kto"] = "mispo"
+    objective: Literal["mispo", "soft", "reinforce"] = "mispo"
 
 
 class ChatSettings(BaseModel):

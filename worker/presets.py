@@ -37,7 +37,7 @@ class TrainConfig:
     max_mean_kl: float = 1.0  # a run whose mean per-token KL to the base exceeds this is not promoted
     seed: int = 0
     device: str = "auto"
-    objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for); kto in the benchmark
+    objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for)
     clip_eps: float = 0.2  # soft: PPO clip range
     drift_tau: float = 0.05  # soft: a sequence's weight is exp(-its mean KL to the base / drift_tau)
 
