@@ -1,0 +1,228 @@
+"""The simulated user, through the real pipeline.
+
+A scripted rater chats with the local model the way `rlfleet chat` is used: each answer is
+captured (with its behaviour log-probs) and rated through the Redis queue; the store applies the
+events, the trigger queues a run when pending ratings reach the threshold, the training worker
+trains (objective, evaluation gate and all) and writes a version, and the responder picks it up
+for the next answers. Held-out prompts, never rated, are sampled at checkpoints (fixed seeds) to
+measure the preferred-behaviour rate, the log-prob margin of held-out good over bad answers, and
+the collapse signals.
+
+The training worker runs in this process (an RQ burst after each trigger), so the user waits for
+each run: compute is equal across objectives, and nothing else competes for the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlfleet.shared.config import Config, TrainSettings
+from rlfleet.shared.events import Capture, Rating
+
+from .metrics import Checkpoint, collapse_signals, margin, preferred_rate
+from .raters import Preference
+
+TOPICS = [
+    "the moon", "coffee", "trains", "gardening", "volcanoes", "chess", "bicycles", "honey", "rainbows",
+    "penguins", "libraries", "bread", "thunder", "maps", "violins", "deserts", "glass", "bees",
+    "lighthouses", "tea", "snowflakes", "rivers", "clocks", "kites", "mushrooms", "bridges", "owls",
+    "salt", "comets", "origami", "castles", "jazz", "sponges", "wind", "elephants", "paper", "caves",
+    "soap", "tides", "fireworks",
+]  # fmt: skip
+HELD_OUT_TOPICS = [
+    "whales", "candles", "mountains", "pianos", "lemons", "spiders", "islands", "umbrellas",
+    "magnets", "forests", "cheese", "rockets",
+]  # fmt: skip
+FORMS = ["Tell me about {}.", "What is interesting about {}?", "Explain {} to a child.", "Describe {}."]
+
+
+def train_prompts() -> list[str]:
+    return [FORMS[i % len(FORMS)].format(t) for i, t in enumerate(TOPICS)]
+
+
+def heldout_prompts(n: int) -> list[str]:
+    return [FORMS[(i + 1) % len(FORMS)].format(t) for i, t in enumerate(HELD_OUT_TOPICS[:n])]
+
+
+@dataclass
+class BenchConfig:
+    preference: Preference
+    model: str = "smollm2-135m"
+    ratings: int = 64
+    objective: str = "mispo"  # mispo | soft | reinforce | kto
+    threshold: int = 32
+    preset: str = "balanced"
+    heldout: int = 8  # held-out prompts
+    samples: int = 2  # answers per held-out prompt per checkpoint
+    max_new_tokens: int = 48
+    seed: int = 0
+    device: str = "auto"
+    gate: bool = True
+    overrides: dict = field(default_factory=dict)  # TrainSettings fields (lr, steps, seq_band, ...)
+    home: Path | None = None
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    checkpoints: list[Checkpoint]
+    runs: list[dict]
+    seconds: float
+
+    def summary(self) -> dict:
+        first, last = self.checkpoints[0], self.checkpoints[-1]
+        return {
+            "preference": self.config.preference.name,
+            "ratings": last.ratings,
+            "objective": self.config.objective,
+            "model": self.config.model,
+            "base_rate": first.rate,
+            "final_rate": last.rate,
+            "delta": last.rate - first.rate,
+            "ci95": list(last.ci95),
+            "base_ci95": list(first.ci95),
+            "margin_before": first.margin,
+            "margin_after": last.margin,
+            "answer_words_before": first.answer_words,
+            "answer_words_after": last.answer_words,
+            "distinct2_before": first.distinct2,
+            "distinct2_after": last.distinct2,
+            "entropy_ratio": last.entropy_ratio,
+            "runs": self.runs,
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
+            "seconds": self.seconds,
+        }
+
+
+Report = Callable[[str, int, int], None]  # (what, done, total)
+
+
+def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
+    from rq import Queue, SimpleWorker
+
+    from rlfleet.shared.cli import dispatch
+    from rlfleet.shared.models import pick_device, resolve_model
+    from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.worker import jobs
+    from rlfleet.worker.evaluate import score_model
+    from rlfleet.worker.gate import GateConfig
+
+    started = time.perf_counter()
+    say = report or (lambda *_: None)
+    home = Path(bc.home or tempfile.mkdtemp(prefix="rlfleet-learning-"))
+    settings = TrainSettings(
+        threshold=bc.threshold, preset=bc.preset, device=bc.device, gate=bc.gate,
+        objective="mispo" if bc.objective == "kto" else bc.objective, seed=bc.seed, **bc.overrides,
+    )
+    cfg = Config(home=home, model=bc.model, train=settings)
+    cfg.save()
+    # The worker's jobs read the config from the data dir named here, in this process.
+    os.environ["RLFLEET_HOME"] = str(home)
+    ref = resolve_model(bc.model)
+    device = pick_device(bc.device)
+    registry = AdapterRegistry(cfg.adapters_root, ref.slug)
+
+    say("loading models", 0, 1)
+    responder = LocalResponder(ref, registry.dir, device=device, max_new_tokens=bc.max_new_tokens,
+                               temperature=cfg.chat.temperature, top_p=cfg.chat.top_p)
+    trainer = jobs.get_trainer(cfg)
+    if bc.objective == "kto":
+        from .kto import KtoTrainer
+
+        key = next(k for k, v in jobs._TRAINERS.items() if v is trainer)
+        jobs._TRAINERS[key] = KtoTrainer(trainer)
+
+    held = heldout_prompts(bc.heldout)
+    eval_cfg = GateConfig(eval_prompts=0)
+    reference: dict = {}  # the base's held-out answers: fixed texts for margin and entropy
+
+    def checkpoint(given: int) -> Checkpoint:
+        t0 = time.perf_counter()
+        texts, tokens, verdicts = [], [], []
+        total = len(held) * bc.samples
+        for j, prompt in enumerate(held):
+            for s in range(bc.samples):
+                say(f"held-out answers at {given} ratings", j * bc.samples + s, total)
+                a = responder.answer([{"role": "user", "content": prompt}], seed=10_000 + j * bc.samples + s)
+                texts.append((prompt, a))
+                tokens.append(a.token_ids)
+                verdicts.append(bc.preference.rate(prompt, a.text))
+        rate, ci, n = preferred_rate(verdicts)
+        words, distinct = collapse_signals(tokens, [a.text for _, a in texts])
+        adapter = registry.path(responder.active_version) if responder.active_version else None
+        if not reference:
+            rows = [((a.messages, a.text), v) for (_, a), v in zip(texts, verdicts, strict=True) if a.text.strip()]
+            pairs = [pair for pair, _ in rows]
+            reference.update(
+                pairs=pairs,
+                good=[pair for pair, v in rows if v == 1],
+                bad=[pair for pair, v in rows if v == -1],
+                entropy=score_model(trainer, pairs, None, eval_cfg).entropy,
+            )
+        ent = score_model(trainer, reference["pairs"], adapter, eval_cfg).entropy
+        good = trainer.mean_logprobs(reference["good"], adapter) if reference["good"] else []
+        bad = trainer.mean_logprobs(reference["bad"], adapter) if reference["bad"] else []
+        return Checkpoint(
+            ratings=given, version=responder.active_version, rate=rate, ci95=ci, judged=n,
+            margin=margin(good, bad), answer_words=words, distinct2=distinct,
+            entropy_ratio=ent / reference["entropy"] if reference["entropy"] else float("nan"),
+            seconds=time.perf_counter() - t0,
+        )
+
+    handle = open_queue(cfg)
+    runs: list[dict] = []
+    try:
+        marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings})
+        checkpoints = [checkpoint(0)]
+        prompts = train_prompts()
+        given = asked = 0
+        while given < bc.ratings:
+            prompt = prompts[asked % len(prompts)]
+            asked += 1
+            say("rating answers", given, bc.ratings)
+            a = responder.answer([{"role": "user", "content": prompt}], seed=bc.seed * 1_000_003 + asked)
+            verdict = bc.preference.rate(prompt, a.text)
+            if not a.text.strip() or verdict is None:
+                continue
+            try:  # exactly what `rlfleet chat` sends
+                cap = Capture(
+                    source="cli", conversation="bench", owner="local", prompt=a.messages, response=a.text,
+                    model=cfg.model, adapter_version=a.adapter_version, behaviour_logprobs=a.logprobs,
+                    behaviour_token_ids=a.token_ids,
+                )
+            except ValueError:  # an answer the capture refuses (NUL bytes from a tiny model): not rated
+                continue
+            if not dispatch(handle, cfg, cap).get("ok"):
+                continue
+            result = dispatch(handle, cfg, Rating(value=verdict, target=cap.capture_id))
+            given += 1
+            if str(result.get("training") or "").startswith("training run"):
+                say(f"training after {given} ratings", 0, 1)
+                SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(
+                    burst=True
+                )
+                runs.append(_last_run(cfg, ref.slug, given))
+                responder.refresh()
+            if given in marks and given > 0:
+                checkpoints.append(checkpoint(given))
+    finally:
+        handle.close()
+    return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
+
+
+def _last_run(cfg: Config, slug: str, given: int) -> dict:
+    from rlfleet.shared.store import Store
+
+    run = Store(cfg.db_url).latest_run(slug)
+    m = run.metrics or {}
+    keys = ("ratings_used", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
+            "accepted_token_frac", "accepted_seq_frac", "seconds", "verdict", "reason")
+    return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,
+            **{k: m.get(k) for k in keys}}
