@@ -186,13 +186,13 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
         if workers:
             workers.start()
         if responder is None:
-            from rlfleet.shared.models import pick_device
+            from rlfleet.shared.models import serving_device
             from rlfleet.shared.registry import AdapterRegistry
             from rlfleet.shared.responder import LocalResponder
 
             with console.status(f"loading {cfg.model}…"):
                 responder = LocalResponder(
-                    ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=pick_device(cfg.train.device),
+                    ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=serving_device(cfg.train.device),
                     max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature,
                     top_p=cfg.chat.top_p, system_prompt=cfg.chat.system_prompt,
                 )

@@ -91,6 +91,17 @@ def model_slug(spec: str) -> str:
 
 
 def pick_device(preference: str = "auto") -> str:
+    """The training device: ``auto`` is torch's CUDA if present, else CPU (never MLX: Apple Silicon
+    users set ``train.device = "mlx"``); ``mlx`` passes through once mlx and mlx_lm import."""
+    if preference == "mlx":
+        try:
+            import mlx.core  # noqa: F401
+            import mlx_lm  # noqa: F401
+        except ImportError as exc:
+            raise ModelUnavailable(
+                f"train.device 'mlx' needs mlx and mlx-lm ({exc}); run: pip install -e '.[mlx]'"
+            ) from None
+        return "mlx"
     import torch
 
     if preference != "auto":
@@ -100,6 +111,12 @@ def pick_device(preference: str = "auto") -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+def serving_device(preference: str = "auto") -> str:
+    """The torch device for serving (the local responder) under ``train.device = preference``: with
+    ``mlx`` only training runs on MLX, and adapters are served by torch as ``auto`` picks."""
+    return pick_device("auto" if preference == "mlx" else preference)
 
 
 def load_tokenizer(ref: ModelRef) -> Any:

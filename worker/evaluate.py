@@ -30,6 +30,8 @@ def score_model(
     max_tokens: int = 1024,
     seed: int = 0,
 ) -> ModelScores:
+    if hasattr(trainer, "score_model"):  # a trainer of another framework (MLX) measures itself
+        return trainer.score_model(pairs, adapter_dir, cfg, max_tokens, seed)
     samples = [TrainSample(i, p, r, 0.0) for i, (p, r) in enumerate(pairs)]
     encoded = [encode_sample(trainer.tokenizer, s, max_tokens) for s in samples]
     groups, batches = trainer._batches(encoded, 4096)

@@ -145,13 +145,13 @@ _TRAINERS: dict[tuple[str, str], object] = {}
 def get_trainer(cfg: Config):
     """The base model stays loaded between runs: one Trainer per (model, device) per process."""
     from rlfleet.shared.models import pick_device, resolve_model
-    from rlfleet.worker.trainer import Trainer
+    from rlfleet.worker.backends import make_trainer
 
     ref = resolve_model(cfg.model)
     device = pick_device(cfg.train.device)
     key = (ref.path + (ref.gguf_file or ""), device)
     if key not in _TRAINERS:
-        _TRAINERS[key] = Trainer(ref, device=device)
+        _TRAINERS[key] = make_trainer(ref, device)
     return _TRAINERS[key]
 
 

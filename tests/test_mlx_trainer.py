@@ -1,0 +1,285 @@
+"""The MLX trainer on the tiny offline model: peft-format adapters that torch serves, learning, lineage.
+
+Skipped without mlx / mlx-lm (not in the `dev` extra): `pip install -e '.[train,dev,mlx]'`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("mlx.core", exc_type=ImportError, reason="the MLX trainer needs mlx: pip install -e '.[mlx]'")
+pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX trainer needs mlx-lm: pip install -e '.[mlx]'")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from test_trainer import BAD, GOOD, HELD_OUT, LEARN, TEMPLATES, chat, preference_samples  # noqa: E402
+
+from rlfleet.shared.config import TrainSettings  # noqa: E402
+from rlfleet.shared.models import pick_device, resolve_model, serving_device  # noqa: E402
+from rlfleet.worker import objective, objective_mlx  # noqa: E402
+from rlfleet.worker.mlx_trainer import MlxTrainer, hf_folder, legacy_rope_fields  # noqa: E402
+from rlfleet.worker.presets import TrainConfig, preset  # noqa: E402
+from rlfleet.worker.samples import TrainSample  # noqa: E402
+from rlfleet.worker.trainer import Trainer  # noqa: E402
+
+PAIRS = [
+    (chat("Tell me about owls."), "hoot hoot"),
+    (chat("Describe clocks briefly."), GOOD),
+    (chat("What is rain?"), "a much longer answer, padded less than the others"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # As in test_trainer.py: on tensors this small one thread is faster on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def mlx_trainer(tiny_model_dir) -> MlxTrainer:
+    return MlxTrainer(resolve_model(str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def torch_trainer(tiny_model_dir) -> Trainer:
+    return Trainer(resolve_model(str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def learned(mlx_trainer, tmp_path_factory):
+    """One MLX learning run shared by the tests that inspect it."""
+    out = tmp_path_factory.mktemp("mlx-runs") / "v0001"
+    seen = []
+    result = mlx_trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
+    return out, result, seen
+
+
+@pytest.fixture(scope="module")
+def torch_learned(torch_trainer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch-runs") / "v0001"
+    return out, torch_trainer.run(preference_samples()[:8], None, replace(LEARN, steps=2), None, out)
+
+
+def torch_mean_logprobs(model, tok, pairs) -> list[float]:
+    """Mean response-token log-prob straight from a transformers/peft model, one pair at a time."""
+    out = []
+    for prompt, response in pairs:
+        enc = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        p = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0].float()
+        lp = torch.log_softmax(logits[len(p) - 1 : -1], -1).gather(-1, torch.tensor(r)[:, None])
+        out.append(float(lp.mean()))
+    return out
+
+
+# -- the loss ---------------------------------------------------------------------------------
+
+
+def test_mlx_loss_matches_torch_mispo_loss():
+    gen = torch.Generator().manual_seed(0)
+    B, T = 6, 14
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        mask[b, 3 + b % 3 : T - b % 4] = True
+    mask[5] = False  # a row without response tokens (all padding)
+    beh = -torch.rand(B, T, generator=gen) * 3
+    ref = beh + torch.randn(B, T, generator=gen) * 0.3
+    new = beh + torch.randn(B, T, generator=gen) * 0.5  # some tokens and sequences fall outside the bands
+    new[0, 0] = float("inf")  # off the mask: must be ignored
+    adv = torch.tensor([1.2, -1.0, 0.5, -2.0, 2.0, 1.0])
+    kw = dict(token_band=(0.5, 2.0), seq_band=(0.8, 1.25), beta=0.05)
+
+    t_new = new.clone().requires_grad_(True)
+    want = objective.mispo_loss(t_new, beh, ref, mask, adv, **kw)
+    want.loss.backward()
+    assert 0 < want.accepted_token_frac < 1 and 0 < want.accepted_seq_frac < 1  # the filters did filter
+
+    def mx_loss(x):
+        out = objective_mlx.mispo_loss(x, mx.array(beh.numpy()), mx.array(ref.numpy()), mx.array(mask.numpy()),
+                                       mx.array(adv.numpy()), **kw)  # fmt: skip
+        return out.loss, out.stats()
+
+    (loss, stats), grad = mx.value_and_grad(mx_loss)(mx.array(new.numpy()))
+    n_tokens = int(mask.sum())
+    assert float(loss) == pytest.approx(want.loss.item(), abs=1e-6)
+    assert float(stats["n_tokens"]) == want.n_tokens == n_tokens
+    assert float(stats["accepted_tokens"]) / n_tokens == pytest.approx(want.accepted_token_frac)
+    assert float(stats["accepted_seqs"]) / B == pytest.approx(want.accepted_seq_frac)
+    assert float(stats["mean_kl"]) == pytest.approx(want.mean_kl, abs=1e-6)
+    np.testing.assert_allclose(np.array(grad), t_new.grad.numpy(), atol=1e-6)
+    got_kl = np.array(objective_mlx.k3_kl(mx.array(new[1].numpy()), mx.array(ref[1].numpy())))
+    np.testing.assert_allclose(got_kl, objective.k3_kl(new[1], ref[1]).numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- selection --------------------------------------------------------------------------------
+
+
+def test_mlx_is_a_device_setting_and_selects_the_mlx_trainer(tiny_model_dir, mlx_trainer, torch_trainer,
+                                                             monkeypatch):  # fmt: skip
+    from rlfleet.worker import backends
+    from rlfleet.worker import mlx_trainer as mlx_mod
+
+    assert TrainSettings(device="mlx").device == "mlx"
+    assert pick_device("mlx") == "mlx"
+    assert serving_device("mlx") == pick_device("auto")  # adapters are still served by torch
+    made = []
+    monkeypatch.setattr(mlx_mod.MlxTrainer, "__init__", lambda self, ref, device: made.append((ref, device)))
+    ref = resolve_model(str(tiny_model_dir))
+    assert isinstance(backends.make_trainer(ref, "mlx"), MlxTrainer) and made == [(ref, "mlx")]
+    assert isinstance(backends.make_trainer(ref, "cpu"), Trainer)
+    assert mlx_trainer.n_params == torch_trainer.n_params
+    assert not mlx_trainer.is_moe
+    assert hf_folder(ref) == Path(ref.path)  # a safetensors folder is used as is, not converted
+
+
+def test_transformers5_rope_parameters_reach_mlx(tiny_model_dir, tmp_path):
+    # transformers 5 writes rope_parameters; mlx_lm's llama reads rope_theta and would fall back to
+    # 10000 (the tiny model's value, so the other tests cannot see it; the default model's is 1e5).
+    folder = tmp_path / "rope"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 50.0
+    (folder / "config.json").write_text(json.dumps(config))
+    assert legacy_rope_fields(config) == {"rope_theta": 50.0}
+    ref = resolve_model(str(folder))
+    want = Trainer(ref).mean_logprobs(PAIRS)
+    assert MlxTrainer(ref).mean_logprobs(PAIRS) == pytest.approx(want, abs=1e-4)
+
+
+# -- adapters ---------------------------------------------------------------------------------
+
+
+def test_saved_adapter_is_a_peft_adapter_that_torch_serves(mlx_trainer, torch_trainer, learned, torch_learned,
+                                                           tiny_model_dir):  # fmt: skip
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, result, _ = learned
+    torch_out, torch_result = torch_learned
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert result.metrics.keys() == torch_result.metrics.keys()
+    # The same tensors (names, shapes, dtype) and the same config as the torch trainer saves.
+    mine, theirs = load_file(out / "adapter_model.safetensors"), load_file(torch_out / "adapter_model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {k: (v.shape, v.dtype) for k, v in theirs.items()}
+    cfg, torch_cfg = (json.loads((d / "adapter_config.json").read_text()) for d in (out, torch_out))
+    for key in ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "base_model_name_or_path",
+                "inference_mode", "use_rslora", "use_dora", "bias"):  # fmt: skip
+        assert cfg[key] == torch_cfg[key], key
+    assert sorted(cfg["target_modules"]) == sorted(torch_cfg["target_modules"])
+
+    # Served by peft on a fresh transformers copy: the same log-probs as the MLX trainer measures.
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    before = torch_mean_logprobs(base, mlx_trainer.tokenizer, PAIRS)
+    served = PeftModel.from_pretrained(base, str(out)).eval()
+    got = torch_mean_logprobs(served, mlx_trainer.tokenizer, PAIRS)
+    assert mlx_trainer.mean_logprobs(PAIRS, out) == pytest.approx(got, abs=1e-3)
+    assert torch_trainer.mean_logprobs(PAIRS, out) == pytest.approx(got, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(got, before, strict=True)) > 0.05  # the adapter does something
+    assert mlx_trainer.mean_logprobs(PAIRS) == pytest.approx(before, abs=1e-5)  # the base is untouched
+
+    # The other direction: a torch-trained adapter loads into the MLX trainer with the same numbers.
+    assert mlx_trainer.mean_logprobs(PAIRS, torch_out) == pytest.approx(
+        torch_trainer.mean_logprobs(PAIRS, torch_out), abs=1e-4
+    )
+
+
+def test_learning_moves_held_out_preferences(mlx_trainer, learned):
+    out, result, seen = learned
+    assert result.promoted_ok and result.reason is None
+    assert result.metrics["ratings_used"] == 32 and result.metrics["steps"] == LEARN.steps
+    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
+    assert seen[0].phase == "reference" and seen[-1].phase == "saving"
+    assert [p.step for p in seen if p.phase == "training"] == list(range(1, LEARN.steps + 1))
+
+    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
+    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
+
+    def mean(pairs, adapter):
+        values = mlx_trainer.mean_logprobs(pairs, adapter)
+        return sum(values) / len(values)
+
+    good_shift = mean(good, out) - mean(good, None)
+    bad_shift = mean(bad, out) - mean(bad, None)
+    assert good_shift > 0.2, (good_shift, result.metrics)
+    assert bad_shift < -0.2, (bad_shift, result.metrics)
+    assert result.metrics["accepted_seq_frac"] > 0.5
+    assert 0 < result.metrics["mean_kl"] < LEARN.max_mean_kl
+
+
+def test_first_step_ratios_are_one_and_runs_repeat(mlx_trainer, tmp_path):
+    # Reference, behaviour and policy share one fp32 path: before any update every ratio is 1.
+    cfg = replace(preset("careful"), steps=1)
+    first = mlx_trainer.run(preference_samples()[:8], None, cfg, None, tmp_path / "a").metrics
+    assert (first["accepted_seq_frac"], first["accepted_token_frac"], first["mean_kl"]) == (1.0, 1.0, 0.0)
+    # Same seed and data, same adapter: nothing of a run leaks into the next.
+    mlx_trainer.run(preference_samples()[:4], None, replace(LEARN, steps=2), None, tmp_path / "b")
+    mlx_trainer.run(preference_samples()[:4], None, replace(LEARN, steps=2), None, tmp_path / "c")
+    wb = mx.load(str(tmp_path / "b" / "adapter_model.safetensors"))
+    wc = mx.load(str(tmp_path / "c" / "adapter_model.safetensors"))
+    assert wb.keys() == wc.keys() and all(mx.array_equal(wb[k], wc[k]).item() for k in wb)
+
+
+def test_stored_behaviour_logprobs_are_used(mlx_trainer, tmp_path):
+    tok = mlx_trainer.tokenizer
+    ids = tok(GOOD, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    p = chat("Tell me about cats.")
+    true = mlx_trainer.token_logprobs([(p, GOOD)])[0]
+    cfg = replace(preset("careful"), steps=1)
+
+    def first_step(lps, token_ids):
+        s = TrainSample(1, p, GOOD, 1.0, behaviour_logprobs=lps, behaviour_token_ids=token_ids)
+        return mlx_trainer.run([s], None, cfg, None, tmp_path / "a").metrics
+
+    assert first_step(true, ids)["accepted_seq_frac"] == 1.0
+    shifted = first_step([x - 1.0 for x in true], ids)  # every ratio e = 2.7: outside [0.5, 2]
+    assert shifted["accepted_token_frac"] == 0.0 and shifted["accepted_seq_frac"] == 0.0
+
+
+def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):
+    parent, _, _ = learned
+    # lr 0 keeps the weights; a band of +-1e-5 keeps a sequence only if the run-start policy equals
+    # the behaviour policy, i.e. the parent's weights were loaded before the behaviour pass.
+    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
+    result = mlx_trainer.run(preference_samples()[:8], None, cfg, parent, tmp_path / "v2")
+    assert result.metrics["accepted_seq_frac"] == 1.0
+    assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
+    w1 = mx.load(str(parent / "adapter_model.safetensors"))
+    w2 = mx.load(str(tmp_path / "v2" / "adapter_model.safetensors"))
+    assert w1.keys() == w2.keys() and all(mx.array_equal(w1[k], w2[k]).item() for k in w1)
+    assert json.loads((tmp_path / "v2" / "adapter_config.json").read_text()) == json.loads(
+        (parent / "adapter_config.json").read_text()
+    )
+    assert mlx_trainer.mean_logprobs(PAIRS, tmp_path / "v2") == pytest.approx(mlx_trainer.mean_logprobs(PAIRS, parent))
+    # And a real step from there moves on from the parent, not from the base.
+    moved = mlx_trainer.run(preference_samples()[:8], None, replace(LEARN, steps=1), parent, tmp_path / "v3")
+    assert moved.metrics["mean_kl"] > 1e-3 and moved.metrics["accepted_seq_frac"] == 1.0
+
+
+def test_gate_scores_match_the_torch_measurement(mlx_trainer, torch_trainer, learned):
+    from rlfleet.worker.evaluate import score_model
+    from rlfleet.worker.gate import GateConfig
+
+    out, _, _ = learned
+    teacher_forced = GateConfig(eval_prompts=0)
+    for adapter in (None, out):
+        got = mlx_trainer.score_model(PAIRS, adapter, teacher_forced)
+        want = score_model(torch_trainer, PAIRS, adapter, teacher_forced)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        assert got.kl == pytest.approx(want.kl, abs=1e-4) and got.entropy == pytest.approx(want.entropy, abs=1e-4)
+    sampled = mlx_trainer.score_model(PAIRS, out, GateConfig(eval_prompts=2, eval_new_tokens=8))
+    assert 0 <= sampled.distinct2 <= 1 and 0 <= sampled.answer_tokens <= 8

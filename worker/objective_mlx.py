@@ -1,0 +1,88 @@
+"""The MIS-PO loss over MLX arrays: the same formula as :mod:`objective` (see its docstring).
+
+Only the pieces that touch per-token arrays live here; the advantage and the EMA baseline are
+plain numbers computed by :func:`objective.advantages` / :func:`objective.update_ema` and shared by
+both backends. Statistics come back as MLX scalars, not Python floats: the loss is evaluated inside
+``mlx.nn.value_and_grad``, where arrays cannot be read back yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+def k3_kl(logp_new: mx.array, logp_ref: mx.array) -> mx.array:
+    """Per-token k3 estimator of KL(new || ref): ``exp(d) - d - 1`` with ``d = logp_ref - logp_new``."""
+    d = logp_ref - logp_new
+    return mx.exp(d) - d - 1.0
+
+
+@dataclass(frozen=True)
+class MlxLossOutput:
+    loss: mx.array  # scalar, differentiable w.r.t. logp_new only
+    accepted_tokens: mx.array  # response tokens whose ratio is inside token_band (a count)
+    accepted_seqs: mx.array  # sequences whose rho is inside seq_band (a count)
+    mean_kl: mx.array  # mean k3 KL per response token (all tokens, unfiltered)
+    n_tokens: mx.array  # response tokens in the batch
+
+    def stats(self) -> dict[str, mx.array]:
+        return {
+            "accepted_tokens": self.accepted_tokens,
+            "accepted_seqs": self.accepted_seqs,
+            "mean_kl": self.mean_kl,
+            "n_tokens": self.n_tokens,
+        }
+
+
+def mispo_loss(
+    logp_new: mx.array,
+    logp_beh: mx.array,
+    logp_ref: mx.array,
+    mask: mx.array,
+    advantages: mx.array,
+    *,
+    token_band: tuple[float, float] = (0.5, 2.0),
+    seq_band: tuple[float, float],
+    beta: float,
+) -> MlxLossOutput:
+    """The loss of one (micro-)batch, equal to :func:`objective.mispo_loss` on the same inputs.
+
+    Shapes: ``logp_*`` and ``mask`` are ``[B, T]`` (``mask`` true on response tokens); ``advantages``
+    is ``[B]``. Values of ``logp_*`` off the mask are ignored.
+    """
+    mask_b = mask.astype(mx.bool_)
+    dtype = logp_new.dtype
+    maskf = mask_b.astype(dtype)
+    # Only logp_new carries gradient: the others are fixed targets of this run.
+    logp_beh = mx.stop_gradient(logp_beh.astype(dtype))
+    logp_ref = mx.stop_gradient(logp_ref.astype(dtype))
+    adv = mx.stop_gradient(advantages.astype(dtype))
+
+    # Zero off the mask before exp(): padding may hold anything, and inf * 0 would poison the sum.
+    zeros = mx.zeros_like(logp_new)
+    logr = mx.where(mask_b, logp_new - logp_beh, zeros)
+    ratio = mx.exp(logr)
+    sg_ratio, sg_logr = mx.stop_gradient(ratio), mx.stop_gradient(logr)
+    tok_keep = mask_b & (sg_ratio >= token_band[0]) & (sg_ratio <= token_band[1])
+    n_seq_tokens = maskf.sum(axis=1)
+    denom = mx.maximum(n_seq_tokens, 1.0)
+    rho = mx.exp(sg_logr.sum(axis=1) / denom)
+    seq_keep = (rho >= seq_band[0]) & (rho <= seq_band[1])
+    keep = mx.stop_gradient((tok_keep & seq_keep[:, None]).astype(dtype))
+
+    per_seq = -(keep * ratio).sum(axis=1) * adv / denom
+    policy = per_seq.mean()
+
+    n_tokens = maskf.sum()
+    kl = k3_kl(mx.where(mask_b, logp_new, zeros), mx.where(mask_b, logp_ref, zeros))
+    kl_mean = (kl * maskf).sum() / mx.maximum(n_tokens, 1.0)
+
+    return MlxLossOutput(
+        loss=policy + beta * kl_mean,
+        accepted_tokens=tok_keep.astype(mx.float32).sum(),
+        accepted_seqs=seq_keep.astype(mx.float32).sum(),
+        mean_kl=mx.stop_gradient(kl_mean),
+        n_tokens=n_tokens,
+    )
