@@ -143,10 +143,18 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
     # Our callers show their own "loading" line; transformers' per-tensor bars would flood worker
     # logs and fight the chat's spinner for the terminal.
     hf_logging.disable_progress_bar()
+    # The GGUF dequantiser uses tqdm directly, not transformers' switch; tqdm reads TQDM_* env vars.
+    previous = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
     try:
         model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot load model {ref.spec}: {_first_line(exc)}") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = previous
     model.to(device)
     model.eval()
     return model
