@@ -16,7 +16,7 @@ import torch
 from rlfleet.shared.responder import seeded_rng
 
 from .batching import encode_sample
-from .gate import GateConfig, ModelScores, distinct_n
+from .gate import GateConfig, ModelScores
 from .samples import TrainSample
 from .trainer import Trainer
 
@@ -57,22 +57,11 @@ def score_model(
                 ent_sum[i] += float(ent[k])
                 kl_sum[i] += float(kl[k])
                 count[i] += 1
-        distinct = answer_tokens = None
-        if cfg.eval_prompts > 0:
-            outs = [
-                _sample(trainer, model, p, cfg.eval_new_tokens, seed + j)
-                for j, (p, _r) in enumerate(pairs[: cfg.eval_prompts])
-            ]
-            distinct = distinct_n(outs, 2)
-            answer_tokens = sum(len(o) for o in outs) / len(outs)
-    total = max(sum(count), 1)
-    return ModelScores(
-        logprobs=[s / max(c, 1) for s, c in zip(lp_sum, count, strict=True)],
-        kl=sum(kl_sum) / total,
-        entropy=sum(ent_sum) / total,
-        distinct2=distinct,
-        answer_tokens=answer_tokens,
-    )
+        sampled = [
+            _sample(trainer, model, p, cfg.eval_new_tokens, seed + j)
+            for j, (p, _r) in enumerate(pairs[: cfg.eval_prompts])
+        ]
+    return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
 
 def _response_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

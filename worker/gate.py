@@ -46,6 +46,25 @@ class ModelScores:
     distinct2: float | None = None  # distinct bigram fraction of sampled answers
     answer_tokens: float | None = None  # mean sampled answer length
 
+    @classmethod
+    def from_sums(
+        cls,
+        lp_sum: Sequence[float],
+        ent_sum: Sequence[float],
+        kl_sum: Sequence[float],
+        count: Sequence[int],
+        sampled: Sequence[Sequence[int]] | None,
+    ) -> ModelScores:
+        """From per-answer sums over answer tokens (and the token lists of sampled answers, if any)."""
+        total = max(sum(count), 1)
+        return cls(
+            logprobs=[s / max(c, 1) for s, c in zip(lp_sum, count, strict=True)],
+            kl=sum(kl_sum) / total,
+            entropy=sum(ent_sum) / total,
+            distinct2=distinct_n(sampled, 2) if sampled else None,
+            answer_tokens=sum(len(o) for o in sampled) / len(sampled) if sampled else None,
+        )
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -598,7 +598,7 @@ class MlxTrainer:
         distinct-bigram and length checks. ``cfg`` is a :class:`rlfleet.worker.gate.GateConfig`."""
         import numpy as np
 
-        from .gate import ModelScores, distinct_n
+        from .gate import ModelScores
 
         mx = _mx()
         samples = [TrainSample(i, p, r, 0.0) for i, (p, r) in enumerate(pairs)]
@@ -629,22 +629,11 @@ class MlxTrainer:
                     ent_sum[i] += float(ent_np[row][m].sum())
                     kl_sum[i] += float(kl_np[row][m].sum())
                     count[i] += int(m.sum())
-            distinct = answer_tokens = None
-            if cfg.eval_prompts > 0:
-                outs = [
-                    self._sample(prompt, cfg.eval_new_tokens, seed + j)
-                    for j, (prompt, _r) in enumerate(pairs[: cfg.eval_prompts])
-                ]
-                distinct = distinct_n(outs, 2)
-                answer_tokens = sum(len(o) for o in outs) / len(outs)
-        total = max(sum(count), 1)
-        return ModelScores(
-            logprobs=[s / max(c, 1) for s, c in zip(lp_sum, count, strict=True)],
-            kl=sum(kl_sum) / total,
-            entropy=sum(ent_sum) / total,
-            distinct2=distinct,
-            answer_tokens=answer_tokens,
-        )
+            sampled = [
+                self._sample(prompt, cfg.eval_new_tokens, seed + j)
+                for j, (prompt, _r) in enumerate(pairs[: cfg.eval_prompts])
+            ]
+        return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
     def _log_softmax(self, ids: Any) -> Any:
         """``[B, L-1, V]`` fp32 next-token log-probs at every position but the last."""
