@@ -4,7 +4,6 @@ interface, on the tiny offline model and test_trainer's preference data."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,9 +24,6 @@ from test_trainer import (  # noqa: E402
     prompt_ids,
 )
 
-from rlfleet.shared.models import resolve_model  # noqa: E402
-from rlfleet.worker.trainer import Trainer  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/
 from bench.learning.kto import KtoTrainer  # noqa: E402
 
@@ -37,14 +33,8 @@ KTO_LEARN = LEARN
 
 
 @pytest.fixture(scope="module")
-def kto(tiny_model_dir) -> Iterator[KtoTrainer]:
-    # One thread: on tensors this small thread start-up costs more than the work (see test_trainer).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield KtoTrainer(Trainer(resolve_model(str(tiny_model_dir))))
-    finally:
-        torch.set_num_threads(threads)
+def kto(tiny_trainer) -> KtoTrainer:
+    return KtoTrainer(tiny_trainer)
 
 
 @pytest.fixture(scope="module")

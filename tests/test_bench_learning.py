@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-import torch
+from conftest import one_torch_thread
 
 from bench.learning.__main__ import main
 from bench.learning.metrics import collapse_signals, margin, preferred_rate, wilson
@@ -77,16 +77,12 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     monkeypatch.delenv("RLFLEET_HOME", raising=False)
     rater = tmp_path / "rater.py"
     rater.write_text("def short(prompt, answer):\n    return 1 if len(answer) < 30 else -1\n")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         code = main([
             "--model", str(tiny_model_dir), "--rater", f"{rater}:short", "--ratings", "16", "--threshold", "8",
             "--lr", "3e-3", "--steps", "8", "--preset", "aggressive", "--heldout", "4", "--samples", "4",
             "--device", "cpu", "--json",
         ])  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("preference", "ratings", "objective", "base_rate", "final_rate", "delta", "ci95",

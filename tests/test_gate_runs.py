@@ -7,14 +7,12 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from test_spine import _work_train_queue, rl, status
 from test_trainer import BAD, GOOD, LEARN, TEMPLATES, chat
 
 from rlfleet.shared.cli import dispatch
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
-from rlfleet.shared.models import resolve_model
 from rlfleet.shared.queue import open_queue
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
@@ -36,13 +34,8 @@ def pairs(topics, flip=False):
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_model_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield Trainer(resolve_model(str(tiny_model_dir)))
-    finally:
-        torch.set_num_threads(threads)
+def trainer(tiny_trainer) -> Trainer:
+    return tiny_trainer
 
 
 @pytest.mark.parametrize("flip, promoted", [(False, True), (True, False)])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,14 +36,8 @@ PAIRS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # As in test_trainer.py: on tensors this small one thread is faster on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _one_thread(single_thread) -> None:
+    """See conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,8 @@ MSGS = [{"role": "user", "content": "Say something nice about tests."}]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Intra-op threads only add overhead on a 90k-parameter model (measured here on 2 cores: an answer
-    of 16 tokens took 0.78 s with 2 threads, 0.05 s with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread) -> None:
+    """See conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

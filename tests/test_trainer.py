@@ -4,13 +4,11 @@ session by the ``tiny_model_dir`` fixture in conftest.py)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
 
-from rlfleet.shared.models import resolve_model
 from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
 from rlfleet.worker.presets import TrainConfig, preset
 from rlfleet.worker.samples import TrainSample
@@ -33,15 +31,8 @@ def chat(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_model_dir) -> Iterator[Trainer]:
-    # On tensors this small, thread start-up costs more than the work: one thread is 3-4x faster
-    # on a busy 2-core machine. Restored afterwards for the rest of the session.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield Trainer(resolve_model(str(tiny_model_dir)))
-    finally:
-        torch.set_num_threads(threads)
+def trainer(tiny_trainer) -> Trainer:
+    return tiny_trainer
 
 
 @pytest.fixture(scope="module")
