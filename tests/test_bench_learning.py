@@ -81,7 +81,7 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
         code = main([
             "--model", str(tiny_model_dir), "--rater", f"{rater}:short", "--ratings", "16", "--threshold", "8",
             "--lr", "3e-3", "--steps", "8", "--preset", "aggressive", "--heldout", "4", "--samples", "4",
-            "--device", "cpu", "--json",
+            "--device", "cpu", "--home", str(tmp_path / "bench"), "--json",
         ])  # fmt: skip
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -94,3 +94,4 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert out["margin_after"] > out["margin_before"] + 0.05, out
     assert out["final_rate"] > out["base_rate"], out
     assert out["entropy_ratio"] > 0.8  # learned, not collapsed
+    assert (tmp_path / "bench" / "mispo" / "rlfleet.db").is_file()  # --home keeps the run's data

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -49,6 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     ap.add_argument("--no-gate", action="store_true", help="serve every run (no evaluation gate)")
     ap.add_argument("--plot", type=Path, help="PNG to write (default with --compare: bench/learning/plots/)")
+    ap.add_argument("--home", type=Path, help="data dir to run in and keep (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
     args = ap.parse_args(argv)
     if args.ratings < 1 or args.threshold < 1:
@@ -75,13 +77,19 @@ def main(argv: list[str] | None = None) -> int:
             def report(what: str, done: int, total: int, task=task, objective=objective) -> None:
                 bar.update(task, description=f"{objective}: {what}", completed=done, total=total)
 
+            scratch = None if args.home else tempfile.TemporaryDirectory(prefix="rlfleet-learning-")
+            home = args.home / objective if args.home else Path(scratch.name)
             bc = BenchConfig(
                 preference=pref, model=args.model, ratings=args.ratings, objective=objective,
                 threshold=args.threshold, preset=args.preset, heldout=args.heldout, samples=args.samples,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, gate=not args.no_gate,
-                overrides=overrides,
+                overrides=overrides, home=home,
             )
-            result = run_benchmark(bc, report)
+            try:
+                result = run_benchmark(bc, report)
+            finally:
+                if scratch is not None:
+                    scratch.cleanup()
             summaries.append(result.summary())
             bar.remove_task(task)
             if not args.json:
