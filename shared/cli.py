@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -110,7 +111,15 @@ def _emit(result: dict, as_json: bool) -> None:
         raise typer.Exit(2)
 
 
+def _stop_on_signal(signum: int, _frame: object) -> None:
+    # A `kill` or a closed terminal must unwind like Ctrl-C: workers stopped, the embedded Redis
+    # released (an orphaned server would outlive us). RQ's own worker installs its own handlers.
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
     try:
         app()
     except RlfleetError as exc:

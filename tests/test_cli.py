@@ -2,7 +2,11 @@
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -18,12 +22,10 @@ def rl(*args, input=None):
 
 def rl_main(*args):
     """Through main(): RlfleetError becomes one red line and an exit code."""
-    import subprocess
-    import sys
+    return subprocess.run(MAIN + list(args), capture_output=True, text=True, timeout=60, env=os.environ.copy())
 
-    return subprocess.run([sys.executable, "-m", "rlfleet.worker.__main__"] if False else
-                          [sys.executable, "-c", "from rlfleet.shared.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+
+MAIN = [sys.executable, "-c", "from rlfleet.shared.cli import main; main()"]
 
 
 def status_json():
@@ -127,3 +129,26 @@ def test_reset_needs_yes_without_a_terminal(queued_home):
 def test_every_command_has_help(cmd):
     res = rl(cmd, "--help")
     assert res.exit_code == 0 and "Usage" in res.output
+
+
+def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir, monkeypatch):
+    from rlfleet.shared.embedded_redis import EmbeddedRedis
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    proc = subprocess.Popen(MAIN + ["up"], env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if EmbeddedRedis.running(home) and status_json()["workers"] == 2:
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.5)
+        else:
+            pytest.fail("rlfleet up did not start its workers")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not EmbeddedRedis.running(home)  # released, not orphaned
