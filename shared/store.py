@@ -61,9 +61,30 @@ def migrate(engine: Engine) -> None:
 
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
+    # Processes start together (chat, its workers, a CLI command): one migrates, the others wait
+    # and then find the schema at head. SQLite runs each DDL statement in its own transaction, so
+    # without the lock two of them interleave ("table ... already exists").
+    with _migration_lock(engine), engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7155172026)")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    db = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not db or db == ":memory:":
+        yield
+        return
+    import fcntl
+
+    with open(f"{db}.migrate-lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)

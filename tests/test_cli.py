@@ -152,3 +152,23 @@ def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir
         if proc.poll() is None:
             proc.kill()
     assert not EmbeddedRedis.running(home)  # released, not orphaned
+
+
+def test_a_killed_up_leaves_no_orphans(home, tiny_model_dir, monkeypatch):
+    """SIGKILL runs no cleanup: the background workers notice their parent is gone and stop, and the
+    last of them out stops the embedded Redis."""
+    from rlfleet.shared.embedded_redis import EmbeddedRedis
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    proc = subprocess.Popen(MAIN + ["up"], env=os.environ.copy(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (EmbeddedRedis.running(home) and status_json()["workers"] == 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "rlfleet up did not start its workers"
+        time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while EmbeddedRedis.running(home):
+        assert time.monotonic() < deadline, "the embedded Redis outlived its users"
+        time.sleep(0.5)

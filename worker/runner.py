@@ -75,6 +75,26 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
             handle.close()
 
 
+PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background workers: they stop when that process is gone
+
+
+def stop_with_parent(poll: float = 2.0) -> None:
+    """In a background worker: when the parent that started us dies without stopping us (killed
+    with SIGKILL), stop like on SIGTERM (RQ finishes the job in hand) instead of running orphaned."""
+    import threading
+
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def worker_env(cfg: Config, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["RLFLEET_HOME"] = str(cfg.home)
@@ -98,7 +118,7 @@ class BackgroundWorkers:
             log = open(self.log_dir / f"worker-{name}.log", "ab")
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "rlfleet.worker", "--queue", name],
-                env=worker_env(self.cfg),
+                env=worker_env(self.cfg, {PARENT_ENV: str(os.getpid())}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
