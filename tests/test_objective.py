@@ -174,3 +174,14 @@ def test_loss_for_picks_the_configured_objective():
     assert loss_for(replace(cfg, objective="reinforce"))(new, beh, beh, mask, adv).loss.item() == pytest.approx(1.5)
     with pytest.raises(ValueError, match="unknown objective"):
         loss_for(replace(cfg, objective="dpo"))
+
+
+def test_run_check_judges_the_runs_own_drift_not_the_lineages():
+    from rlfleet.worker.objective import run_check
+
+    assert run_check(-0.1, 0.0, 0.4, 1.0) == (True, None)
+    assert run_check(-0.1, 0.9, 1.6, 1.0) == (True, None)  # a far-travelled lineage takes a small step
+    ok, reason = run_check(-0.1, 0.2, 1.3, 1.0)
+    assert not ok and "from 0.200 to 1.300" in reason
+    ok, reason = run_check(float("nan"), 0.0, 0.1, 1.0)
+    assert not ok and "diverged" in reason

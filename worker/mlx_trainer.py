@@ -42,7 +42,7 @@ from rlfleet.shared.errors import ConfigError, ModelUnavailable
 from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import EMA_SEED
+from .objective import EMA_SEED, run_check
 from .objective import advantages as compute_advantages
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
@@ -420,7 +420,7 @@ class MlxTrainer:
             opt = optim.AdamW(learning_rate=cfg.lr, bias_correction=True)  # torch.optim.AdamW's defaults
             token_fracs: list[float] = []
             seq_fracs: list[float] = []
-            loss_value = mean_kl = float("nan")
+            loss_value = mean_kl = start_kl = float("nan")
             train_started = time.perf_counter()
             for step in range(cfg.steps):
                 grads = None
@@ -445,6 +445,8 @@ class MlxTrainer:
                     opt.update(self.model, grads)
                     mx.eval(self.model.trainable_parameters(), opt.state)
                 loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
+                if step == 0:  # measured before the first update: where the run starts
+                    start_kl = mean_kl
                 token_fracs.append(tok_acc / max(n_response, 1))
                 seq_fracs.append(seq_acc / n_samples)
                 elapsed = time.perf_counter() - train_started
@@ -471,11 +473,7 @@ class MlxTrainer:
             "lr": cfg.lr,
             "n_tokens": n_response,
         }
-        ok, reason = True, None
-        if not math.isfinite(loss_value) or not math.isfinite(final_kl):
-            ok, reason = False, f"training diverged: loss {loss_value}, mean KL {final_kl}"
-        elif max(mean_kl, final_kl) > cfg.max_mean_kl:
-            ok, reason = False, f"mean KL to the base {max(mean_kl, final_kl):.3f} > limit {cfg.max_mean_kl}"
+        ok, reason = run_check(loss_value, start_kl, final_kl, cfg.max_mean_kl)
         return RunResult(
             metrics=metrics,
             advantages={s.rating_id: a for s, a in zip(samples, adv_list, strict=True)},

@@ -20,6 +20,7 @@ token of the batch, unfiltered: the anchor holds even where the policy term is s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,18 @@ def mispo_loss(
         mean_kl=float(kl_mean.detach().item()),
         n_tokens=n_tokens,
     )
+
+
+def run_check(loss: float, start_kl: float, final_kl: float, max_run_kl: float) -> tuple[bool, str | None]:
+    """A run's own sanity check: finite, and it moved the policy by at most ``max_run_kl`` of mean
+    per-token KL to the base (measured from where the run started, so a lineage that has learned a
+    lot can still take its next step)."""
+    if not all(math.isfinite(x) for x in (loss, start_kl, final_kl)):
+        return False, f"training diverged: loss {loss}, mean KL {final_kl}"
+    if final_kl - start_kl > max_run_kl:
+        return False, (f"this run moved the mean KL to the base from {start_kl:.3f} to {final_kl:.3f} "
+                       f"(more than {max_run_kl})")
+    return True, None
 
 
 # ---- alternatives, for the learning benchmark's comparison (bench/learning) -----------------------

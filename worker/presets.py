@@ -34,7 +34,7 @@ class TrainConfig:
     ema_decay: float = 0.99
     max_tokens: int = 1024
     micro_batch_tokens: int = 2048
-    max_mean_kl: float = 1.0  # a run whose mean per-token KL to the base exceeds this is not promoted
+    max_mean_kl: float = 1.0  # a run that raises the mean per-token KL to the base by more is not promoted
     seed: int = 0
     device: str = "auto"
     objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for)

@@ -13,7 +13,6 @@ band drop most sequences (docs: TESTING.md, pitfalls).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import Tensor
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import EMA_SEED, k3_kl, loss_for
+from .objective import EMA_SEED, k3_kl, loss_for, run_check
 from .objective import advantages as compute_advantages
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
@@ -196,7 +195,7 @@ class Trainer:
             opt = torch.optim.AdamW(params, lr=cfg.lr)
             token_fracs: list[float] = []
             seq_fracs: list[float] = []
-            loss_value = mean_kl = float("nan")
+            loss_value = mean_kl = start_kl = float("nan")
             train_started = time.perf_counter()
             for step in range(cfg.steps):
                 opt.zero_grad(set_to_none=True)
@@ -218,6 +217,8 @@ class Trainer:
                     # decay would still move the weights, defeating the filter as a trust region.
                     opt.step()
                 loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
+                if step == 0:  # measured before the first update: where the run starts
+                    start_kl = mean_kl
                 token_fracs.append(tok_acc / max(n_response, 1))
                 seq_fracs.append(seq_acc / n_samples)
                 elapsed = time.perf_counter() - train_started
@@ -247,11 +248,7 @@ class Trainer:
             "lr": cfg.lr,
             "n_tokens": n_response,
         }
-        ok, reason = True, None
-        if not math.isfinite(loss_value) or not math.isfinite(final_kl):
-            ok, reason = False, f"training diverged: loss {loss_value}, mean KL {final_kl}"
-        elif max(mean_kl, final_kl) > cfg.max_mean_kl:
-            ok, reason = False, f"mean KL to the base {max(mean_kl, final_kl):.3f} > limit {cfg.max_mean_kl}"
+        ok, reason = run_check(loss_value, start_kl, final_kl, cfg.max_mean_kl)
         return RunResult(
             metrics=metrics,
             advantages={s.rating_id: float(a) for s, a in zip(samples, adv.tolist(), strict=True)},
