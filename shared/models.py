@@ -9,6 +9,7 @@ A model spec is one of:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -143,21 +144,39 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
     # Our callers show their own "loading" line; transformers' per-tensor bars would flood worker
     # logs and fight the chat's spinner for the terminal.
     hf_logging.disable_progress_bar()
-    # The GGUF dequantiser uses tqdm directly, not transformers' switch; tqdm reads TQDM_* env vars.
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
     try:
-        model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
+        with _no_gguf_bar():
+            model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot load model {ref.spec}: {_first_line(exc)}") from None
-    finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
+    quantizer = getattr(model, "hf_quantizer", None)
+    if ref.gguf_file and quantizer is not None:
+        # The GGUF weights are dequantised on load: a plain model in `dtype`. transformers still marks
+        # it quantized, and trainers that check (TRL's, the Trainer) then refuse to train it.
+        quantizer.remove_quantization_config(model)
     model.to(device)
     model.eval()
     return model
+
+
+@contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """The GGUF dequantiser calls tqdm directly, past transformers' switch, and tqdm reads its
+    TQDM_* variables when it is imported, not per bar: hand the loader a tqdm that is switched off."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # no gguf support in this transformers: nothing to silence
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def _first_line(exc: BaseException) -> str:

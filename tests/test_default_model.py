@@ -93,3 +93,20 @@ def test_a_run_on_real_answers_moves_them_in_the_rated_direction_and_is_served(t
     assert responder.refresh() == version
     again = responder.answer([{"role": "user", "content": PROMPTS[0]}], seed=0)
     assert again.adapter_version == version and again.text.strip()
+
+
+def test_the_dequantised_gguf_is_a_plain_trainable_model(trainer, answered, tmp_path):
+    # transformers marks a GGUF load as quantized although its weights are dequantised fp32; TRL's
+    # trainers then refuse it ("quantized with gguf ... do not support training"), which stopped the
+    # learning benchmark's KTO baseline on the default model.
+    pytest.importorskip("trl", reason="the KTO baseline needs TRL: pip install -e '.[bench]'")
+    from bench.learning.kto import KtoTrainer
+
+    assert not trainer.base.is_quantized and getattr(trainer.base.config, "quantization_config", None) is None
+    _, _, answers = answered
+    samples = [
+        TrainSample(i, a.messages, a.text, r, behaviour_logprobs=a.logprobs, behaviour_token_ids=a.token_ids)
+        for i, (a, r) in enumerate(zip(answers, [1.0, -1.0, 1.0, -1.0], strict=True))
+    ]
+    result = KtoTrainer(trainer).run(samples, None, replace(preset("balanced"), steps=1), None, tmp_path / "kto")
+    assert (tmp_path / "kto" / "adapter_model.safetensors").is_file() and result.metrics["steps"] == 1
