@@ -116,6 +116,9 @@ def _print_one(console: Console, s: dict) -> None:
         f"distinct-2 {s['distinct2_before']:.2f} → {s['distinct2_after']:.2f} · "
         f"entropy ×{s['entropy_ratio']:.2f} · {s['seconds']:.0f} s"
     )
+    if s.get("controls_delta"):
+        console.print("  the same answers by the other named preferences (a control), Δ: "
+                      + ", ".join(f"{k} {v:+.2f}" for k, v in s["controls_delta"].items()))
     for r in s["runs"]:
         console.print(f"  run after {r['after_ratings']}: {r['version']} {r['state']}"
                       + (f" ({r['reason'] or r['error']})" if r["state"] != "succeeded" else ""))

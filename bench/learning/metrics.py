@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from rlfleet.worker.gate import distinct_n
 
@@ -47,6 +47,9 @@ class Checkpoint:
     distinct2: float
     entropy_ratio: float
     seconds: float
+    # The other named preferences' rates on the same answers: a control. A run that moves every one of
+    # them alike (shorter, blander answers) learned a side effect, not the user's preference.
+    controls: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)

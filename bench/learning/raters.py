@@ -61,6 +61,14 @@ _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
 }
 
 
+CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite")
+
+
+def controls() -> list[Preference]:
+    """The named preferences a benchmark also scores every checkpoint by, whatever the user's taste."""
+    return [preference(spec) for spec in CONTROLS]
+
+
 def named() -> dict[str, str]:
     return {k: v[1] for k, v in _NAMED.items()}
 

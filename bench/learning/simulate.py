@@ -25,7 +25,7 @@ from rlfleet.shared.config import Config, TrainSettings
 from rlfleet.shared.events import Capture, Rating
 
 from .metrics import Checkpoint, collapse_signals, margin, preferred_rate
-from .raters import Preference
+from .raters import Preference, controls
 
 TOPICS = [
     "the moon", "coffee", "trains", "gardening", "volcanoes", "chess", "bicycles", "honey", "rainbows",
@@ -81,6 +81,10 @@ class BenchResult:
             "ratings": last.ratings,
             "objective": self.config.objective,
             "model": self.config.model,
+            "preset": self.config.preset,
+            "threshold": self.config.threshold,
+            "seed": self.config.seed,
+            "overrides": dict(self.config.overrides),
             "base_rate": first.rate,
             "final_rate": last.rate,
             "delta": last.rate - first.rate,
@@ -93,6 +97,7 @@ class BenchResult:
             "distinct2_before": first.distinct2,
             "distinct2_after": last.distinct2,
             "entropy_ratio": last.entropy_ratio,
+            "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
             "runs": self.runs,
             "checkpoints": [c.to_dict() for c in self.checkpoints],
             "seconds": self.seconds,
@@ -174,6 +179,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             margin=margin(good, bad), answer_words=words, distinct2=distinct,
             entropy_ratio=ent / reference["entropy"] if reference["entropy"] else float("nan"),
             seconds=time.perf_counter() - t0,
+            controls={c.name: preferred_rate([c.rate(p, a.text) for p, a in texts])[0] for c in controls()},
         )
 
     handle = open_queue(cfg)

@@ -1,0 +1,180 @@
+"""python -m bench.learning.grid run|report: many benchmark configurations at once.
+
+`run` starts one `python -m bench.learning ... --json` process per point of the grid (preferences ×
+objectives × presets × thresholds × seeds), `--jobs` at a time, and keeps each one's JSON and log in
+`--out`: a GPU box with many cores answers for many simulated users side by side. `report` reads such
+a folder (or several) and prints one markdown table per preference, runs of the same variant with
+different seeds pooled, and writes one PNG plot per preference.
+
+    python -m bench.learning.grid run --preference short:30 --preference question \\
+        --objective mispo,soft,reinforce,kto --ratings 128 --jobs 16 --out runs/
+    python -m bench.learning.grid report runs/ --plots bench/learning/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .report import markdown_table, plot, pool
+
+OBJECTIVES = ("mispo", "soft", "reinforce", "kto")
+
+
+@dataclass(frozen=True)
+class Point:
+    preference: str
+    objective: str
+    preset: str
+    threshold: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        pref = "".join(c if c.isalnum() else "-" for c in self.preference)
+        return f"{pref}__{self.objective}__{self.preset}__t{self.threshold}__s{self.seed}"
+
+    def argv(self, ratings: int, extra: list[str]) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.learning", "--preference", self.preference, "--objective", self.objective,
+            "--preset", self.preset, "--threshold", str(self.threshold), "--seed", str(self.seed),
+            "--ratings", str(ratings), "--json", *extra,
+        ]  # fmt: skip
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def points(prefs: list[str], objectives: list[str], presets: list[str], thresholds: list[int],
+           seeds: list[int]) -> list[Point]:
+    return [Point(*p) for p in itertools.product(prefs, objectives, presets, thresholds, seeds)]
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    bad = [o for o in args.objective if o not in OBJECTIVES]
+    if bad:
+        console.print(f"[red]error:[/] unknown objective {bad[0]!r}; choose from {', '.join(OBJECTIVES)}")
+        return 2
+    grid = points(args.preference, args.objective, args.preset, args.threshold, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    todo = [p for p in grid if not (args.out / f"{p.name}.json").is_file()]  # a rerun resumes
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.threads:  # many processes on one box: keep each from claiming every core
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    running: dict[Point, tuple[subprocess.Popen, float]] = {}
+    failed: list[str] = []
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task("benchmark runs", total=len(grid), completed=len(grid) - len(todo))
+        while todo or running:
+            while todo and len(running) < args.jobs:
+                p = todo.pop(0)
+                log = open(args.out / f"{p.name}.log", "w")  # noqa: SIM115 - closed with the process
+                out = open(args.out / f"{p.name}.json.part", "w")  # noqa: SIM115
+                proc = subprocess.Popen(p.argv(args.ratings, args.extra), stdout=out, stderr=log, env=env)
+                running[p] = (proc, time.monotonic())
+            for p, (proc, _) in list(running.items()):
+                if proc.poll() is None:
+                    if deadline and time.monotonic() > deadline:
+                        proc.kill()
+                    continue
+                del running[p]
+                part = args.out / f"{p.name}.json.part"
+                if proc.returncode == 0:
+                    part.rename(args.out / f"{p.name}.json")
+                else:
+                    failed.append(f"{p.name} (exit {proc.returncode}; see {p.name}.log)")
+                    part.unlink(missing_ok=True)
+                bar.advance(task)
+            time.sleep(0.5)
+    for f in failed:
+        console.print(f"[red]failed:[/] {f}")
+    return 1 if failed else 0
+
+
+def load(folders: list[Path]) -> list[dict]:
+    out = []
+    for folder in folders:
+        for f in sorted(folder.glob("*.json")):
+            out.append(json.loads(f.read_text()))
+    return out
+
+
+def _labelled(summaries: list[dict]) -> list[dict]:
+    """Label each run by what varies between the runs of its preference (seeds pool, so not by seed)."""
+    keys = ("objective", "preset", "threshold")
+    varying = [k for k in keys if len({s.get(k) for s in summaries}) > 1] or ["objective"]
+    names = {"objective": "{}", "preset": "{}", "threshold": "t={}"}
+    return [{**s, "label": " · ".join(names[k].format(s.get(k)) for k in varying)} for s in summaries]
+
+
+def report(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    summaries = load(args.folders)
+    if not summaries:
+        console.print(f"[red]error:[/] no benchmark JSON in {', '.join(map(str, args.folders))}")
+        return 2
+    by_pref: dict[str, list[dict]] = defaultdict(list)
+    for s in summaries:
+        by_pref[s["preference"]].append(s)
+    for pref, group in by_pref.items():
+        rows = pool(_labelled(group))
+        order = {o: i for i, o in enumerate(OBJECTIVES)}
+        rows.sort(key=lambda s: (order.get(s["objective"], 9), s["label"]))
+        print(f"\n### {pref} · {rows[0]['ratings']} ratings\n")
+        print(markdown_table(rows))
+        if args.plots:
+            slug = "".join(c if c.isalnum() else "-" for c in pref)
+            written = plot(rows, args.plots / f"{slug}.png")
+            console.print(f"plot: {written}" if written else "[yellow]no plot: pip install matplotlib[/]")
+    return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.learning.grid", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run every point of a grid, --jobs at a time")
+    r.add_argument("--preference", action="append", required=True, help="a named preference (repeatable)")
+    r.add_argument("--objective", type=_csv, default=list(OBJECTIVES), help="comma list (default: all four)")
+    r.add_argument("--preset", type=_csv, default=["balanced"], help="comma list (default balanced)")
+    r.add_argument("--threshold", type=lambda t: [int(x) for x in _csv(t)], default=[32], help="comma list")
+    r.add_argument("--seed", type=lambda t: [int(x) for x in _csv(t)], default=[0], help="comma list")
+    r.add_argument("--ratings", type=int, default=128)
+    r.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="processes at once")
+    r.add_argument("--threads", type=int, default=None, help="torch/OMP threads per process")
+    r.add_argument("--timeout", type=float, default=None, help="seconds; runs still going then are killed")
+    r.add_argument("--out", type=Path, required=True, help="folder for each run's JSON and log")
+    r.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more bench.learning options for every run")
+    p = sub.add_parser("report", help="tables per preference (seeds pooled) and a PNG plot each")
+    p.add_argument("folders", type=Path, nargs="+")
+    p.add_argument("--plots", type=Path, help="folder to write one PNG per preference into")
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        args.extra = [a for a in args.extra if a != "--"]
+        if args.jobs < 1 or args.ratings < 1:
+            ap.error("--jobs and --ratings must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    return run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
