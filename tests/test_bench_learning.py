@@ -11,7 +11,7 @@ from conftest import one_torch_thread
 
 from bench.learning.__main__ import main
 from bench.learning.metrics import collapse_signals, margin, preferred_rate, wilson
-from bench.learning.raters import load_rater, preference
+from bench.learning.raters import CONTROLS, load_rater, preference
 
 
 @pytest.mark.parametrize(
@@ -98,3 +98,79 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert out["delta"] == pytest.approx(out["final_rate"] - out["base_rate"])
     assert out["entropy_ratio"] > 0.8  # learned, not collapsed
     assert (tmp_path / "bench" / "mispo" / "rlfleet.db").is_file()  # --home keeps the run's data
+    # Every checkpoint is also scored by the other named preferences (the control), on the same answers.
+    assert all(set(c["controls"]) == set(CONTROLS) for c in out["checkpoints"])
+    assert out["controls_delta"]["short:30"] == pytest.approx(
+        out["checkpoints"][-1]["controls"]["short:30"] - out["checkpoints"][0]["controls"]["short:30"])
+
+
+def _summary(objective, seed, rates, judged=16, preset="balanced"):
+    cps = [{"ratings": 32 * i, "rate": r, "judged": judged, "ci95": list(wilson(round(r * judged), judged)),
+            "margin": 0.1 * i, "answer_words": 30.0 - i, "distinct2": 0.8, "entropy_ratio": 1.0}
+           for i, r in enumerate(rates)]  # fmt: skip
+    return {"preference": "short:30", "objective": objective, "model": "m", "preset": preset, "threshold": 32,
+            "seed": seed, "ratings": cps[-1]["ratings"], "base_rate": rates[0], "final_rate": rates[-1],
+            "delta": rates[-1] - rates[0], "ci95": cps[-1]["ci95"], "margin_before": 0.0,
+            "margin_after": cps[-1]["margin"], "answer_words_before": 30.0, "answer_words_after": 28.0,
+            "distinct2_before": 0.8, "distinct2_after": 0.8, "entropy_ratio": 1.0, "checkpoints": cps,
+            "runs": [{"state": "succeeded"}], "seconds": 10.0 + seed}  # fmt: skip
+
+
+def test_seeds_of_one_variant_pool_into_one_row_with_a_narrower_interval():
+    from bench.learning.grid import _labelled
+    from bench.learning.report import markdown_table, pool
+
+    runs = _labelled([_summary("mispo", 0, [0.25, 0.5]), _summary("mispo", 1, [0.125, 0.75]),
+                      _summary("soft", 0, [0.25, 0.25])])  # fmt: skip
+    rows = pool(runs)
+    assert [r["label"] for r in rows] == ["mispo", "soft"]
+    mispo = rows[0]
+    assert mispo["seeds"] == 2 and mispo["checkpoints"][-1]["judged"] == 32
+    assert mispo["base_rate"] == pytest.approx(6 / 32) and mispo["final_rate"] == pytest.approx(20 / 32)
+    assert mispo["delta"] == pytest.approx(14 / 32) and mispo["seconds"] == pytest.approx(10.5)
+    single = wilson(12, 16)
+    assert mispo["ci95"][1] - mispo["ci95"][0] < single[1] - single[0]
+    assert len(mispo["runs"]) == 2 and rows[1] is runs[2]  # one seed: the run itself
+    table = markdown_table(rows).splitlines()
+    assert table[2].startswith("| mispo | 32 | 2 | 0.19 | 0.62 | +0.44 |") and len(table) == 4
+
+
+def test_labels_name_only_what_varies_within_a_preference():
+    from bench.learning.grid import _labelled, points
+
+    grid = points(["short:30"], ["mispo", "soft"], ["balanced", "careful"], [32], [0, 1])
+    assert len(grid) == 8 and grid[0].name == "short-30__mispo__balanced__t32__s0"
+    labels = {s["label"] for s in _labelled([_summary("mispo", 0, [0, 0], preset=p) for p in ("balanced", "careful")]
+                                            + [_summary("soft", 0, [0, 0])])}  # fmt: skip
+    assert labels == {"mispo · balanced", "mispo · careful", "soft · balanced"}
+
+
+def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from bench.learning.grid import main as grid
+
+    monkeypatch.delenv("RLFLEET_HOME", raising=False)
+    out = tmp_path / "runs"
+    extra = ["--", "--model", str(tiny_model_dir), "--heldout", "2", "--samples", "1", "--max-new-tokens", "8",
+             "--device", "cpu", "--lr", "3e-3", "--steps", "2"]  # fmt: skip
+    argv = ["run", "--preference", "short:5", "--objective", "mispo,reinforce", "--threshold", "4", "--ratings", "4",
+            "--jobs", "2", "--threads", "1", "--out", str(out), *extra]  # fmt: skip
+    assert grid(argv) == 0
+    done = sorted(p.name for p in out.glob("*.json"))
+    assert done == ["short-5__mispo__balanced__t4__s0.json", "short-5__reinforce__balanced__t4__s0.json"]
+    assert not list(out.glob("*.part"))
+    stamp = {p: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    assert grid(argv) == 0  # everything is there: nothing reruns
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*.json")} == stamp
+    capsys.readouterr()
+    assert grid(["report", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    text = capsys.readouterr().out
+    assert "### short:5 · 4 ratings" in text and "| mispo | 4 | 1 |" in text and "| reinforce | 4 | 1 |" in text
+    assert (tmp_path / "plots" / "short-5.png").stat().st_size > 1000
+    assert grid(["run", "--preference", "short", "--objective", "dpo", "--out", str(out)]) == 2
+
+
+def test_grid_report_of_an_empty_folder_is_a_clear_error(tmp_path, capsys):
+    from bench.learning.grid import main as grid
+
+    assert grid(["report", str(tmp_path)]) == 2
+    assert "no benchmark JSON" in capsys.readouterr().err
