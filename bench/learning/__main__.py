@@ -60,7 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)
     try:
         pref = load_rater(args.rater) if args.rater else preference(args.preference)
     except ValueError as exc:
@@ -74,8 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         for objective in objectives:
             task = bar.add_task(objective, total=None)
 
-            def report(what: str, done: int, total: int, task=task, objective=objective) -> None:
-                bar.update(task, description=f"{objective}: {what}", completed=done, total=total)
+            phase: list[str] = []
+
+            def report(what: str, done: int, total: int, task=task, objective=objective, phase=phase) -> None:
+                description = f"{objective}: {what}"
+                if not console.is_terminal and phase[-1:] != [description]:
+                    # A log file (grid runs, CI) gets no live bar: one timestamped line per phase instead.
+                    phase.append(description)
+                    console.log(description)
+                bar.update(task, description=description, completed=done, total=total)
 
             scratch = None if args.home else tempfile.TemporaryDirectory(prefix="rlfleet-learning-")
             home = args.home / objective if args.home else Path(scratch.name)
