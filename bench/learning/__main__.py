@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from .raters import load_rater, named, preference
-from .report import markdown_table, plot
+from .report import markdown_table, plot, slug
 from .simulate import BenchConfig, run_benchmark
 
 OBJECTIVES = ("mispo", "soft", "reinforce", "kto")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 _print_one(console, summaries[-1])
 
-    target = args.plot or (Path(__file__).parent / "plots" / f"{_slug(pref.name)}.png" if args.compare else None)
+    target = args.plot or (Path(__file__).parent / "plots" / f"{slug(pref.name)}.png" if args.compare else None)
     if target is not None:
         written = plot(summaries, target)
         console.print(f"plot: {written}" if written else "[yellow]no plot: pip install matplotlib[/]")
@@ -129,10 +129,6 @@ def _print_one(console: Console, s: dict) -> None:
     for r in s["runs"]:
         console.print(f"  run after {r['after_ratings']}: {r['version']} {r['state']}"
                       + (f" ({r['reason'] or r['error']})" if r["state"] != "succeeded" else ""))
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name)
 
 
 def _finite(x):

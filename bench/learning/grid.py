@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .report import markdown_table, plot, pool
+from .report import markdown_table, plot, pool, slug
 
 OBJECTIVES = ("mispo", "soft", "reinforce", "kto")
 
@@ -42,8 +42,7 @@ class Point:
 
     @property
     def name(self) -> str:
-        pref = "".join(c if c.isalnum() else "-" for c in self.preference)
-        return f"{pref}__{self.objective}__{self.preset}__t{self.threshold}__s{self.seed}"
+        return f"{slug(self.preference)}__{self.objective}__{self.preset}__t{self.threshold}__s{self.seed}"
 
     def argv(self, ratings: int, extra: list[str]) -> list[str]:
         return [
@@ -138,8 +137,7 @@ def report(args: argparse.Namespace) -> int:
         print(f"\n### {pref} · {rows[0]['ratings']} ratings\n")
         print(markdown_table(rows))
         if args.plots:
-            slug = "".join(c if c.isalnum() else "-" for c in pref)
-            written = plot(rows, args.plots / f"{slug}.png")
+            written = plot(rows, args.plots / f"{slug(pref)}.png")
             console.print(f"plot: {written}" if written else "[yellow]no plot: pip install matplotlib[/]")
     return 0
 

@@ -15,6 +15,11 @@ def _f(x: float | None, fmt: str) -> str:
     return "n/a" if x is None or x != x else format(x, fmt)
 
 
+def slug(name: str) -> str:
+    """A preference spec as a file name: ``short:30`` -> ``short-30``."""
+    return "".join(c if c.isalnum() else "-" for c in name)
+
+
 def label(s: dict) -> str:
     return s.get("label") or s["objective"]
 
