@@ -12,6 +12,7 @@ from conftest import one_torch_thread
 from bench.learning.__main__ import main
 from bench.learning.metrics import collapse_signals, margin, preferred_rate, wilson
 from bench.learning.raters import CONTROLS, load_rater, preference
+from bench.learning.simulate import heldout_prompts
 
 
 @pytest.mark.parametrize(
@@ -100,6 +101,10 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert (tmp_path / "bench" / "mispo" / "rlfleet.db").is_file()  # --home keeps the run's data
     # Every checkpoint is also scored by the other named preferences (the control), on the same answers.
     assert all(set(c["controls"]) == set(CONTROLS) for c in out["checkpoints"])
+    # ... and keeps a few of them as text: the first sample of the first three held-out prompts.
+    shown = [[e["prompt"] for e in c["examples"]] for c in out["checkpoints"]]
+    assert shown[0] == heldout_prompts(3) and all(s == shown[0] for s in shown)
+    assert all(isinstance(e["answer"], str) for c in out["checkpoints"] for e in c["examples"])
     assert out["controls_delta"]["short:30"] == pytest.approx(
         out["checkpoints"][-1]["controls"]["short:30"] - out["checkpoints"][0]["controls"]["short:30"])
 

@@ -50,6 +50,9 @@ class Checkpoint:
     # The other named preferences' rates on the same answers: a control. A run that moves every one of
     # them alike (shorter, blander answers) learned a side effect, not the user's preference.
     controls: dict[str, float] = field(default_factory=dict)
+    # A few held-out answers as text (the same prompts and seeds at every checkpoint): what a rate or a
+    # collapse signal means, shown.
+    examples: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)

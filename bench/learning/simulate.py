@@ -38,6 +38,7 @@ HELD_OUT_TOPICS = [
     "whales", "candles", "mountains", "pianos", "lemons", "spiders", "islands", "umbrellas",
     "magnets", "forests", "cheese", "rockets",
 ]  # fmt: skip
+EXAMPLES = 3  # held-out answers kept as text per checkpoint
 FORMS = ["Tell me about {}.", "What is interesting about {}?", "Explain {} to a child.", "Describe {}."]
 
 
@@ -180,6 +181,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             entropy_ratio=ent / reference["entropy"] if reference["entropy"] else float("nan"),
             seconds=time.perf_counter() - t0,
             controls={c.name: preferred_rate([c.rate(p, a.text) for p, a in texts])[0] for c in controls()},
+            examples=[{"prompt": p, "answer": a.text} for p, a in texts[: EXAMPLES * bc.samples : bc.samples]],
         )
 
     handle = open_queue(cfg)
