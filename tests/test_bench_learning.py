@@ -144,10 +144,14 @@ def test_labels_name_only_what_varies_within_a_preference():
     from bench.learning.grid import _labelled, points
 
     grid = points(["short:30"], ["mispo", "soft"], ["balanced", "careful"], [32], [0, 1])
-    assert len(grid) == 8 and grid[0].name == "short-30__mispo__balanced__t32__s0"
+    assert len(grid) == 8 and grid[0].name() == "short-30__mispo__balanced__t32__s0"
+    assert grid[0].name(["--lr", "1e-4"]) != grid[0].name(["--lr", "2e-4"])  # other options: another run
     labels = {s["label"] for s in _labelled([_summary("mispo", 0, [0, 0], preset=p) for p in ("balanced", "careful")]
                                             + [_summary("soft", 0, [0, 0])])}  # fmt: skip
     assert labels == {"mispo · balanced", "mispo · careful", "soft · balanced"}
+    tuned = {**_summary("mispo", 0, [0, 0]), "overrides": {"lr": 5e-5}}
+    assert {s["label"] for s in _labelled([_summary("mispo", 0, [0, 0]), tuned])} == {"mispo · lr=preset",
+                                                                                     "mispo · lr=5e-05"}
 
 
 def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -161,7 +165,9 @@ def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, cap
             "--jobs", "2", "--threads", "1", "--out", str(out), *extra]  # fmt: skip
     assert grid(argv) == 0
     done = sorted(p.name for p in out.glob("*.json"))
-    assert done == ["short-5__mispo__balanced__t4__s0.json", "short-5__reinforce__balanced__t4__s0.json"]
+    stems = [d.rsplit("__x", 1)[0] for d in done]
+    assert stems == ["short-5__mispo__balanced__t4__s0", "short-5__reinforce__balanced__t4__s0"]
+    assert len({d.rsplit("__x", 1)[1] for d in done}) == 1  # the pass-through options, hashed into the name
     assert not list(out.glob("*.part"))
     stamp = {p: p.stat().st_mtime_ns for p in out.glob("*.json")}
     assert grid(argv) == 0  # everything is there: nothing reruns

@@ -14,6 +14,7 @@ different seeds pooled, and writes one PNG plot per preference.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -40,9 +41,11 @@ class Point:
     threshold: int
     seed: int
 
-    @property
-    def name(self) -> str:
-        return f"{slug(self.preference)}__{self.objective}__{self.preset}__t{self.threshold}__s{self.seed}"
+    def name(self, extra: list[str] | None = None) -> str:
+        """The file stem of this point's results; options passed through to every run change it too,
+        so a resumed grid never takes a run made with other options for one of its own."""
+        stem = f"{slug(self.preference)}__{self.objective}__{self.preset}__t{self.threshold}__s{self.seed}"
+        return stem + (f"__x{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:6]}" if extra else "")
 
     def argv(self, ratings: int, extra: list[str]) -> list[str]:
         return [
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     grid = points(args.preference, args.objective, args.preset, args.threshold, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in grid if not (args.out / f"{p.name}.json").is_file()]  # a rerun resumes
+    todo = [p for p in grid if not (args.out / f"{p.name(args.extra)}.json").is_file()]  # a rerun resumes
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:  # many processes on one box: keep each from claiming every core
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -82,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         while todo or running:
             while todo and len(running) < args.jobs:
                 p = todo.pop(0)
-                log = open(args.out / f"{p.name}.log", "w")  # noqa: SIM115 - closed with the process
-                out = open(args.out / f"{p.name}.json.part", "w")  # noqa: SIM115
+                log = open(args.out / f"{p.name(args.extra)}.log", "w")  # noqa: SIM115 - closed with the process
+                out = open(args.out / f"{p.name(args.extra)}.json.part", "w")  # noqa: SIM115
                 proc = subprocess.Popen(p.argv(args.ratings, args.extra), stdout=out, stderr=log, env=env)
                 running[p] = (proc, time.monotonic())
             for p, (proc, _) in list(running.items()):
@@ -92,11 +95,12 @@ def run(args: argparse.Namespace) -> int:
                         proc.kill()
                     continue
                 del running[p]
-                part = args.out / f"{p.name}.json.part"
+                name = p.name(args.extra)
+                part = args.out / f"{name}.json.part"
                 if proc.returncode == 0:
-                    part.rename(args.out / f"{p.name}.json")
+                    part.rename(args.out / f"{name}.json")
                 else:
-                    failed.append(f"{p.name} (exit {proc.returncode}; see {p.name}.log)")
+                    failed.append(f"{name} (exit {proc.returncode}; see {name}.log)")
                     part.unlink(missing_ok=True)
                 bar.advance(task)
             time.sleep(0.5)
@@ -118,7 +122,15 @@ def _labelled(summaries: list[dict]) -> list[dict]:
     keys = ("objective", "preset", "threshold")
     varying = [k for k in keys if len({s.get(k) for s in summaries}) > 1] or ["objective"]
     names = {"objective": "{}", "preset": "{}", "threshold": "t={}"}
-    return [{**s, "label": " · ".join(names[k].format(s.get(k)) for k in varying)} for s in summaries]
+    overrides = sorted({k for s in summaries for k in s.get("overrides") or {}})
+    varied = [k for k in overrides if len({(s.get("overrides") or {}).get(k) for s in summaries}) > 1]
+
+    def name(s: dict) -> str:
+        own = s.get("overrides") or {}
+        parts = [names[k].format(s.get(k)) for k in varying]
+        return " · ".join(parts + [f"{k}={own[k]:g}" if k in own else f"{k}=preset" for k in varied])
+
+    return [{**s, "label": name(s)} for s in summaries]
 
 
 def report(args: argparse.Namespace) -> int:
