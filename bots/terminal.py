@@ -18,6 +18,8 @@ from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
 from rlfleet.shared.models import resolve_model
 from rlfleet.shared.queue import QueueHandle, open_queue
 
+from .commands import parse_rl
+
 HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
 HELP = escape(
     "type a message and press enter · after each answer: [1] good  [2] bad  [c] comment  [enter] skip\n"
@@ -157,21 +159,21 @@ def _say(result: dict) -> None:
 
 
 def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:
-    parts = text.split(maxsplit=2)
-    verb = parts[1].lower() if len(parts) > 1 else "help"
-    rest = parts[2] if len(parts) > 2 else None
-    if verb in ("good", "bad"):
-        _rate(state, cfg, handle, 1 if verb == "good" else -1, rest, state.last_capture)
-    elif verb == "undo":
+    cmd = parse_rl(text)
+    if cmd.verb in ("good", "bad"):
+        _rate(state, cfg, handle, 1 if cmd.verb == "good" else -1, cmd.arg, state.last_capture)
+    elif cmd.verb == "undo":
         _say(_dispatch(handle, cfg, Undo()))
-    elif verb == "status":
+    elif cmd.verb == "status":
         from rlfleet.shared.cli import render_status, status_dict
 
         console.print(render_status(status_dict(cfg, handle)))
-    elif verb in ("train", "rollback", "reset"):
-        args = {"version": rest} if verb == "rollback" else {}
-        _say(_dispatch(handle, cfg, Command(name=verb, args=args)))
+    elif cmd.admin:
+        args = {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {}
+        _say(_dispatch(handle, cfg, Command(name=cmd.verb, args=args)))
     else:
+        if cmd.unknown:
+            console.print(f"[yellow]unknown command {escape(cmd.unknown)!r}[/]")
         console.print(HELP)
 
 

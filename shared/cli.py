@@ -26,7 +26,7 @@ from rich.table import Table
 
 from .config import Config, load_config
 from .errors import BadInput, RlfleetError
-from .events import Capture, Command, Message, Rating, Undo, describe_validation_error
+from .events import PLATFORMS, Capture, Command, Message, Rating, Undo, describe_validation_error
 from .queue import EVENTS_QUEUE, QueueHandle, enqueue_event, open_queue, wait_for
 
 app = typer.Typer(
@@ -152,15 +152,22 @@ def init(
     threshold: Annotated[int | None, typer.Option(help="Ratings that start a training run.")] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="No questions: take flags and defaults.")] = False,
     check_model: Annotated[bool, typer.Option(help="Load the model once to check it works.")] = True,
+    bot: Annotated[list[str] | None, typer.Option(
+        help="Enable a chat platform's bot: slack, discord, telegram or teams (repeatable).")] = None,
+    admin: Annotated[list[str] | None, typer.Option(
+        help="PLATFORM:USER_ID allowed /rl train, rollback, reset (repeatable).")] = None,
+    rater: Annotated[list[str] | None, typer.Option(
+        help="PLATFORM:USER_ID allowed to rate answers given to others (repeatable).")] = None,
 ) -> None:
     """Write config.toml and the secret file in the data dir, and check the model loads."""
     cfg = load_config()
-    interactive = sys.stdin.isatty() and not yes
+    interactive = _stdin_is_tty() and not yes
     if interactive:
         model = model or typer.prompt("Base model (smollm2-135m, a local folder, or org/name)", default=cfg.model)
         preset = preset or typer.prompt("Preset (careful / balanced / aggressive)", default=cfg.train.preset)
         threshold = threshold or typer.prompt("Ratings per training run", default=cfg.train.threshold, type=int)
     data = cfg.model_dump(exclude={"home"})
+    _init_bots(data, interactive, bot or [], admin or [], rater or [])
     if model:
         data["model"] = model
     if preset:
@@ -185,7 +192,56 @@ def init(
     out.print(f"wrote {path}")
     out.print(f"{'made' if made else 'kept'} secret file {new.secret_path} (mode 0600)")
     out.print(f"model {new.model} · preset {new.train.preset} · training every {new.train.threshold} ratings")
+    for name in PLATFORMS:
+        b = new.bots.get(name)
+        if b is not None and b.enabled:
+            have = "set" if os.environ.get(b.token_env) or b.token_file else "[yellow]not set yet[/]"
+            out.print(f"bot {name}: token from ${b.token_env} ({have}) · {len(b.admins)} admins · "
+                      f"{len(b.raters)} raters")
     out.print("next: [bold]rlfleet chat[/]  or  [bold]rlfleet up[/]")
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+def _split_ids(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _init_bots(data: dict, interactive: bool, bots: list[str], admins: list[str], raters: list[str]) -> None:
+    """Apply --bot/--admin/--rater (PLATFORM:ID) to the config dict, and ask for them in the wizard."""
+    for name in bots:
+        if name not in PLATFORMS:
+            raise BadInput(f"unknown platform {name!r} for --bot: use {', '.join(PLATFORMS)}")
+        data["bots"][name]["enabled"] = True
+    for flag, key, values in (("--admin", "admins", admins), ("--rater", "raters", raters)):
+        for item in values:
+            platform, _, uid = item.partition(":")
+            if platform not in PLATFORMS or not uid.strip():
+                raise BadInput(f"{flag} {item!r}: use PLATFORM:USER_ID, e.g. slack:U012AB3CD")
+            if uid.strip() not in data["bots"][platform][key]:
+                data["bots"][platform][key].append(uid.strip())
+    if not interactive:
+        return
+    enabled = ",".join(p for p in PLATFORMS if data["bots"][p]["enabled"])
+    chosen = _split_ids(typer.prompt(
+        "Chat platforms to run bots on (comma-separated: slack, discord, telegram, teams; '-' for none)",
+        default=enabled or "-"))
+    chosen = [] if chosen == ["-"] else chosen
+    for name in chosen:
+        if name not in PLATFORMS:
+            raise BadInput(f"unknown platform {name!r}: use {', '.join(PLATFORMS)}")
+    for name in PLATFORMS:
+        data["bots"][name]["enabled"] = name in chosen
+    for name in chosen:
+        section = data["bots"][name]
+        section["token_env"] = typer.prompt(f"{name}: env var that holds the token", default=section["token_env"])
+        for key, what in (("admins", "user ids allowed /rl train, rollback, reset"),
+                          ("raters", "user ids allowed to rate answers given to others")):
+            answer = typer.prompt(f"{name}: {what} (comma-separated, '-' for none)",
+                                  default=",".join(section[key]) or "-")
+            section[key] = [] if answer.strip() == "-" else _split_ids(answer)
 
 
 # ---- capture and rate -------------------------------------------------------------------------------
@@ -516,17 +572,83 @@ def worker(
 
 
 @app.command()
+def bot(
+    platform: Annotated[str, typer.Argument(help="slack | discord | telegram | teams")],
+    http: Annotated[bool | None, typer.Option(
+        "--http/--no-http", help="Serve an HTTP endpoint (Slack events, Telegram webhook) instead of a socket / "
+        "long polling. Teams always serves HTTP.")] = None,
+    host: Annotated[str | None, typer.Option(help="Address of the HTTP endpoint (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port of the HTTP endpoint.")] = None,
+) -> None:
+    """Run one platform's bot in the foreground: it answers people with the responder (`rlfleet serve`
+    or any OpenAI-compatible server) and turns /rl commands, reactions and buttons into ratings.
+    Tokens come from the env vars named in config.toml (section bots.PLATFORM) or 0600 files."""
+    import logging
+
+    from rlfleet.bots.runner import run_bot
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("rlfleet").setLevel(logging.INFO)
+    run_bot(platform, _config(), http=http, host=host, port=port)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on. Anything but loopback exposes the model.")] = "",
+    port: Annotated[int | None, typer.Option(help="Port (default: the one in responder.url, else 8000).")] = None,
+) -> None:
+    """Serve the local model (base + current adapter) as an OpenAI-compatible chat-completions API: what
+    the bots answer with. A promotion or rollback is live on the next request."""
+    import asyncio
+    import logging
+    from urllib.parse import urlparse
+
+    from rlfleet.shared.models import resolve_model, serving_device
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.shared.serve import serve as serve_forever
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("rlfleet").setLevel(logging.INFO)
+    cfg = _config()
+    url = urlparse(cfg.responder.url)
+    local = url.hostname in ("127.0.0.1", "localhost", "::1")
+    host = host or "127.0.0.1"
+    port = port if port is not None else (url.port if local and url.port else 8000)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach it can use the model")
+    ref = resolve_model(cfg.model)
+    with err.status(f"loading {cfg.model}…"):
+        responder = LocalResponder(
+            ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=serving_device(cfg.train.device),
+            max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature, top_p=cfg.chat.top_p,
+            system_prompt=cfg.chat.system_prompt,
+        )
+    out.print(f"serving {cfg.model} ({responder.active_version or 'base'}) on http://{host}:{port}/v1")
+    asyncio.run(serve_forever(responder, cfg.model, host, port))
+
+
+def _serves_locally(cfg: Config) -> bool:
+    """Whether the bots' responder is `rlfleet serve` on this machine (so `up` starts it)."""
+    from urllib.parse import urlparse
+
+    return urlparse(cfg.responder.url).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+@app.command()
 def up(
     threshold: Annotated[int | None, typer.Option(help="Ratings that start a training run.")] = None,
 ) -> None:
     """Start Redis (embedded when no REDIS_URL) and the workers, with a live status panel. Ctrl-C stops."""
     from rich.live import Live
 
+    from rlfleet.bots.runner import enabled_bots
     from rlfleet.worker.runner import BackgroundWorkers
 
     cfg = _config(threshold=threshold)
     with _queue(cfg) as q:
-        workers = BackgroundWorkers(cfg)
+        bots = tuple(enabled_bots(cfg))
+        workers = BackgroundWorkers(cfg, bots=bots, serve=bool(bots) and _serves_locally(cfg))
         workers.start()
         try:
             with Live(console=out, refresh_per_second=2, transient=False) as live:

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ConfigError
+from .events import PLATFORMS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +64,81 @@ class ChatSettings(BaseModel):
     system_prompt: str | None = None
 
 
+class BotSettings(BaseModel):
+    """One platform's bot (DESIGN.md §4). Ids are the platform's own user ids (Teams: the AAD object id)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    # The token: from this env var, else from this file (which must be mode 0600).
+    token_env: str
+    token_file: Path | None = None
+    raters: list[str] = Field(default_factory=list, description="may rate answers given to others")
+    admins: list[str] = Field(default_factory=list, description="may /rl train, rollback, reset (off when empty)")
+    buttons: bool = True  # good/bad buttons under each answer
+    # Where it answers: these channel / chat ids only; empty = DMs and any channel it is added to.
+    channels: list[str] = Field(default_factory=list)
+    api_base: str | None = None  # the platform's API base URL (local Bot API server, GovSlack, test fakes)
+    http: bool = False  # serve an HTTP endpoint instead of a socket / polling connection
+    host: str = "127.0.0.1"
+    port: int = Field(3000, ge=0, le=65535)
+    context_messages: int = Field(8, ge=0, le=50, description="earlier thread messages sent with a prompt")
+
+
+class SlackSettings(BotSettings):
+    token_env: str = "SLACK_BOT_TOKEN"
+    signing_secret_env: str = "SLACK_SIGNING_SECRET"  # HTTP mode
+    signing_secret_file: Path | None = None
+    app_token_env: str = "SLACK_APP_TOKEN"  # Socket Mode (the default: no public URL needed)
+    app_token_file: Path | None = None
+
+
+class DiscordSettings(BotSettings):
+    token_env: str = "DISCORD_BOT_TOKEN"
+    sync_commands: bool = True  # register /rl with Discord on start
+
+
+class TelegramSettings(BotSettings):
+    token_env: str = "TELEGRAM_BOT_TOKEN"
+    webhook_url: str | None = None  # the public URL Telegram posts to (HTTP mode); None: long polling
+    webhook_secret_env: str = "TELEGRAM_WEBHOOK_SECRET"
+    webhook_secret_file: Path | None = None
+
+
+class TeamsSettings(BotSettings):
+    token_env: str = "TEAMS_APP_PASSWORD"  # the app password; Bot Framework auth is on when app_id is set
+    app_id: str | None = None
+    tenant_id: str | None = None
+    port: int = Field(3978, ge=0, le=65535)
+
+
+class BotsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    slack: SlackSettings = Field(default_factory=SlackSettings)
+    discord: DiscordSettings = Field(default_factory=DiscordSettings)
+    telegram: TelegramSettings = Field(default_factory=TelegramSettings)
+    teams: TeamsSettings = Field(default_factory=TeamsSettings)
+
+    def get(self, platform: str) -> BotSettings | None:
+        return getattr(self, platform, None) if platform in PLATFORMS else None
+
+
+class ResponderSettings(BaseModel):
+    """What answers for the bots: any OpenAI-compatible chat-completions server (ours: `rlfleet serve`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None  # the name to ask for; None: the server's first model
+    api_key_env: str = "RLFLEET_RESPONDER_KEY"  # sent as a bearer token when set (vLLM --api-key, ...)
+    timeout: float = Field(120.0, gt=0)
+    logprobs: bool = True  # ask for token log-probs (recorded as the behaviour policy when ours answers)
+
+
+class Allowlists(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    raters: frozenset[str] = frozenset()
+    admins: frozenset[str] = frozenset()
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = DEFAULT_MODEL
@@ -70,6 +146,15 @@ class Config(BaseModel):
     database_url: str | None = None
     train: TrainSettings = Field(default_factory=TrainSettings)
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    bots: BotsSettings = Field(default_factory=BotsSettings)
+    responder: ResponderSettings = Field(default_factory=ResponderSettings)
+
+    def allowlists(self, source: str) -> Allowlists:
+        """Who besides a capture's owner may rate, and who may run admin commands, for one ingress."""
+        bot = self.bots.get(source)
+        if bot is None:
+            return Allowlists()
+        return Allowlists(raters=frozenset(bot.raters), admins=frozenset(bot.admins))
 
     home: Path = Field(default_factory=data_dir, exclude=True)
 

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from .errors import BadInput
 
 Source = Literal["slack", "discord", "telegram", "teams", "cli", "claude-code", "codex", "bridge"]
+Platform = Literal["slack", "discord", "telegram", "teams"]
+PLATFORMS: tuple[str, ...] = ("slack", "discord", "telegram", "teams")  # the chat platforms with bots
 
 # Limits chosen so a pasted log fits but a runaway payload (or a 10 MB prompt) is refused at the edge.
 MAX_TEXT_CHARS = 200_000
@@ -117,9 +119,13 @@ class Rating(_Event):
 
 
 class Undo(_Event):
-    """Removes the actor's most recent rating."""
+    """Removes the actor's most recent rating; with ``target``, their rating of that capture (only if it
+    still has ``value``, when given: a removed 👍 does not undo the 👎 that replaced it)."""
 
     type: Literal["undo"] = "undo"
+    target: Ident | None = None
+    conversation: Ident | None = None
+    value: Literal[1, -1] | None = None
 
 
 CommandName = Literal["status", "train", "rollback", "promote", "reset"]

@@ -233,8 +233,16 @@ class LocalResponder:
 
     # ------------------------------------------------------------------ answering
 
-    def answer(self, messages: list[dict], seed: int | None = None) -> Answer:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version."""
+    def answer(
+        self,
+        messages: list[dict],
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> Answer:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version;
+        the sampling settings default to the responder's own."""
         import torch
 
         with self._lock:
@@ -251,8 +259,13 @@ class LocalResponder:
             mask = torch.ones_like(prompt) if mask is None else mask.to(self.device)
             model = self.model
             with torch.inference_mode(), seeded_rng(seed, self.device):
-                out = model.generate(input_ids=prompt, attention_mask=mask,
-                                     generation_config=self._generation_config(model))
+                gc = self._generation_config(
+                    model,
+                    self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                    self.temperature if temperature is None else temperature,
+                    self.top_p if top_p is None else top_p,
+                )
+                out = model.generate(input_ids=prompt, attention_mask=mask, generation_config=gc)
                 new = self._cut_at_end(out[0, prompt.shape[1]:])
                 logprobs = token_logprobs(model, prompt[0], new)
             ids = new.tolist()
@@ -273,9 +286,9 @@ class LocalResponder:
             raise ValueError(f"{self.ref.spec} defines no end token")
         return ids
 
-    def _generation_config(self, model: Any) -> Any:
+    def _generation_config(self, model: Any, max_new_tokens: int, temperature: float, top_p: float) -> Any:
         gc = copy.deepcopy(model.generation_config)
-        gc.max_new_tokens = self.max_new_tokens
+        gc.max_new_tokens = max_new_tokens
         gc.eos_token_id = self._eos_ids
         if gc.pad_token_id is None:
             gc.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -286,8 +299,8 @@ class LocalResponder:
         # no-op values, not None: generate() fills None fields from model.generation_config.
         gc.top_k = 0
         gc.repetition_penalty = 1.0
-        if self.temperature > 0:
-            gc.do_sample, gc.temperature, gc.top_p = True, float(self.temperature), float(self.top_p)
+        if temperature > 0:
+            gc.do_sample, gc.temperature, gc.top_p = True, float(temperature), float(top_p)
         else:
             gc.do_sample, gc.temperature, gc.top_p = False, 1.0, 1.0
         return gc

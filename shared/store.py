@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
-from .events import Capture, Rating, Undo
+from .events import PLATFORMS, Capture, Rating, Undo
 from .permissions import may_rate
 from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
 
@@ -166,24 +166,45 @@ class Store:
             return Applied(True, "already recorded", duplicate=True, capture_id=ev.capture_id)
         return Applied(True, f"captured {ev.capture_id}", capture_id=ev.capture_id)
 
-    def _resolve_target(self, s: Session, ev: Rating) -> CaptureRow:
-        if ev.target == "last":
-            q = select(CaptureRow).where(CaptureRow.owner == ev.actor)
-            if ev.conversation:
-                q = q.where(CaptureRow.conversation == ev.conversation)
+    def _resolve_target(
+        self, s: Session, target: str, actor: str, conversation: str | None, source: str, any_owner: bool = False
+    ) -> CaptureRow:
+        """The capture a rating or undo addresses: ``last`` (the actor's latest in the conversation, or
+        anyone's when ``any_owner``: allowlisted raters), a capture id, or a platform message ref (looked
+        up among that platform's captures only: refs of different platforms may collide)."""
+        if target == "last":
+            q = select(CaptureRow)
+            if not any_owner:
+                q = q.where(CaptureRow.owner == actor)
+            if conversation:
+                q = q.where(CaptureRow.conversation == conversation)
             row = s.scalars(q.order_by(CaptureRow.created.desc(), CaptureRow.id.desc()).limit(1)).first()
             if row is None:
                 raise NotFound("nothing of yours to rate here: no captured answer yet")
             return row
-        row = s.get(CaptureRow, ev.target)
+        row = s.get(CaptureRow, target)
         if row is None:
-            q = select(CaptureRow).where(CaptureRow.message_ref == ev.target)
-            if ev.conversation:
-                q = q.where(CaptureRow.conversation == ev.conversation)
+            q = select(CaptureRow).where(CaptureRow.message_ref == target)
+            if source in PLATFORMS:
+                q = q.where(CaptureRow.source == source)
+            if conversation:
+                q = q.where(CaptureRow.conversation == conversation)
             row = s.scalars(q.order_by(CaptureRow.created.desc()).limit(1)).first()
         if row is None:
-            raise NotFound(f"no captured answer with id or message ref {ev.target!r}")
+            raise NotFound(f"no captured answer with id or message ref {target!r}")
         return row
+
+    def find_capture(self, source: str, conversation: str, message_ref: str) -> tuple[str, str] | None:
+        """``(capture_id, owner)`` of the answer a bot posted as ``message_ref``, or None."""
+        with self.session() as s:
+            row = s.execute(
+                select(CaptureRow.id, CaptureRow.owner)
+                .where(CaptureRow.source == source, CaptureRow.conversation == conversation,
+                       CaptureRow.message_ref == message_ref)
+                .order_by(CaptureRow.created.desc())
+                .limit(1)
+            ).first()
+        return (row[0], row[1]) if row else None
 
     def apply_rating(
         self, ev: Rating, train_model: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
@@ -192,7 +213,8 @@ class Store:
             with self.session() as s:
                 if not self._claim(s, ev.event_id, "rating"):
                     return Applied(True, "already recorded", duplicate=True)
-                cap = self._resolve_target(s, ev)
+                privileged = ev.actor in raters or ev.actor in admins
+                cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, privileged)
                 if not may_rate(ev.actor, cap.owner, raters, admins):
                     raise NotFound("nothing of yours to rate here")
                 current = s.scalars(
@@ -232,14 +254,15 @@ class Store:
             with self.session() as s:
                 if not self._claim(s, ev.event_id, "undo"):
                     return Applied(True, "already recorded", duplicate=True)
-                row = s.scalars(
-                    select(RatingRow)
-                    .where(RatingRow.actor == ev.actor, RatingRow.state == "active")
-                    .order_by(RatingRow.created.desc(), RatingRow.id.desc())
-                    .limit(1)
-                ).first()
+                q = select(RatingRow).where(RatingRow.actor == ev.actor, RatingRow.state == "active")
+                if ev.target is not None:
+                    cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, any_owner=True)
+                    q = q.where(RatingRow.capture_id == cap.id)
+                    if ev.value is not None:
+                        q = q.where(RatingRow.value == ev.value)
+                row = s.scalars(q.order_by(RatingRow.created.desc(), RatingRow.id.desc()).limit(1)).first()
                 if row is None:
-                    raise NotFound("nothing of yours to undo")
+                    raise NotFound("nothing of yours to undo" + (" on that answer" if ev.target else ""))
                 row.state = "undone"
                 row.changed = datetime.now(timezone.utc)
                 word = "good" if row.value > 0 else "bad"

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlfleet.shared.cli import app
+from rlfleet.shared.config import load_config
 
 runner = CliRunner()
 
@@ -172,3 +173,25 @@ def test_a_killed_up_leaves_no_orphans(home, tiny_model_dir, monkeypatch):
     while EmbeddedRedis.running(home):
         assert time.monotonic() < deadline, "the embedded Redis outlived its users"
         time.sleep(0.5)
+
+
+def test_init_configures_bots_by_flags_and_by_the_wizard(home, monkeypatch):
+    res = rl("init", "--yes", "--no-check-model", "--bot", "slack", "--admin", "slack:U012AB3CD",
+             "--rater", "telegram:4242")
+    assert res.exit_code == 0, res.output
+    cfg = load_config()
+    assert cfg.bots.slack.enabled and cfg.bots.slack.admins == ["U012AB3CD"]
+    assert cfg.bots.telegram.raters == ["4242"] and not cfg.bots.telegram.enabled
+    assert "bot slack: token from $SLACK_BOT_TOKEN (not set yet)" in res.output
+    assert rl_main("init", "--yes", "--no-check-model", "--admin", "irc:1").returncode == 2
+
+    # the wizard: model, preset, threshold, then the platforms and per platform token env, admins, raters
+    monkeypatch.setattr("rlfleet.shared.cli._stdin_is_tty", lambda: True)
+    answers = "\n".join(["smollm2-135m", "balanced", "32", "discord, teams",
+                         "MY_DISCORD_TOKEN", "111-a,222", "-", "", "-", "333"]) + "\n"
+    res = rl("init", "--no-check-model", input=answers)
+    assert res.exit_code == 0, res.output
+    cfg = load_config()
+    assert [p for p in ("slack", "discord", "telegram", "teams") if cfg.bots.get(p).enabled] == ["discord", "teams"]
+    assert cfg.bots.discord.token_env == "MY_DISCORD_TOKEN" and cfg.bots.discord.admins == ["111-a", "222"]
+    assert cfg.bots.discord.raters == [] and cfg.bots.teams.admins == [] and cfg.bots.teams.raters == ["333"]

@@ -70,7 +70,8 @@ def handle_event(payload: str) -> dict:
         if isinstance(event, Capture):
             result = asdict(ctx.store.apply_capture(event))
         elif isinstance(event, Rating):
-            result = asdict(ctx.store.apply_rating(event, ctx.slug))
+            allow = ctx.cfg.allowlists(event.source)
+            result = asdict(ctx.store.apply_rating(event, ctx.slug, allow.raters, allow.admins))
             if result["ok"] and not result["duplicate"]:
                 result["training"] = maybe_trigger(ctx, _redis())
         elif isinstance(event, Undo):
@@ -298,7 +299,7 @@ def evaluate_candidate(
 
 
 def run_command(ctx: Context, cmd: Command) -> dict:
-    if not may_command(cmd.name, cmd.actor, cmd.source):
+    if not may_command(cmd.name, cmd.actor, cmd.source, ctx.cfg.allowlists(cmd.source).admins):
         return {"ok": False, "message": f"/rl {cmd.name} is for admins only"}
     if cmd.name == "status":
         return {"ok": True, "message": "status", "status": build_status(ctx.cfg, ctx.store, _redis(), ctx.slug)}

@@ -106,18 +106,27 @@ def worker_env(cfg: Config, extra: dict[str, str] | None = None) -> dict[str, st
 class BackgroundWorkers:
     """The events and training workers as child processes, stopped cleanly with their parent."""
 
-    def __init__(self, cfg: Config, which: tuple[str, ...] = ("events", "train")) -> None:
+    def __init__(
+        self, cfg: Config, which: tuple[str, ...] = ("events", "train"), bots: tuple[str, ...] = (),
+        serve: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.which = which
+        self.bots = bots  # platforms whose bots run beside the workers (`rlfleet bot NAME`)
+        self.serve = serve  # `rlfleet serve`, the bots' responder
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = cfg.home / "logs"
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in self.which:
-            log = open(self.log_dir / f"worker-{name}.log", "ab")
+        commands = {name: ["rlfleet.worker", "--queue", name] for name in self.which}
+        if self.serve:
+            commands["serve"] = ["rlfleet.shared", "serve"]
+        commands.update({f"bot-{name}": ["rlfleet.shared", "bot", name] for name in self.bots})
+        for name, argv in commands.items():
+            log = open(self.log_path(name), "ab")
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "rlfleet.worker", "--queue", name],
+                [sys.executable, "-m", *argv],
                 env=worker_env(self.cfg, {PARENT_ENV: str(os.getpid())}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -130,7 +139,7 @@ class BackgroundWorkers:
         return {name: p.poll() is None for name, p in self.procs.items()}
 
     def log_path(self, name: str) -> Path:
-        return self.log_dir / f"worker-{name}.log"
+        return self.log_dir / (f"worker-{name}.log" if name in self.which else f"{name}.log")
 
     def stop(self, grace: float = 10.0) -> None:
         # First SIGTERM: RQ finishes the job in hand. Second: it stops now (a training run is

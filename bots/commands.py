@@ -1,0 +1,78 @@
+"""What people type and react with, as plain values: `/rl` command text and reaction names.
+
+Pure functions shared by every platform adapter (and the terminal chat), so `/rl good` and 👍 mean
+the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Verb = Literal["good", "bad", "undo", "status", "train", "rollback", "reset", "help"]
+ADMIN_VERBS: frozenset[str] = frozenset({"train", "rollback", "reset"})
+_VERBS: dict[str, Verb] = {
+    "good": "good", "+": "good", "+1": "good", "up": "good",
+    "bad": "bad", "-": "bad", "-1": "bad", "down": "bad",
+    "undo": "undo", "status": "status", "train": "train", "rollback": "rollback", "reset": "reset",
+    "help": "help", "?": "help",
+}
+MAX_COMMAND_CHARS = 2_000
+
+HELP = (
+    "/rl good [comment] · /rl bad [comment]: rate the bot's last answer to you here\n"
+    "/rl undo: take back your last rating · /rl status: the model, ratings, training\n"
+    "admins: /rl train · /rl rollback [version] · /rl reset\n"
+    "or react to an answer with 👍 / 👎 (remove the reaction to undo)"
+)
+
+
+@dataclass(frozen=True)
+class RlCommand:
+    verb: Verb
+    arg: str | None = None  # the comment of good/bad, the version of rollback
+    unknown: str | None = None  # what was typed when it was not a command we know
+
+    @property
+    def admin(self) -> bool:
+        return self.verb in ADMIN_VERBS
+
+
+_PREFIX = re.compile(r"^\s*/?rl(?:@\S+)?(?:\s+|$)", re.IGNORECASE)
+
+
+def parse_rl(text: str) -> RlCommand:
+    """``"good nice one"`` or ``"/rl good nice one"`` (``/rl@botname`` too) -> a command; anything we
+    do not know -> ``help`` with ``unknown`` set, so the reply can say what was not understood."""
+    text = _PREFIX.sub("", text or "", count=1).strip()
+    if not text:
+        return RlCommand("help")
+    if len(text) > MAX_COMMAND_CHARS:
+        return RlCommand("help", unknown=text[:40] + "…")
+    head, _, rest = text.partition(" ")
+    verb = _VERBS.get(head.lower())
+    rest = rest.strip() or None
+    if verb is None:
+        return RlCommand("help", unknown=head[:40])
+    if verb in ("good", "bad", "rollback"):
+        return RlCommand(verb, rest)
+    return RlCommand(verb)
+
+
+_GOOD = {"+1", "thumbsup", "thumbs_up", "like", "👍", "1f44d_thumbsup"}
+_BAD = {"-1", "thumbsdown", "thumbs_down", "👎", "1f44e_thumbsdown"}
+# Skin tones: Slack "+1::skin-tone-3", Unicode U+1F3FB..U+1F3FF after the emoji, Teams "1f44d_thumbsup_3"-style.
+_SKIN = re.compile(r"(::skin-tone-\d|[\U0001F3FB-\U0001F3FF]|\ufe0f|_\d+|_tone\d)+$")
+
+
+def reaction_value(name: str | None) -> Literal[1, -1] | None:
+    """+1 for a thumbs-up in any platform's spelling and skin tone, -1 for a thumbs-down, else None."""
+    if not name:
+        return None
+    key = _SKIN.sub("", name.strip().strip(":").lower())
+    if key in _GOOD or key.startswith("1f44d_thumbsup"):  # Teams appends tone and variant suffixes
+        return 1
+    if key in _BAD or key.startswith("1f44e_thumbsdown"):
+        return -1
+    return None

@@ -1,0 +1,91 @@
+"""The bots' responder: any OpenAI-compatible chat-completions server (ours, `rlfleet serve`; or vLLM,
+Ollama, LM Studio, llama.cpp), one code path.
+
+`rlfleet serve` adds an ``rlfleet`` object to its reply (adapter version, token ids and raw log-probs
+under the answering policy); only then are log-probs kept as the behaviour policy. Another server's
+log-probs come from its own tokenizer and sampling settings, which is not the quantity the trainer
+computes, so they are dropped and the trainer uses the policy at the start of the run instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import aiohttp
+
+from rlfleet.shared.config import ChatSettings, ResponderSettings
+from rlfleet.shared.errors import ModelUnavailable
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    model: str
+    adapter_version: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    messages: list[dict] | None = None  # the prompt as the server built it (system prompt added), if ours
+    ours: bool = False  # answered by `rlfleet serve` (the model we train)
+
+
+class ChatCompletions:
+    def __init__(self, settings: ResponderSettings, chat: ChatSettings) -> None:
+        self.settings = settings
+        self.chat = chat
+        self.base = settings.url.rstrip("/")
+        self._model = settings.model
+        key = os.environ.get(settings.api_key_env, "").strip()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _json(self, session: aiohttp.ClientSession, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            async with session.request(method, self.base + path, json=body, headers=self._headers) as resp:
+                if resp.status >= 400:
+                    detail = (await resp.text())[:200]
+                    raise ModelUnavailable(f"the responder at {self.base} answered {resp.status}: {detail}")
+                return await resp.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            raise ModelUnavailable(
+                f"no responder at {self.base} ({exc.__class__.__name__}); start one with `rlfleet serve` "
+                "or set responder.url"
+            ) from None
+
+    async def model(self, session: aiohttp.ClientSession) -> str:
+        if self._model is None:
+            data = await self._json(session, "GET", "/models")
+            models = [m.get("id") for m in data.get("data", []) if m.get("id")]
+            if not models:
+                raise ModelUnavailable(f"the responder at {self.base} lists no models")
+            self._model = models[0]
+        return self._model
+
+    async def complete(self, messages: list[dict]) -> Completion:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            body: dict = {
+                "model": await self.model(session),
+                "messages": messages,
+                "max_tokens": self.chat.max_new_tokens,
+                "temperature": self.chat.temperature,
+                "top_p": self.chat.top_p,
+            }
+            if self.settings.logprobs:
+                body["logprobs"] = True
+            data = await self._json(session, "POST", "/chat/completions", body)
+        try:
+            text = data["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise ModelUnavailable(f"the responder at {self.base} sent no answer") from None
+        ours = data.get("rlfleet") or {}
+        ids, lps = ours.get("token_ids"), ours.get("logprobs")
+        keep = isinstance(ids, list) and isinstance(lps, list) and len(ids) == len(lps) and ids
+        return Completion(
+            text=text.strip(),
+            model=str(data.get("model") or body["model"]),
+            adapter_version=ours.get("adapter_version"),
+            token_ids=ids if keep else None,
+            logprobs=lps if keep else None,
+            messages=ours.get("messages") if isinstance(ours.get("messages"), list) else None,
+            ours="rlfleet" in data,
+        )

@@ -1,0 +1,145 @@
+"""Discord: discord.py over the gateway, non-privileged intents only.
+
+Translation only. `/rl` is an app command on the command tree (synced with Discord on start), with the
+action as a choice and an optional detail (the comment, or the version to roll back to); its replies
+are ephemeral. The bot answers DMs, mentions and replies to its own answers: without the privileged
+message-content intent Discord still sends the text of exactly those. 👍/👎 on an answer rate it;
+buttons under each answer are a persistent view, so they keep working after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Literal
+
+import discord
+from discord import app_commands
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.secrets_file import read_secret
+
+from .commands import reaction_value
+from .core import BotCore, Reply
+
+log = logging.getLogger(__name__)
+
+Action = Literal["good", "bad", "undo", "status", "train", "rollback", "reset", "help"]
+_MENTION = re.compile(r"<@!?\d+>\s*")
+
+
+def intents() -> discord.Intents:
+    i = discord.Intents.none()
+    i.guilds = i.guild_messages = i.dm_messages = True
+    i.guild_reactions = i.dm_reactions = True
+    return i
+
+
+class RatingView(discord.ui.View):
+    """👍 / 👎 under an answer; persistent (fixed custom ids, no timeout)."""
+
+    def __init__(self, core: BotCore) -> None:
+        super().__init__(timeout=None)
+        self.core = core
+
+    async def _rate(self, interaction: discord.Interaction, value: Literal[1, -1]) -> None:
+        await interaction.response.defer(ephemeral=True, thinking=True)
+        message = interaction.message
+        reply = await self.core.button(
+            str(interaction.user.id), str(interaction.channel_id), str(message.id) if message else "", value,
+            is_bot=interaction.user.bot,
+        )
+        await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
+
+    @discord.ui.button(label="good", emoji="👍", style=discord.ButtonStyle.secondary, custom_id="rl:1")
+    async def good(self, interaction: discord.Interaction, button: discord.ui.Button) -> None:
+        await self._rate(interaction, 1)
+
+    @discord.ui.button(label="bad", emoji="👎", style=discord.ButtonStyle.secondary, custom_id="rl:-1")
+    async def bad(self, interaction: discord.Interaction, button: discord.ui.Button) -> None:
+        await self._rate(interaction, -1)
+
+
+class RlfleetClient(discord.Client):
+    def __init__(self, core: BotCore, sync_commands: bool = True, **options: object) -> None:
+        super().__init__(intents=intents(), **options)  # type: ignore[arg-type]
+        self.core = core
+        self.sync_commands = sync_commands
+        self.tree = app_commands.CommandTree(self)
+        self.view = RatingView(core) if core.settings.buttons else None
+        self._add_rl_command()
+
+    def _add_rl_command(self) -> None:
+        core = self.core
+
+        @self.tree.command(name="rl", description="Rate the bot's answers, see status, or train (admins)")
+        @app_commands.describe(action="what to do", detail="a comment on good/bad, or the version to roll back to")
+        async def rl(interaction: discord.Interaction, action: Action, detail: str | None = None) -> None:
+            await interaction.response.defer(ephemeral=True, thinking=True)
+            text = f"{action} {detail or ''}".strip()
+            reply = await core.command(str(interaction.user.id), str(interaction.channel_id), text,
+                                       is_bot=interaction.user.bot)
+            await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
+
+    async def setup_hook(self) -> None:
+        if self.view is not None:
+            self.add_view(self.view)
+        if self.sync_commands:
+            await self.tree.sync()
+
+    # ---- answering ------------------------------------------------------------------------------------
+
+    async def on_message(self, message: discord.Message) -> None:
+        me = self.user
+        if me is None or message.author.bot or not message.content:
+            return
+        is_dm = message.guild is None
+        ref = message.reference.resolved if message.reference else None
+        replied = isinstance(ref, discord.Message) and ref.author.id == me.id
+        addressed = is_dm or me in message.mentions or replied
+        if not addressed or not self.core.answers_in(str(message.channel.id), is_dm):
+            return
+        if self.core.seen(f"msg:{message.id}"):
+            return
+        text = _MENTION.sub("", message.content).strip()
+        if not text:
+            return
+        context = [(True, ref.content)] if replied and isinstance(ref, discord.Message) and ref.content else []
+        messages = self.core.prompt(context, text)
+        try:
+            completion = await self.core.answer(messages)
+        except RlfleetError as exc:
+            log.warning("no answer: %s", exc)
+            await message.reply(f"(no answer: {exc})")
+            return
+        sent = await message.reply(completion.text[:2000], view=self.view)
+        self.core.capture(str(message.channel.id), str(sent.id), str(message.author.id), messages, completion)
+
+    # ---- reactions --------------------------------------------------------------------------------------
+
+    async def _reaction(self, payload: discord.RawReactionActionEvent, added: bool) -> None:
+        value = reaction_value(payload.emoji.name)
+        if value is None or (self.user is not None and payload.user_id == self.user.id):
+            return
+        is_bot = bool(payload.member and payload.member.bot)
+        await self.core.reaction(str(payload.user_id), str(payload.channel_id), str(payload.message_id),
+                                 old=None if added else value, new=value if added else None, is_bot=is_bot)
+
+    async def on_raw_reaction_add(self, payload: discord.RawReactionActionEvent) -> None:
+        await self._reaction(payload, added=True)
+
+    async def on_raw_reaction_remove(self, payload: discord.RawReactionActionEvent) -> None:
+        await self._reaction(payload, added=False)
+
+
+async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
+              port: int | None = None) -> None:
+    """Connect to the gateway until cancelled (Discord has no HTTP mode in discord.py)."""
+    s = cfg.bots.discord
+    token = read_secret(s.token_env, s.token_file, "the Discord bot token")
+    if s.api_base:
+        discord.http.Route.BASE = s.api_base.rstrip("/")
+    client = RlfleetClient(core, sync_commands=s.sync_commands)
+    async with client:
+        await client.start(token)

@@ -1,0 +1,195 @@
+"""Slack: slack-bolt's AsyncApp, Socket Mode by default (no public URL) or HTTP (`--http`).
+
+Translation only: Slack payloads -> :class:`BotCore` calls -> Slack replies. Bolt verifies request
+signatures (HTTP mode) and drops the bot's own events before a listener runs; every listener acks
+first, so Slack gets its answer within 3 s and the work happens after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from aiohttp import web
+from slack_bolt.async_app import AsyncApp
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_sdk.web.async_client import AsyncWebClient
+
+from rlfleet.shared.config import Config, SlackSettings
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.secrets_file import read_secret
+
+from .commands import reaction_value
+from .core import BotCore, Reply
+
+log = logging.getLogger(__name__)
+
+GOOD_ACTION, BAD_ACTION = "rl_good", "rl_bad"
+MAX_BODY_BYTES = 1 << 20  # Slack's payloads are a few kB; anything near this is not from Slack
+_MENTION = re.compile(r"<@[A-Z0-9]+>\s*")
+
+
+def answer_blocks(text: str, buttons: bool) -> list[dict] | None:
+    """The answer as Block Kit: its text, and good/bad buttons under it when on."""
+    if not buttons:
+        return None
+    return [
+        {"type": "section", "text": {"type": "mrkdwn", "text": text[:3000]}},
+        {"type": "actions", "block_id": "rl_rate", "elements": [
+            {"type": "button", "action_id": GOOD_ACTION, "text": {"type": "plain_text", "text": "👍 good"},
+             "value": "1"},
+            {"type": "button", "action_id": BAD_ACTION, "text": {"type": "plain_text", "text": "👎 bad"},
+             "value": "-1"},
+        ]},
+    ]
+
+
+def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: str | None = None) -> AsyncApp:
+    settings: SlackSettings = core.settings  # type: ignore[assignment]
+    client = AsyncWebClient(token=token, base_url=api_base) if api_base else AsyncWebClient(token=token)
+    app = AsyncApp(
+        client=client,
+        signing_secret=signing_secret or "",
+        # Socket Mode has no signatures to check; HTTP mode always checks them.
+        request_verification_enabled=signing_secret is not None,
+    )
+
+    async def respond_private(respond: Any, reply: Reply | None) -> None:
+        if reply is not None:
+            await respond(text=reply.text, response_type="ephemeral", replace_original=False)
+
+    @app.command("/rl")
+    async def rl_command(ack: Any, body: dict, respond: Any) -> None:
+        await ack()
+        reply = await core.command(body.get("user_id"), body.get("channel_id", ""), body.get("text") or "")
+        await respond_private(respond, reply)
+
+    async def answer(event: dict, client: AsyncWebClient, bot_user_id: str | None) -> None:
+        channel, user = event.get("channel"), event.get("user")
+        if not channel or not user or event.get("bot_id") or event.get("subtype"):
+            return
+        if core.seen(f"msg:{channel}:{event.get('ts')}"):
+            return  # a DM mention arrives as both `message` and `app_mention`; retries too
+        text = _MENTION.sub("", event.get("text") or "").strip()
+        if not text:
+            return
+        thread = event.get("thread_ts") or event["ts"]
+        context: list[tuple[bool, str]] = []
+        if event.get("thread_ts") and settings.context_messages:
+            replies = await client.conversations_replies(channel=channel, ts=event["thread_ts"],
+                                                         limit=settings.context_messages + 1)
+            for m in replies.get("messages", []):
+                if m.get("ts") != event["ts"]:
+                    by_bot = bool(m.get("bot_id")) or m.get("user") == bot_user_id
+                    context.append((by_bot, _MENTION.sub("", m.get("text") or "")))
+        messages = core.prompt(context, text)
+        try:
+            completion = await core.answer(messages)
+        except RlfleetError as exc:
+            log.warning("no answer: %s", exc)
+            await client.chat_postMessage(channel=channel, thread_ts=thread, text=f"(no answer: {exc})")
+            return
+        posted = await client.chat_postMessage(
+            channel=channel, thread_ts=thread, text=completion.text,
+            blocks=answer_blocks(completion.text, settings.buttons),
+        )
+        core.posted.remember_thread(core.source, channel, thread)
+        core.capture(channel, posted["ts"], user, messages, completion)
+
+    @app.event("app_mention")
+    async def on_mention(event: dict, client: AsyncWebClient, context: dict) -> None:
+        if core.answers_in(event.get("channel", ""), is_dm=False):
+            await answer(event, client, context.get("bot_user_id"))
+
+    @app.event("message")
+    async def on_message(event: dict, client: AsyncWebClient, context: dict) -> None:
+        channel = event.get("channel", "")
+        is_dm = event.get("channel_type") == "im"
+        in_our_thread = bool(event.get("thread_ts")) and core.posted.in_thread(core.source, channel,
+                                                                                event["thread_ts"])
+        mentioned = f"<@{context.get('bot_user_id')}>" in (event.get("text") or "")
+        if (is_dm or (in_our_thread and not mentioned)) and core.answers_in(channel, is_dm):
+            await answer(event, client, context.get("bot_user_id"))
+
+    async def on_reaction(event: dict, added: bool) -> None:
+        item = event.get("item") or {}
+        value = reaction_value(event.get("reaction"))
+        if item.get("type") != "message" or value is None:
+            return
+        await core.reaction(event.get("user"), item.get("channel", ""), item.get("ts", ""),
+                            old=None if added else value, new=value if added else None)
+
+    @app.event("reaction_added")
+    async def reaction_added(event: dict) -> None:
+        await on_reaction(event, added=True)
+
+    @app.event("reaction_removed")
+    async def reaction_removed(event: dict) -> None:
+        await on_reaction(event, added=False)
+
+    async def on_button(ack: Any, body: dict, respond: Any, value: int) -> None:
+        await ack()
+        reply = await core.button(
+            (body.get("user") or {}).get("id"), (body.get("channel") or {}).get("id", ""),
+            (body.get("message") or {}).get("ts", ""), value,  # type: ignore[arg-type]
+        )
+        await respond_private(respond, reply)
+
+    @app.action(GOOD_ACTION)
+    async def good_button(ack: Any, body: dict, respond: Any) -> None:
+        await on_button(ack, body, respond, 1)
+
+    @app.action(BAD_ACTION)
+    async def bad_button(ack: Any, body: dict, respond: Any) -> None:
+        await on_button(ack, body, respond, -1)
+
+    return app
+
+
+def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
+    """Bolt behind aiohttp, with a clear 400 for a body that is not JSON or a form (bolt would raise)."""
+    from slack_bolt.adapter.aiohttp import to_aiohttp_response
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.text()
+        try:
+            req = AsyncBoltRequest(body=body, query=request.query_string, headers=request.headers)
+        except ValueError:
+            return web.json_response({"error": "malformed payload"}, status=400)
+        return await to_aiohttp_response(await app.async_dispatch(req))
+
+    web_app = web.Application(client_max_size=MAX_BODY_BYTES)
+    web_app.router.add_post(path, handle)
+    return web_app
+
+
+async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
+              port: int | None = None) -> None:
+    """Serve until cancelled: Socket Mode, or HTTP on ``host:port`` at ``/slack/events``."""
+    s = cfg.bots.slack
+    http = s.http if http is None else http
+    token = read_secret(s.token_env, s.token_file, "the Slack bot token")
+    secret = read_secret(s.signing_secret_env, s.signing_secret_file, "the Slack signing secret") if http else None
+    app = build_app(core, token, secret, s.api_base)
+    if http:
+        runner = web.AppRunner(http_app(app))
+        await runner.setup()
+        site = web.TCPSite(runner, host or s.host, s.port if port is None else port)
+        await site.start()
+        log.info("slack: HTTP on %s:%s/slack/events", host or s.host, s.port if port is None else port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+    else:
+        from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
+
+        app_token = read_secret(s.app_token_env, s.app_token_file, "the Slack app-level token (Socket Mode)")
+        handler = AsyncSocketModeHandler(app, app_token)
+        log.info("slack: Socket Mode")
+        try:
+            await handler.start_async()
+        finally:
+            await handler.close_async()

@@ -1,0 +1,164 @@
+"""Microsoft Teams: botbuilder's CloudAdapter behind an aiohttp ``/api/messages`` endpoint.
+
+Translation only. Teams has no slash commands: `/rl good` is message text (in channels after the
+@mention, which is stripped). A user is their AAD object id (stable across chats); an answer is the
+activity id `send_activity` returned, which a later reaction carries as ``replyToId``. Buttons are an
+Adaptive Card whose ``Action.Submit`` comes back as a message with ``value`` {"rl": 1 | -1}.
+Bot Framework authentication is on whenever an app id is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+from botbuilder.core import ActivityHandler, CardFactory, MessageFactory, TurnContext
+from botbuilder.integration.aiohttp import CloudAdapter, ConfigurationBotFrameworkAuthentication
+from botbuilder.schema import Activity, ChannelAccount, MessageReaction
+
+from rlfleet.shared.config import Config, TeamsSettings
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.secrets_file import read_secret
+
+from .commands import reaction_value
+from .core import BotCore
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def rating_card() -> Any:
+    return CardFactory.adaptive_card({
+        "type": "AdaptiveCard", "version": "1.4", "body": [],
+        "actions": [{"type": "Action.Submit", "title": "👍 good", "data": {"rl": 1}},
+                    {"type": "Action.Submit", "title": "👎 bad", "data": {"rl": -1}}],
+    })
+
+
+def user_id(account: ChannelAccount | None) -> str | None:
+    if account is None:
+        return None
+    return account.aad_object_id or account.id
+
+
+def _is_bot(account: ChannelAccount | None) -> bool:
+    return account is not None and (account.role or "").lower() == "bot"
+
+
+class TeamsBot(ActivityHandler):
+    def __init__(self, core: BotCore) -> None:
+        self.core = core
+
+    async def _say(self, turn: TurnContext, text: str) -> None:
+        await turn.send_activity(MessageFactory.text(text))
+
+    async def on_message_activity(self, turn: TurnContext) -> None:
+        act = turn.activity
+        actor, conversation = user_id(act.from_property), act.conversation.id if act.conversation else ""
+        is_bot = _is_bot(act.from_property)
+        if isinstance(act.value, dict) and "rl" in act.value:  # a rating card's button
+            value = act.value.get("rl")
+            if value not in (1, -1):
+                await self._say(turn, "unknown button")
+                return
+            reply = await self.core.button(actor, conversation, act.reply_to_id or "", value, is_bot=is_bot)
+            if reply is not None:
+                await self._say(turn, reply.text)
+            return
+        text = (TurnContext.remove_recipient_mention(act) or "").strip()
+        if not text or is_bot or not actor:
+            return
+        if text.lower().startswith("/rl") or text.lower() == "rl" or text.lower().startswith("rl "):
+            reply = await self.core.command(actor, conversation, text, target=act.reply_to_id)
+            if reply is not None:
+                await self._say(turn, reply.text)
+            return
+        is_dm = (act.conversation.conversation_type or "personal") == "personal" if act.conversation else True
+        if not self.core.answers_in(conversation, is_dm) or self.core.seen(f"msg:{conversation}:{act.id}"):
+            return
+        messages = self.core.prompt([], text)
+        try:
+            completion = await self.core.answer(messages)
+        except RlfleetError as exc:
+            log.warning("no answer: %s", exc)
+            await self._say(turn, f"(no answer: {exc})")
+            return
+        reply_activity = MessageFactory.text(completion.text)
+        if self.core.settings.buttons:
+            reply_activity.attachments = [rating_card()]
+        sent = await turn.send_activity(reply_activity)
+        if sent is not None and sent.id:
+            self.core.capture(conversation, sent.id, actor, messages, completion)
+
+    async def _reactions(self, reactions: list[MessageReaction], turn: TurnContext, added: bool) -> None:
+        act = turn.activity
+        for r in reactions or ():
+            value = reaction_value(r.type)
+            if value is None:
+                continue
+            await self.core.reaction(
+                user_id(act.from_property), act.conversation.id if act.conversation else "", act.reply_to_id or "",
+                old=None if added else value, new=value if added else None, is_bot=_is_bot(act.from_property))
+
+    async def on_reactions_added(self, message_reactions: list[MessageReaction], turn_context: TurnContext) -> None:
+        await self._reactions(message_reactions, turn_context, added=True)
+
+    async def on_reactions_removed(self, message_reactions: list[MessageReaction], turn_context: TurnContext) -> None:
+        await self._reactions(message_reactions, turn_context, added=False)
+
+
+class _AuthConfig:
+    """The attribute bag ConfigurationBotFrameworkAuthentication reads."""
+
+    def __init__(self, s: TeamsSettings, password: str | None) -> None:
+        self.APP_ID = s.app_id or ""
+        self.APP_PASSWORD = password or ""
+        self.APP_TYPE = "SingleTenant" if s.tenant_id else "MultiTenant"
+        self.APP_TENANTID = s.tenant_id or ""
+
+
+def web_app(core: BotCore, settings: TeamsSettings, password: str | None) -> web.Application:
+    adapter = CloudAdapter(ConfigurationBotFrameworkAuthentication(_AuthConfig(settings, password)))
+    bot = TeamsBot(core)
+
+    async def on_error(turn: TurnContext, error: Exception) -> None:
+        log.error("teams turn failed: %s", error.__class__.__name__)
+
+    adapter.on_turn_error = on_error
+
+    async def messages(request: web.Request) -> web.Response:
+        if "application/json" not in request.headers.get("Content-Type", ""):
+            return web.json_response({"error": "expected an application/json activity"}, status=415)
+        try:
+            Activity().deserialize(await request.json())
+        except ValueError:
+            return web.json_response({"error": "malformed activity"}, status=400)
+        try:
+            response = await adapter.process(request, bot)
+        except PermissionError:
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return response or web.Response(status=201)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/api/messages", messages)
+    return app
+
+
+async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
+              port: int | None = None) -> None:
+    """Serve ``/api/messages`` on ``host:port`` until cancelled (Teams only talks HTTP)."""
+    s = cfg.bots.teams
+    password = read_secret(s.token_env, s.token_file, "the Teams app password") if s.app_id else None
+    runner = web.AppRunner(web_app(core, s, password))
+    await runner.setup()
+    site = web.TCPSite(runner, host or s.host, s.port if port is None else port)
+    await site.start()
+    log.info("teams: /api/messages on %s:%s (auth %s)", host or s.host, s.port if port is None else port,
+             "on" if s.app_id else "off: no app_id")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,174 @@
+"""Telegram: python-telegram-bot's Application, long polling by default or a webhook (`--http`).
+
+Translation only. A message is ``chat_id:message_id``; a conversation is the chat id. In groups the bot
+answers when @mentioned or replied to, in private chats always. `/rl` is a ``CommandHandler``
+(``/rl@thisbot`` in groups; ``/rl@otherbot`` is not ours). Reactions arrive only when the bot is an
+admin of the group (Telegram's rule) and ``message_reaction`` is among the allowed updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from telegram import InlineKeyboardButton, InlineKeyboardMarkup, Message, MessageEntity, ReactionTypeEmoji, Update
+from telegram.constants import ChatType
+from telegram.ext import (
+    Application,
+    CallbackQueryHandler,
+    CommandHandler,
+    ContextTypes,
+    MessageHandler,
+    MessageReactionHandler,
+    filters,
+)
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.secrets_file import read_secret
+
+from .commands import reaction_value
+from .core import BotCore
+
+log = logging.getLogger(__name__)
+
+ALLOWED_UPDATES = ["message", "callback_query", "message_reaction"]
+_BUTTON = "rl:"  # callback data: "rl:1" / "rl:-1"
+
+
+def message_ref(chat_id: int, message_id: int) -> str:
+    return f"{chat_id}:{message_id}"
+
+
+def rating_keyboard() -> InlineKeyboardMarkup:
+    return InlineKeyboardMarkup([[InlineKeyboardButton("👍 good", callback_data=f"{_BUTTON}1"),
+                                  InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")]])
+
+
+def thumb(reactions: Any) -> int | None:
+    """The thumbs value among a reaction list (the first thumb wins; other emoji do not count)."""
+    for r in reactions or ():
+        if isinstance(r, ReactionTypeEmoji):
+            value = reaction_value(r.emoji)
+            if value is not None:
+                return value
+    return None
+
+
+def _addressed(msg: Message, bot_id: int, username: str) -> tuple[bool, str]:
+    """Whether the bot is addressed, and the text without the @mention."""
+    text = msg.text or ""
+    if msg.chat.type == ChatType.PRIVATE:
+        return True, text
+    replied = msg.reply_to_message is not None and msg.reply_to_message.from_user is not None \
+        and msg.reply_to_message.from_user.id == bot_id
+    mention = f"@{username}".lower()
+    mentioned = any(e.type == MessageEntity.MENTION and msg.parse_entity(e).lower() == mention
+                    for e in msg.entities or ())
+    if mentioned:
+        text = " ".join(w for w in text.split() if w.lower() != mention)
+    return replied or mentioned, text
+
+
+def build_application(core: BotCore, token: str, api_base: str | None = None) -> Application:
+    builder = Application.builder().token(token)
+    if api_base:
+        base = api_base.rstrip("/")
+        builder = builder.base_url(f"{base}/bot").base_file_url(f"{base}/file/bot")
+    application = builder.build()
+    settings = core.settings
+
+    async def rl(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+        msg, user = update.effective_message, update.effective_user
+        if msg is None or user is None:
+            return
+        text = (msg.text or "").partition(" ")[2]
+        target = None
+        if msg.reply_to_message is not None:
+            target = message_ref(msg.chat_id, msg.reply_to_message.message_id)
+        reply = await core.command(str(user.id), str(msg.chat_id), text, is_bot=user.is_bot, target=target)
+        if reply is not None:
+            await msg.reply_text(reply.text)
+
+    async def on_text(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+        msg, user = update.effective_message, update.effective_user
+        if msg is None or user is None or user.is_bot or not msg.text:
+            return
+        addressed, text = _addressed(msg, context.bot.id, context.bot.username or "")
+        is_dm = msg.chat.type == ChatType.PRIVATE
+        if not addressed or not text.strip() or not core.answers_in(str(msg.chat_id), is_dm):
+            return
+        if core.seen(f"msg:{msg.chat_id}:{msg.message_id}"):
+            return
+        context_msgs: list[tuple[bool, str]] = []
+        parent = msg.reply_to_message
+        if parent is not None and parent.text and settings.context_messages:
+            context_msgs.append((parent.from_user is not None and parent.from_user.id == context.bot.id, parent.text))
+        messages = core.prompt(context_msgs, text.strip())
+        try:
+            completion = await core.answer(messages)
+        except RlfleetError as exc:
+            log.warning("no answer: %s", exc)
+            await msg.reply_text(f"(no answer: {exc})")
+            return
+        sent = await msg.reply_text(completion.text, reply_markup=rating_keyboard() if settings.buttons else None)
+        core.capture(str(msg.chat_id), message_ref(sent.chat_id, sent.message_id), str(user.id), messages,
+                     completion)
+
+    async def on_reaction(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+        r = update.message_reaction
+        if r is None:
+            return
+        user = r.user  # None for anonymous admins and channels: they cannot own an answer
+        await core.reaction(
+            str(user.id) if user else None, str(r.chat.id), message_ref(r.chat.id, r.message_id),
+            old=thumb(r.old_reaction), new=thumb(r.new_reaction), is_bot=bool(user and user.is_bot),
+        )
+
+    async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+        q = update.callback_query
+        if q is None or q.message is None or not q.data:
+            return
+        try:
+            value = int(q.data.removeprefix(_BUTTON))
+        except ValueError:
+            value = 0
+        if value not in (1, -1):
+            await q.answer("unknown button")
+            return
+        msg = q.message
+        reply = await core.button(str(q.from_user.id), str(msg.chat.id), message_ref(msg.chat.id, msg.message_id),
+                                  value, is_bot=q.from_user.is_bot)  # type: ignore[arg-type]
+        await q.answer(reply.text if reply else None)  # a toast only the presser sees
+
+    application.add_handler(CommandHandler("rl", rl))
+    application.add_handler(MessageHandler(filters.TEXT & ~filters.COMMAND, on_text))
+    application.add_handler(MessageReactionHandler(on_reaction))
+    application.add_handler(CallbackQueryHandler(on_button, pattern=f"^{_BUTTON}"))
+    return application
+
+
+async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
+              port: int | None = None) -> None:
+    """Long polling, or a webhook at ``host:port/telegram`` checking Telegram's secret-token header."""
+    s = cfg.bots.telegram
+    http = s.http if http is None else http
+    token = read_secret(s.token_env, s.token_file, "the Telegram bot token")
+    application = build_application(core, token, s.api_base)
+    async with application:
+        await application.start()
+        if http:
+            secret = read_secret(s.webhook_secret_env, s.webhook_secret_file, "the Telegram webhook secret")
+            if not s.webhook_url:
+                raise RlfleetError("telegram webhook mode needs bots.telegram.webhook_url (the public HTTPS URL)")
+            await application.updater.start_webhook(
+                listen=host or s.host, port=s.port if port is None else port, url_path="telegram",
+                webhook_url=s.webhook_url, secret_token=secret, allowed_updates=ALLOWED_UPDATES)
+        else:
+            await application.updater.start_polling(allowed_updates=ALLOWED_UPDATES)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await application.updater.stop()
+            await application.stop()

@@ -1,0 +1,150 @@
+"""`rlfleet serve`: the local model behind an OpenAI-compatible chat-completions API on 127.0.0.1.
+
+It answers with the base model plus the adapter `CURRENT` names, checked before every answer, so a
+promotion or rollback is live on the next request. Besides the standard reply it returns an
+``rlfleet`` object: the adapter version, the prompt as built (system prompt included), and the token
+ids with their raw log-probs under the answering policy, which the bots store as the behaviour policy
+of the answer (the trainer's importance ratios need exactly that quantity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, describe_validation_error
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 2 * MAX_PROMPT_CHARS
+
+
+class _Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[_Part]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(BaseModel):
+    """The fields of OpenAI's chat-completions request we honour; others (``user``, ``n=1``...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=8192)
+    max_completion_tokens: int | None = Field(None, ge=1, le=8192)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    logprobs: bool = False
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _size(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if sum(len(m.text()) for m in v) > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages exceed {MAX_PROMPT_CHARS:,} characters")
+        if not any(m.role == "user" and m.text().strip() for m in v):
+            raise ValueError("no non-empty user message")
+        return v
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": None}}, status=status)
+
+
+def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dict:
+    """The OpenAI-shaped response for one answer, with rlfleet's extension object."""
+    body: dict = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "system_fingerprint": f"rlfleet-{answer.adapter_version or 'base'}",
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": answer.text},
+            "finish_reason": "length" if answer.new_tokens >= (req.max_completion_tokens or req.max_tokens or 1 << 30)
+            else "stop",
+        }],
+        "usage": {"completion_tokens": answer.new_tokens},
+        "rlfleet": {
+            "adapter_version": answer.adapter_version,
+            "token_ids": answer.token_ids,
+            "logprobs": answer.logprobs,
+            "messages": answer.messages,
+        },
+    }
+    if req.logprobs:
+        body["choices"][0]["logprobs"] = {"content": [
+            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(answer.token_ids, answer.logprobs, strict=False)
+        ]}
+    return body
+
+
+def make_app(responder, model_name: str) -> web.Application:
+    """The aiohttp app around a :class:`LocalResponder` (one answer at a time: it holds one model)."""
+    lock = asyncio.Lock()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "rlfleet"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "model": model_name, "adapter_version": responder.current_version()})
+
+    async def chat(request: web.Request) -> web.Response:
+        try:
+            req = ChatRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            return _error(400, describe_validation_error(exc, "invalid request"))
+        if req.stream:
+            return _error(400, "stream=true is not supported by rlfleet serve; ask without streaming")
+        if req.model not in (None, model_name):
+            return _error(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
+                          "not_found_error")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        async with lock:
+            try:
+                answer = await asyncio.to_thread(
+                    responder.answer, messages, req.seed, req.max_completion_tokens or req.max_tokens,
+                    req.temperature, req.top_p)
+            except Exception as exc:  # one line to the caller, the trace to our log
+                log.exception("answer failed")
+                return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
+        return web.json_response(completion_body(req, answer, model_name, responder.tokenizer))
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def serve(responder, model_name: str, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    runner = web.AppRunner(make_app(responder, model_name))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("serving %s on http://%s:%s/v1", model_name, host, port)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,259 @@
+"""Recording fakes of the platforms' remote APIs and of an OpenAI-compatible responder, served by
+aiohttp on 127.0.0.1 (port 0) inside the test's event loop. Nothing here talks to a real host."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+from aiohttp import web
+
+
+@dataclass
+class Call:
+    path: str
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeServer:
+    """An aiohttp app on a free loopback port that records every request it gets."""
+
+    calls: list[Call] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def routes(self, app: web.Application) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def start(self) -> FakeServer:
+        app = web.Application()
+        self.routes(app)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def record(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        ctype = request.headers.get("Content-Type", "")
+        if "json" in ctype:
+            body = json.loads(raw or b"{}")
+        else:
+            body = {k: v[0] for k, v in parse_qs(raw.decode()).items()}
+        self.calls.append(Call(request.path, body))
+        return body
+
+    def of(self, suffix: str) -> list[dict[str, Any]]:
+        return [c.body for c in self.calls if c.path.endswith(suffix)]
+
+    async def wait_for(self, suffix: str, n: int = 1, timeout: float = 10.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while len(self.of(suffix)) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {n} call(s) to {suffix} in {timeout} s; got {[c.path for c in self.calls]}")
+            await asyncio.sleep(0.02)
+        return self.of(suffix)
+
+
+@dataclass
+class FakeSlack(FakeServer):
+    bot_user: str = "UBOT"
+    thread: list[dict] = field(default_factory=list)  # what conversations.replies returns
+    _ts: Any = field(default_factory=lambda: itertools.count(1))
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/api/{method}", self.api)
+        app.router.add_post("/respond/{id}", self.respond)
+
+    async def api(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        method = request.match_info["method"]
+        if method == "auth.test":
+            return web.json_response({"ok": True, "user_id": self.bot_user, "bot_id": "BBOT", "team_id": "T1",
+                                      "user": "rlfleet", "url": "https://fake.slack/"})
+        if method == "chat.postMessage":
+            ts = f"1700000000.{next(self._ts):06d}"
+            return web.json_response({"ok": True, "channel": body.get("channel"), "ts": ts,
+                                      "message": {"text": body.get("text"), "ts": ts}})
+        if method == "conversations.replies":
+            return web.json_response({"ok": True, "messages": self.thread})
+        return web.json_response({"ok": True})
+
+    async def respond(self, request: web.Request) -> web.Response:
+        await self.record(request)
+        return web.Response(text="ok")
+
+
+@dataclass
+class FakeOpenAI(FakeServer):
+    """An OpenAI-compatible chat-completions server; ``ours`` adds rlfleet's extension object."""
+
+    ours: bool = True
+    answer: Callable[[list[dict]], str] = lambda msgs: f"answer to: {msgs[-1]['content']}"
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.complete)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def complete(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        text = self.answer(body["messages"])
+        data: dict[str, Any] = {
+            "id": "chatcmpl-1", "object": "chat.completion", "model": body.get("model", "tiny"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        }
+        if self.ours:
+            n = len(text.split())
+            data["rlfleet"] = {"adapter_version": None, "token_ids": list(range(5, 5 + n)),
+                               "logprobs": [-0.5] * n, "messages": body["messages"]}
+        return web.json_response(data)
+
+
+@dataclass
+class FakeTelegram(FakeServer):
+    """The Bot API at ``{url}/bot<token>/<method>``; ``bot_id`` / ``username`` are the bot's own."""
+
+    bot_id: int = 999
+    username: str = "rlfleet_bot"
+    _ids: Any = field(default_factory=lambda: itertools.count(1000))
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/bot{token}/{method}", self.api)
+
+    async def api(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        method = request.match_info["method"]
+        if method == "getMe":
+            result: Any = {"id": self.bot_id, "is_bot": True, "first_name": "rlfleet", "username": self.username}
+        elif method == "sendMessage":
+            chat_id = int(body["chat_id"])
+            result = {"message_id": next(self._ids), "date": int(time.time()),
+                      "chat": {"id": chat_id, "type": "private" if chat_id > 0 else "supergroup"},
+                      "from": {"id": self.bot_id, "is_bot": True, "first_name": "rlfleet"}, "text": body.get("text")}
+        elif method == "getUpdates":
+            await asyncio.sleep(0.2)
+            result = []
+        else:
+            result = True
+        return web.json_response({"ok": True, "result": result})
+
+
+def _discord_user(uid: str, bot: bool = False) -> dict:
+    return {"id": uid, "username": f"u{uid}", "discriminator": "0", "global_name": None, "avatar": None, "bot": bot}
+
+
+@dataclass
+class FakeDiscord(FakeServer):
+    """Discord's REST API at ``{url}/api/v10`` and a gateway websocket at ``{url}/gateway`` (plain JSON
+    text frames). :meth:`dispatch` pushes an op-0 event to the connected client."""
+
+    bot_id: str = "999"
+    guild: str = "111"
+    channel: str = "222"
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _ws: Any = None
+    _seq: Any = field(default_factory=lambda: itertools.count(1))
+    _ids: Any = field(default_factory=lambda: itertools.count(5000))
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/gateway", self.gateway)
+        app.router.add_route("*", "/api/v10/{tail:.*}", self.api)
+
+    @staticmethod
+    def _json(data: Any, status: int = 200) -> web.Response:
+        # discord.py treats a body as JSON only when the content type is exactly application/json
+        return web.Response(body=json.dumps(data).encode(), status=status,
+                            headers={"Content-Type": "application/json"})
+
+    def message(self, mid: str, author: dict, content: str, **extra: Any) -> dict:
+        return {"id": mid, "channel_id": self.channel, "guild_id": self.guild, "author": author, "content": content,
+                "timestamp": "2026-11-23T00:00:00+00:00", "edited_timestamp": None, "tts": False,
+                "mention_everyone": False, "mentions": [], "mention_roles": [], "attachments": [], "embeds": [],
+                "pinned": False, "type": 0, "flags": 0, "components": [], **extra}
+
+    async def api(self, request: web.Request) -> web.Response:
+        body = await self.record(request) if request.method in ("POST", "PUT", "PATCH") else {}
+        if request.method == "GET":
+            self.calls.append(Call(request.path, {}))
+        tail = request.match_info["tail"]
+        if tail == "users/@me":
+            return self._json(_discord_user(self.bot_id, bot=True))
+        if tail == "oauth2/applications/@me":
+            return self._json({"id": self.bot_id, "name": "rlfleet", "icon": None, "description": "",
+                               "bot_public": True, "bot_require_code_grant": False, "verify_key": "0",
+                               "flags": 0, "owner": _discord_user("1")})
+        if tail.startswith("applications/") and tail.endswith("/commands"):
+            return self._json([])
+        if tail.startswith("channels/") and tail.endswith("/messages"):
+            mid = str(next(self._ids))
+            return self._json(self.message(mid, _discord_user(self.bot_id, bot=True), body.get("content", ""),
+                                           message_reference=body.get("message_reference")))
+        if tail.startswith("interactions/"):
+            iid = tail.split("/")[1]
+            return self._json({"interaction": {"id": iid, "type": 2, "activity_instance_id": None,
+                                               "response_message_id": None, "response_message_loading": True,
+                                               "response_message_ephemeral": True},
+                               "resource": {"type": 5}})
+        if tail.startswith("webhooks/"):
+            return self._json(self.message(str(next(self._ids)), _discord_user(self.bot_id, bot=True),
+                                           body.get("content", ""), flags=64))
+        return self._json({})
+
+    async def gateway(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self._ws = ws
+        await ws.send_str(json.dumps({"op": 10, "d": {"heartbeat_interval": 45000}, "s": None, "t": None}))
+        async for msg in ws:
+            data = json.loads(msg.data)
+            if data["op"] == 1:
+                await ws.send_str(json.dumps({"op": 11, "d": None, "s": None, "t": None}))
+            elif data["op"] == 2:
+                await self.dispatch("READY", {
+                    "v": 10, "user": _discord_user(self.bot_id, bot=True), "guilds": [{"id": self.guild,
+                                                                                     "unavailable": True}],
+                    "session_id": "s1", "resume_gateway_url": self.url.replace("http", "ws") + "/gateway",
+                    "application": {"id": self.bot_id, "flags": 0}, "private_channels": [], "relationships": []})
+                await self.dispatch("GUILD_CREATE", {
+                    "id": self.guild, "name": "g", "unavailable": False, "owner_id": "1", "large": False,
+                    "member_count": 1, "members": [], "emojis": [], "features": [], "threads": [], "stickers": [],
+                    "voice_states": [], "presences": [], "stage_instances": [], "guild_scheduled_events": [],
+                    "roles": [{"id": self.guild, "name": "@everyone", "permissions": "0", "position": 0,
+                               "color": 0, "hoist": False, "managed": False, "mentionable": False, "flags": 0}],
+                    "channels": [{"id": self.channel, "type": 0, "name": "general", "position": 0,
+                                  "permission_overwrites": []}]})
+        return ws
+
+    async def dispatch(self, event: str, data: dict) -> None:
+        await self._ws.send_str(json.dumps({"op": 0, "t": event, "s": next(self._seq), "d": data}))
+
+
+@dataclass
+class FakeTeamsConnector(FakeServer):
+    """The Bot Framework connector a Teams activity's ``serviceUrl`` points at: replies land here."""
+
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_route("*", "/{tail:.*}", self.api)
+
+    async def api(self, request: web.Request) -> web.Response:
+        await self.record(request)
+        return web.json_response({"id": f"reply-{next(self._ids)}"})

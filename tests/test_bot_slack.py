@@ -1,0 +1,290 @@
+"""The Slack bot through slack-bolt's real dispatch (signed requests), a fake Slack Web API and a fake
+OpenAI-compatible responder on 127.0.0.1, a real Redis queue and the real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
+import aiohttp
+from aiohttp import web
+from botfakes import FakeSlack
+from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
+from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_sdk.signature import SignatureVerifier
+from sqlalchemy import select
+
+from rlfleet.bots.core import BotCore
+from rlfleet.bots.slack import GOOD_ACTION, build_app, http_app
+from rlfleet.shared.schema import CaptureRow
+from rlfleet.shared.store import Store
+
+SECRET = "test-signing-secret"
+CHANNEL = "C1"
+
+
+@dataclass
+class Signed:
+    body: str
+    headers: dict[str, str]
+
+    def bolt(self) -> AsyncBoltRequest:
+        return AsyncBoltRequest(body=self.body, headers=self.headers)
+
+
+class SlackRig:
+    def __init__(self, base: BotRig, app, slack: FakeSlack) -> None:
+        self.base, self.app, self.slack = base, app, slack
+        self.store, self.llm, self.cfg, self.handle = base.store, base.llm, base.cfg, base.handle
+        self.drain, self.ratings, self.queued = base.drain, base.ratings, base.queued
+        self._n = 0
+
+    # ---- requests as Slack sends them --------------------------------------------------------------
+
+    def signed(self, body: str, content_type: str, ts: int | None = None, secret: str = SECRET) -> Signed:
+        ts = int(time.time()) if ts is None else ts
+        sig = SignatureVerifier(secret).generate_signature(timestamp=str(ts), body=body)
+        return Signed(body, {"content-type": content_type, "x-slack-request-timestamp": str(ts),
+                             "x-slack-signature": sig})
+
+    async def command(self, user: str, text: str, **kw):
+        self._n += 1
+        body = urlencode({"command": "/rl", "text": text, "user_id": user, "channel_id": CHANNEL, "team_id": "T1",
+                          "response_url": f"{self.slack.url}/respond/{self._n}", "trigger_id": f"t{self._n}"})
+        return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded", **kw).bolt())
+
+    async def event(self, event: dict, **kw):
+        self._n += 1
+        body = json.dumps({"type": "event_callback", "team_id": "T1", "api_app_id": "A1", "event_id": f"Ev{self._n}",
+                           "event_time": int(time.time()), "event": event,
+                           "authorizations": [{"user_id": "UBOT", "is_bot": True, "team_id": "T1"}]})
+        return await self.app.async_dispatch(self.signed(body, "application/json", **kw).bolt())
+
+    async def mention(self, user: str, text: str) -> str:
+        """@bot text -> the ts of the answer the bot posted."""
+        before = len(self.slack.of("chat.postMessage"))
+        self._n += 1
+        ts = f"1699999999.{self._n:06d}"
+        await self.event({"type": "app_mention", "user": user, "text": f"<@UBOT> {text}", "channel": CHANNEL, "ts": ts})
+        posts = await self.slack.wait_for("chat.postMessage", before + 1)
+        await self.drain()
+        return f"1700000000.{len(posts):06d}"
+
+    async def reaction(self, user: str, ts: str, name: str, added: bool = True):
+        return await self.event({"type": "reaction_added" if added else "reaction_removed", "user": user,
+                                 "reaction": name, "item": {"type": "message", "channel": CHANNEL, "ts": ts},
+                                 "item_user": "UBOT", "event_ts": str(time.time())})
+
+    async def button(self, user: str, ts: str, action: str = GOOD_ACTION):
+        self._n += 1
+        payload = {"type": "block_actions", "user": {"id": user}, "team": {"id": "T1"}, "api_app_id": "A1",
+                   "channel": {"id": CHANNEL}, "message": {"ts": ts, "text": "x"}, "container": {"type": "message"},
+                   "trigger_id": f"t{self._n}", "response_url": f"{self.slack.url}/respond/{self._n}",
+                   "actions": [{"action_id": action, "block_id": "rl_rate", "type": "button",
+                                "value": "1" if action == GOOD_ACTION else "-1", "action_ts": "1"}]}
+        body = urlencode({"payload": json.dumps(payload)})
+        return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
+
+    async def reply(self, n: int) -> str:
+        """The text of the n-th private reply (to a command or button), working the queue meanwhile."""
+        def got():
+            replies = [c.body for c in self.slack.calls if c.path.startswith("/respond/")]
+            return replies if len(replies) >= n else None
+
+        replies = await self.base.until(got, f"reply {n}")
+        assert replies[n - 1].get("response_type") == "ephemeral"
+        return replies[n - 1]["text"]
+
+
+@asynccontextmanager
+async def rig(home, **slack_settings):
+    slack = await FakeSlack().start()
+    try:
+        async with bot_rig("slack", **slack_settings) as base:
+            yield SlackRig(base, build_app(base.core, "xoxb-test", SECRET, f"{slack.url}/api/"), slack)
+    finally:
+        await slack.stop()
+
+
+def test_a_mention_is_answered_in_thread_with_buttons_and_captured(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "what is a monad?")
+            post = r.slack.of("chat.postMessage")[-1]
+            assert post["text"] == "answer to: what is a monad?"
+            assert post["thread_ts"] == "1699999999.000001"
+            actions = json.loads(post["blocks"]) if isinstance(post["blocks"], str) else post["blocks"]
+            assert [e["action_id"] for e in actions[1]["elements"]] == ["rl_good", "rl_bad"]
+            with r.store.session() as s:
+                cap = s.scalars(select(CaptureRow)).one()
+                assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("slack", CHANNEL, ts, OWNER)
+                assert cap.prompt[-1] == {"role": "user", "content": "what is a monad?"}
+                assert cap.behaviour_logprobs == [-0.5] * len(post["text"].split())  # ours: kept
+    run(go())
+
+
+def test_buttons_can_be_switched_off_and_a_foreign_responder_keeps_no_logprobs(queued_home):
+    async def go():
+        async with rig(queued_home, buttons=False) as r:
+            r.llm.ours = False
+            await r.mention(OWNER, "hello")
+            assert "blocks" not in r.slack.of("chat.postMessage")[-1]
+            with r.store.session() as s:
+                cap = s.scalars(select(CaptureRow)).one()
+                assert cap.behaviour_logprobs is None and cap.model == "tiny"
+    run(go())
+
+
+def test_rl_good_bad_undo_by_the_owner(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            await r.command(OWNER, "good crisp")
+            assert (await r.reply(1)).startswith("rated good")
+            await r.command(OWNER, "bad")
+            assert (await r.reply(2)).startswith("re-rated bad")
+            await r.command(OWNER, "undo")
+            assert (await r.reply(3)) == "undid your bad rating"
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "undone")]
+    run(go())
+
+
+def test_rl_good_from_someone_the_bot_did_not_answer_changes_nothing(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            await r.command(STRANGER, "good")
+            assert "nothing of yours to rate here" in await r.reply(1)
+            await r.command(OWNER, "frobnicate")
+            assert "unknown command 'frobnicate'" in await r.reply(2)
+            assert r.ratings() == []
+    run(go())
+
+
+def test_reactions_rate_rerate_and_undo(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            await r.reaction(OWNER, ts, "+1::skin-tone-3")
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "active")]
+            await r.reaction(OWNER, ts, "thumbsdown")  # changed her mind: re-rate
+            await r.drain()
+            await r.reaction(OWNER, ts, "+1", added=False)  # removing the old 👍 leaves the 👎
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            await r.reaction(OWNER, ts, "-1", added=False)
+            await r.drain()
+            assert r.ratings()[-1] == (OWNER, -1, "undone")
+    run(go())
+
+
+def test_reactions_that_must_not_count_are_ignored_silently(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            await r.reaction(STRANGER, ts, "+1")  # not theirs
+            await r.reaction(OWNER, "1699999999.000001", "+1")  # the user's own message, not our answer
+            await r.reaction(OWNER, ts, "tada")  # not a thumb
+            await asyncio.sleep(0.2)
+            assert r.queued() == 0 and r.ratings() == []
+            await r.reaction(RATER, ts, "-1")  # an allowlisted rater counts
+            await r.drain()
+            assert r.ratings() == [(RATER, -1, "active")]
+            assert not [c for c in r.slack.calls if c.path.startswith("/respond/")]  # no replies to reactions
+    run(go())
+
+
+def test_buttons_follow_the_same_owner_rules(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            await r.button(STRANGER, ts)
+            assert "only the person the bot answered" in await r.reply(1)
+            await r.button(OWNER, ts)
+            assert (await r.reply(2)).startswith("rated good")
+            assert r.ratings() == [(OWNER, 1, "active")]
+    run(go())
+
+
+def test_admin_commands_need_the_allowlist_and_a_cooldown(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.command(OWNER, "train")
+            assert await r.reply(1) == "/rl train is for admins only"
+            assert r.queued() == 0
+            await r.command(ADMIN, "rollback")
+            assert "already on the base model" in await r.reply(2)
+            await r.command(ADMIN, "reset")
+            assert "one admin command per 30 s" in await r.reply(3)
+    run(go())
+
+
+def test_forged_stale_and_malformed_requests_change_nothing(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            calls = len(r.slack.calls)
+            assert (await r.command(OWNER, "good", secret="not-the-secret")).status == 401
+            assert (await r.command(OWNER, "good", ts=int(time.time()) - 600)).status == 401
+            forged = r.signed(json.dumps({"type": "event_callback", "event": {
+                "type": "reaction_added", "user": OWNER, "reaction": "+1",
+                "item": {"type": "message", "channel": CHANNEL, "ts": ts}}}), "application/json", secret="nope")
+            assert (await r.app.async_dispatch(forged.bolt())).status == 401
+            await asyncio.sleep(0.2)
+            assert r.queued() == 0 and r.ratings() == [] and len(r.slack.calls) == calls
+    run(go())
+
+
+def test_http_mode_serves_bolt_on_loopback_and_refuses_malformed_bodies(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            runner = web.AppRunner(http_app(r.app))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/slack/events"
+            try:
+                async with aiohttp.ClientSession() as http:
+                    signed = r.signed("{not json", "application/json")
+                    async with http.post(url, data="{not json", headers=signed.headers) as resp:
+                        assert resp.status == 400 and (await resp.json()) == {"error": "malformed payload"}
+                    async with http.post(url, data=b"x" * (2 << 20)) as resp:
+                        assert resp.status == 413
+                    body = urlencode({"command": "/rl", "text": "status", "user_id": OWNER, "channel_id": CHANNEL,
+                                      "response_url": f"{r.slack.url}/respond/1", "team_id": "T1"})
+                    req = r.signed(body, "application/x-www-form-urlencoded")
+                    async with http.post(url, data=body, headers=req.headers) as resp:
+                        assert resp.status == 200
+                assert "no status yet" in await r.reply(1)
+                assert r.queued() == 0
+            finally:
+                await runner.cleanup()
+    run(go())
+
+
+def test_a_restarted_bot_still_knows_its_answers(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            r.handle.redis.delete("rlfleet:posted:slack")  # a Redis that kept nothing
+            fresh = BotCore("slack", r.cfg, r.handle, Store(r.cfg.db_url), wait_s=0.2)
+            assert fresh.posted.lookup("slack", CHANNEL, ts).owner == OWNER  # from the store
+            assert fresh.posted.lookup("discord", CHANNEL, ts) is None  # another platform's refs are not ours
+    run(go())
+
+
+def test_status_reads_the_workers_snapshot(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.command(OWNER, "status")
+            assert "no status yet" in await r.reply(1)
+            await r.mention(OWNER, "q1")  # the worker publishes a snapshot after every event
+            await r.command(OWNER, "status")
+            text = await r.reply(2)
+            assert "serving the base model" in text and "0/32 toward the next training run" in text
+    run(go())

@@ -1,0 +1,150 @@
+"""The Teams bot through botbuilder's CloudAdapter behind the real aiohttp ``/api/messages`` endpoint on
+127.0.0.1, a fake Bot Framework connector (the activities' serviceUrl), a real Redis and the real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from contextlib import asynccontextmanager
+
+import aiohttp
+from aiohttp import web
+from botfakes import FakeTeamsConnector
+from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
+
+from rlfleet.bots.teams import web_app
+
+CONV = "19:team-chat"
+
+
+class TeamsRig:
+    def __init__(self, base: BotRig, url: str, connector: FakeTeamsConnector, http: aiohttp.ClientSession) -> None:
+        self.base, self.url, self.connector, self.http = base, url, connector, http
+        self.ratings, self.queued, self.drain = base.ratings, base.queued, base.drain
+        self._ids = itertools.count(1)
+        self.pending: list[asyncio.Task] = []
+
+    def activity(self, user: str, **fields) -> dict:
+        return {"id": f"in-{next(self._ids)}", "channelId": "msteams", "serviceUrl": self.connector.url + "/",
+                "from": {"id": f"29:{user}", "name": f"u{user}", "aadObjectId": user},
+                "recipient": {"id": "28:bot", "name": "rlfleet"},
+                "conversation": {"id": CONV, "conversationType": "channel"}, **fields}
+
+    async def post(self, activity: dict, headers: dict | None = None) -> int:
+        async with self.http.post(self.url, json=activity, headers=headers or {}) as resp:
+            return resp.status
+
+    def send(self, activity: dict) -> None:
+        """Post in the background: the turn waits for the worker's answer before it returns."""
+        self.pending.append(asyncio.create_task(self.post(activity)))
+
+    def replies(self) -> list[dict]:
+        return [c.body for c in self.connector.calls if "/activities" in c.path]
+
+    async def said(self, n: int) -> str:
+        got = await self.base.until(lambda: self.replies()[n - 1:] or None, f"reply {n}")
+        return got[0]["text"]
+
+    async def ask(self, user: str, text: str) -> str:
+        """@bot text in the channel -> the id of the bot's answer activity."""
+        before = len(self.replies())
+        self.send(self.activity(user, type="message", text=f"<at>rlfleet</at> {text}", entities=[
+            {"type": "mention", "mentioned": {"id": "28:bot", "name": "rlfleet"}, "text": "<at>rlfleet</at>"}]))
+        await self.said(before + 1)
+        await self.drain()
+        return f"reply-{before + 1}"
+
+    async def rl(self, user: str, text: str, n: int) -> str:
+        self.send(self.activity(user, type="message", text=f"<at>rlfleet</at> /rl {text}", entities=[
+            {"type": "mention", "mentioned": {"id": "28:bot", "name": "rlfleet"}, "text": "<at>rlfleet</at>"}]))
+        return await self.said(n)
+
+    async def react(self, user: str, answer: str, kind: str, added: bool = True) -> None:
+        key = "reactionsAdded" if added else "reactionsRemoved"
+        self.send(self.activity(user, type="messageReaction", replyToId=answer, **{key: [{"type": kind}]}))
+        await asyncio.sleep(0.3)
+
+
+@asynccontextmanager
+async def rig(home, app_id: str | None = None, **settings):
+    connector = await FakeTeamsConnector().start()
+    try:
+        async with bot_rig("teams", app_id=app_id, **settings) as base:
+            runner = web.AppRunner(web_app(base.core, base.cfg.bots.teams, "pw" if app_id else None))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/messages"
+            try:
+                async with aiohttp.ClientSession() as http:
+                    r = TeamsRig(base, url, connector, http)
+                    yield r
+                    assert all(s < 400 for s in await asyncio.gather(*r.pending))
+            finally:
+                await runner.cleanup()
+    finally:
+        await connector.stop()
+
+
+def test_a_mention_is_answered_with_a_rating_card_and_captured(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            answer = await r.ask(OWNER, "what is a monad?")
+            reply = r.replies()[0]
+            assert reply["text"] == "answer to: what is a monad?"
+            card = reply["attachments"][0]
+            assert card["contentType"] == "application/vnd.microsoft.card.adaptive"
+            assert [a["data"] for a in card["content"]["actions"]] == [{"rl": 1}, {"rl": -1}]
+            (cap,) = r.base.captures()
+            assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("teams", CONV, answer, OWNER)
+            assert cap.prompt[-1]["content"] == "what is a monad?"
+    run(go())
+
+
+def test_rl_text_commands_after_the_mention(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.ask(OWNER, "q1")
+            assert (await r.rl(OWNER, "good", 2)).startswith("rated good")
+            assert "nothing of yours to rate here" in await r.rl(STRANGER, "bad", 3)
+            assert await r.rl(OWNER, "reset", 4) == "/rl reset is for admins only"
+            assert "already on the base model" in await r.rl(ADMIN, "rollback", 5)
+            assert "unknown command 'dance'" in await r.rl(OWNER, "dance", 6)
+            assert r.ratings() == [(OWNER, 1, "active")]
+    run(go())
+
+
+def test_reactions_and_card_buttons_follow_the_owner_rules(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            answer = await r.ask(OWNER, "q1")
+            await r.react(STRANGER, answer, "like")
+            await r.react(OWNER, "reply-99", "like")  # not an answer of ours
+            await r.react(OWNER, answer, "heart")
+            assert r.queued() == 0
+            await r.react(OWNER, answer, "1f44e_thumbsdown_3")
+            await r.drain()
+            await r.react(OWNER, answer, "1f44e_thumbsdown_3", added=False)
+            await r.drain()
+            assert r.ratings() == [(OWNER, -1, "undone")]
+            r.send(r.activity(STRANGER, type="message", value={"rl": 1}, replyToId=answer))
+            assert "only the person the bot answered" in await r.said(2)
+            r.send(r.activity(RATER, type="message", value={"rl": 1}, replyToId=answer))
+            assert (await r.said(3)).startswith("rated good")
+            assert r.ratings()[-1] == (RATER, 1, "active")
+    run(go())
+
+
+def test_auth_on_with_an_app_id_and_bad_bodies_change_nothing(queued_home):
+    async def go():
+        async with rig(queued_home, app_id="00000000-0000-0000-0000-000000000001") as r:
+            assert await r.post(r.activity(OWNER, type="message", text="hi")) == 401
+            async with r.http.post(r.url, data="{nope", headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 400
+            async with r.http.post(r.url, data="x", headers={"Content-Type": "text/plain"}) as resp:
+                assert resp.status == 415
+            async with r.http.post(r.url, data=b"x" * (2 << 20), headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 413
+            await asyncio.sleep(0.1)
+            assert r.queued() == 0 and not r.connector.calls
+    run(go())

@@ -1,0 +1,102 @@
+"""`rlfleet serve` as a user starts it, on the tiny model: asked through the official OpenAI client, it
+answers from the base, switches to a newly promoted adapter on the next request, and refuses bad
+requests with OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from rlfleet.shared.models import resolve_model  # noqa: E402
+from rlfleet.shared.registry import AdapterRegistry  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(home, tiny_model_dir):
+    port = _free_port()
+    env = {**os.environ, "RLFLEET_HOME": str(home), "RLFLEET_MODEL": str(tiny_model_dir), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.shared", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            client.models.list()
+            break
+        except openai.APIConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"rlfleet serve did not start:\n{proc.stdout.read()}") from None
+            time.sleep(0.3)
+    try:
+        yield client, port, AdapterRegistry(home / "adapters", resolve_model(str(tiny_model_dir)).slug)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def ask(client, **kw):
+    return client.chat.completions.create(
+        model=kw.pop("model", client.models.list().data[0].id),
+        messages=[{"role": "user", "content": "Say something about tests."}],
+        temperature=0, max_tokens=12, logprobs=True, **kw)
+
+
+def test_answers_switch_when_a_new_adapter_is_promoted(served, tiny_model_dir):
+    client, _, registry = served
+    base = ask(client)
+    assert base.system_fingerprint == "rlfleet-base"
+    ours = base.model_extra["rlfleet"]
+    assert ours["adapter_version"] is None and len(ours["token_ids"]) == len(ours["logprobs"]) > 0
+    assert [t.logprob for t in base.choices[0].logprobs.content] == pytest.approx(ours["logprobs"])
+
+    torch.manual_seed(7)  # a non-identity adapter, written where training would write it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(registry.path("v0001"))
+    registry.set_current("v0001")  # what promotion does
+
+    tuned = ask(client)
+    assert tuned.system_fingerprint == "rlfleet-v0001"
+    assert tuned.model_extra["rlfleet"]["adapter_version"] == "v0001"
+    assert tuned.model_extra["rlfleet"]["token_ids"] != ours["token_ids"]  # greedy: the weights changed
+
+    registry.set_current(None)  # rollback to the base: the same greedy answer as before
+    assert ask(client).model_extra["rlfleet"]["token_ids"] == ours["token_ids"]
+
+
+def test_bad_requests_get_openai_shaped_errors(served):
+    client, port, _ = served
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        ask(client, model="gpt-4o")
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        ask(client, stream=True)
+    with pytest.raises(openai.BadRequestError, match="no non-empty user message"):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": " "}])
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{oops", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=10)
+    assert exc.value.code == 400 and b"invalid request" in exc.value.read()
