@@ -9,9 +9,11 @@ admin of the group (Telegram's rule) and ``message_reaction`` is among the allow
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from typing import Any
 
+from aiohttp import web
 from telegram import InlineKeyboardButton, InlineKeyboardMarkup, Message, MessageEntity, ReactionTypeEmoji, Update
 from telegram.constants import ChatType
 from telegram.ext import (
@@ -25,7 +27,7 @@ from telegram.ext import (
 )
 
 from rlfleet.shared.config import Config
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.errors import ConfigError, RlfleetError
 from rlfleet.shared.secrets_file import read_secret
 
 from .commands import reaction_value
@@ -34,6 +36,7 @@ from .core import BotCore
 log = logging.getLogger(__name__)
 
 ALLOWED_UPDATES = ["message", "callback_query", "message_reaction"]
+MAX_BODY_BYTES = 1 << 20
 _BUTTON = "rl:"  # callback data: "rl:1" / "rl:-1"
 
 
@@ -149,26 +152,57 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
     return application
 
 
+def webhook_app(application: Application, secret: str, path: str = "/telegram") -> web.Application:
+    """The webhook endpoint: Telegram's secret-token header checked in constant time, a clear 400 for
+    a body that is not an update, and the update handed to the application's queue."""
+
+    async def handle(request: web.Request) -> web.Response:
+        token = request.headers.get("X-Telegram-Bot-Api-Secret-Token", "")
+        if not hmac.compare_digest(token.encode(), secret.encode()):
+            return web.json_response({"error": "bad or missing secret token"}, status=403)
+        try:
+            update = Update.de_json(await request.json(), application.bot)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            update = None
+        if update is None:
+            return web.json_response({"error": "malformed update"}, status=400)
+        await application.update_queue.put(update)
+        return web.json_response({"ok": True})
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post(path, handle)
+    return app
+
+
 async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
               port: int | None = None) -> None:
-    """Long polling, or a webhook at ``host:port/telegram`` checking Telegram's secret-token header."""
+    """Long polling, or a webhook at ``host:port/telegram`` (registered with Telegram at ``webhook_url``)."""
     s = cfg.bots.telegram
     http = s.http if http is None else http
     token = read_secret(s.token_env, s.token_file, "the Telegram bot token")
+    secret = read_secret(s.webhook_secret_env, s.webhook_secret_file, "the Telegram webhook secret") if http else None
+    if http and not s.webhook_url:
+        raise ConfigError("telegram webhook mode needs bots.telegram.webhook_url (the public HTTPS URL)")
     application = build_application(core, token, s.api_base)
     async with application:
         await application.start()
-        if http:
-            secret = read_secret(s.webhook_secret_env, s.webhook_secret_file, "the Telegram webhook secret")
-            if not s.webhook_url:
-                raise RlfleetError("telegram webhook mode needs bots.telegram.webhook_url (the public HTTPS URL)")
-            await application.updater.start_webhook(
-                listen=host or s.host, port=s.port if port is None else port, url_path="telegram",
-                webhook_url=s.webhook_url, secret_token=secret, allowed_updates=ALLOWED_UPDATES)
+        runner = None
+        if secret is not None:
+            runner = web.AppRunner(webhook_app(application, secret))
+            await runner.setup()
+            await web.TCPSite(runner, host or s.host, s.port if port is None else port).start()
+            await application.bot.set_webhook(url=s.webhook_url, secret_token=secret,
+                                              allowed_updates=ALLOWED_UPDATES)
+            log.info("telegram: webhook on %s:%s/telegram", host or s.host, s.port if port is None else port)
         else:
+            await application.bot.delete_webhook()  # polling and a webhook exclude each other
             await application.updater.start_polling(allowed_updates=ALLOWED_UPDATES)
+            log.info("telegram: long polling")
         try:
             await asyncio.Event().wait()
         finally:
-            await application.updater.stop()
+            if runner is not None:
+                await runner.cleanup()
+            else:
+                await application.updater.stop()
             await application.stop()

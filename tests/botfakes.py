@@ -48,6 +48,10 @@ class FakeServer:
             await self._runner.cleanup()
 
     async def record(self, request: web.Request) -> dict[str, Any]:
+        if request.method == "GET":
+            body = dict(request.query)
+            self.calls.append(Call(request.path, body))
+            return body
         raw = await request.read()
         ctype = request.headers.get("Content-Type", "")
         if "json" in ctype:
@@ -76,7 +80,7 @@ class FakeSlack(FakeServer):
     _ts: Any = field(default_factory=lambda: itertools.count(1))
 
     def routes(self, app: web.Application) -> None:
-        app.router.add_post("/api/{method}", self.api)
+        app.router.add_route("*", "/api/{method}", self.api)
         app.router.add_post("/respond/{id}", self.respond)
 
     async def api(self, request: web.Request) -> web.Response:
@@ -132,6 +136,7 @@ class FakeTelegram(FakeServer):
 
     bot_id: int = 999
     username: str = "rlfleet_bot"
+    updates: list[dict] = field(default_factory=list)  # handed out once by getUpdates (long polling)
     _ids: Any = field(default_factory=lambda: itertools.count(1000))
 
     def routes(self, app: web.Application) -> None:
@@ -148,8 +153,9 @@ class FakeTelegram(FakeServer):
                       "chat": {"id": chat_id, "type": "private" if chat_id > 0 else "supergroup"},
                       "from": {"id": self.bot_id, "is_bot": True, "first_name": "rlfleet"}, "text": body.get("text")}
         elif method == "getUpdates":
-            await asyncio.sleep(0.2)
-            result = []
+            result, self.updates = self.updates, []
+            if not result:
+                await asyncio.sleep(0.2)
         else:
             result = True
         return web.json_response({"ok": True, "result": result})
@@ -189,9 +195,7 @@ class FakeDiscord(FakeServer):
                 "pinned": False, "type": 0, "flags": 0, "components": [], **extra}
 
     async def api(self, request: web.Request) -> web.Response:
-        body = await self.record(request) if request.method in ("POST", "PUT", "PATCH") else {}
-        if request.method == "GET":
-            self.calls.append(Call(request.path, {}))
+        body = await self.record(request)
         tail = request.match_info["tail"]
         if tail == "users/@me":
             return self._json(_discord_user(self.bot_id, bot=True))

@@ -288,3 +288,28 @@ def test_status_reads_the_workers_snapshot(queued_home):
             text = await r.reply(2)
             assert "serving the base model" in text and "0/32 toward the next training run" in text
     run(go())
+
+
+def test_a_reply_in_its_thread_is_answered_with_the_thread_as_context(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "what is a monad?")
+            thread = r.slack.of("chat.postMessage")[-1]["thread_ts"]
+            r.slack.thread = [
+                {"ts": thread, "user": OWNER, "text": "<@UBOT> what is a monad?"},
+                {"ts": "1700000000.000001", "user": "UBOT", "bot_id": "BBOT", "text": "answer to: what is a monad?"},
+            ]
+            before = len(r.slack.of("chat.postMessage"))
+            await r.event({"type": "message", "channel_type": "channel", "user": OWNER, "channel": CHANNEL,
+                           "text": "and in Haskell?", "ts": "1700000005.000000", "thread_ts": thread})
+            await r.slack.wait_for("chat.postMessage", before + 1)
+            assert r.llm.of("/chat/completions")[-1]["messages"] == [
+                {"role": "user", "content": "what is a monad?"},
+                {"role": "assistant", "content": "answer to: what is a monad?"},
+                {"role": "user", "content": "and in Haskell?"},
+            ]
+            await r.event({"type": "message", "channel_type": "channel", "user": STRANGER, "channel": CHANNEL,
+                           "text": "unrelated chatter", "ts": "1700000006.000000"})  # not its thread: silence
+            await asyncio.sleep(0.2)
+            assert len(r.slack.of("chat.postMessage")) == before + 1
+    run(go())

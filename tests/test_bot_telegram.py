@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from contextlib import asynccontextmanager
 
 import aiohttp
+from aiohttp import web
 from botfakes import FakeTelegram
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from telegram import Update
 
-from rlfleet.bots.telegram import ALLOWED_UPDATES, build_application
+from rlfleet.bots.telegram import ALLOWED_UPDATES, build_application, webhook_app
 
 GROUP = -100123
 BOT_ID = 999
@@ -191,34 +191,73 @@ def test_rl_for_another_bot_is_not_ours(queued_home):
     run(go())
 
 
-def test_webhook_checks_the_secret_token_header(queued_home):
+def test_webhook_checks_the_secret_token_header_and_refuses_bad_bodies(queued_home):
     async def go():
         async with rig(queued_home) as r:
             await r.app.start()
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            await r.app.updater.start_webhook(listen="127.0.0.1", port=port, url_path="telegram",
-                                              webhook_url="https://example.invalid/telegram",
-                                              secret_token="s3cret", allowed_updates=ALLOWED_UPDATES)
+            runner = web.AppRunner(webhook_app(r.app, "s3cret"))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/telegram"
             try:
-                set_hook = r.fake.of("setWebhook")[-1]
-                assert json.loads(set_hook["allowed_updates"]) == ALLOWED_UPDATES
-                assert set_hook["secret_token"] == "s3cret"
                 update = {"update_id": 77, "message": r.message(OWNER_ID, "hello from a webhook", chat=OWNER_ID)}
-                url = f"http://127.0.0.1:{port}/telegram"
                 async with aiohttp.ClientSession() as http:
-                    async with http.post(url, json=update,
-                                         headers={"X-Telegram-Bot-Api-Secret-Token": "wrong"}) as resp:
-                        assert resp.status == 403
+                    for headers in ({"X-Telegram-Bot-Api-Secret-Token": "wrong"}, {}):
+                        async with http.post(url, json=update, headers=headers) as resp:
+                            assert resp.status == 403
+                    ok = {"X-Telegram-Bot-Api-Secret-Token": "s3cret"}
+                    for body in ("{oops", "[]"):
+                        async with http.post(url, data=body, headers={**ok, "Content-Type": "application/json"}) \
+                                as resp:
+                            assert resp.status == 400, body
                     await asyncio.sleep(0.2)
-                    assert not r.fake.of("sendMessage")
-                    async with http.post(url, json=update,
-                                         headers={"X-Telegram-Bot-Api-Secret-Token": "s3cret"}) as resp:
+                    assert not r.fake.of("sendMessage") and r.queued() == 0
+                    async with http.post(url, json=update, headers=ok) as resp:
                         assert resp.status == 200
                 sent = await r.fake.wait_for("sendMessage")
                 assert sent[0]["text"] == "answer to: hello from a webhook"
             finally:
-                await r.app.updater.stop()
+                await runner.cleanup()
                 await r.app.stop()
     run(go())
+
+
+def test_up_runs_an_enabled_bot_as_its_own_process_with_long_polling(queued_home, monkeypatch):
+    """The `rlfleet up` path: BackgroundWorkers starts `rlfleet bot telegram` and an events worker as
+    processes; the bot long-polls the fake Bot API, answers through the responder, the worker stores it."""
+    from botfakes import FakeOpenAI
+
+    from rlfleet.shared.config import load_config
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.runner import BackgroundWorkers
+
+    async def go():
+        fake, llm = await FakeTelegram(bot_id=BOT_ID).start(), await FakeOpenAI().start()
+        cfg = load_config()
+        cfg.bots.telegram.enabled, cfg.bots.telegram.api_base = True, fake.url
+        cfg.responder.url = f"{llm.url}/v1"
+        cfg.save()
+        monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:TEST")
+        fake.updates.append({"update_id": 1, "message": {
+            "message_id": 5, "date": int(time.time()), "text": "hello from polling",
+            "chat": {"id": OWNER_ID, "type": "private"}, "from": {"id": OWNER_ID, "is_bot": False, "first_name": "o"}}})
+        workers = BackgroundWorkers(cfg, which=("events",), bots=("telegram",))
+        workers.start()
+        try:
+            sent = await fake.wait_for("sendMessage", timeout=90)
+            assert sent[0]["text"] == "answer to: hello from polling"
+            assert json.loads(fake.of("getUpdates")[0]["allowed_updates"]) == ALLOWED_UPDATES
+            store = Store(cfg.db_url)
+            deadline = time.monotonic() + 30
+            while not store.find_capture("telegram", str(OWNER_ID), f"{OWNER_ID}:1000"):
+                assert time.monotonic() < deadline, "the events worker did not store the capture"
+                await asyncio.sleep(0.1)
+            assert all(workers.alive().values())
+        finally:
+            workers.stop()
+            await fake.stop()
+            await llm.stop()
+        assert (cfg.home / "logs" / "bot-telegram.log").exists()
+
+    asyncio.run(asyncio.wait_for(go(), 150))
