@@ -7,7 +7,6 @@ first, so Slack gets its answer within 3 s and the work happens after.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from typing import Any
@@ -20,6 +19,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from rlfleet.shared.config import Config, SlackSettings
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.secrets_file import read_secret
+from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore, Reply
@@ -174,15 +174,9 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     secret = read_secret(s.signing_secret_env, s.signing_secret_file, "the Slack signing secret") if http else None
     app = build_app(core, token, secret, s.api_base)
     if http:
-        runner = web.AppRunner(http_app(app))
-        await runner.setup()
-        site = web.TCPSite(runner, host or s.host, s.port if port is None else port)
-        await site.start()
-        log.info("slack: HTTP on %s:%s/slack/events", host or s.host, s.port if port is None else port)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+        async with listening(http_app(app), host or s.host, s.port if port is None else port) as bound:
+            log.info("slack: HTTP on %s:%s/slack/events", host or s.host, bound)
+            await until_cancelled()
     else:
         from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 

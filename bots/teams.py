@@ -9,7 +9,6 @@ Bot Framework authentication is on whenever an app id is configured.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -21,6 +20,7 @@ from botbuilder.schema import Activity, ChannelAccount, MessageReaction
 from rlfleet.shared.config import Config, TeamsSettings
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.secrets_file import read_secret
+from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore
@@ -152,13 +152,7 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     """Serve ``/api/messages`` on ``host:port`` until cancelled (Teams only talks HTTP)."""
     s = cfg.bots.teams
     password = read_secret(s.token_env, s.token_file, "the Teams app password") if s.app_id else None
-    runner = web.AppRunner(web_app(core, s, password))
-    await runner.setup()
-    site = web.TCPSite(runner, host or s.host, s.port if port is None else port)
-    await site.start()
-    log.info("teams: /api/messages on %s:%s (auth %s)", host or s.host, s.port if port is None else port,
-             "on" if s.app_id else "off: no app_id")
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    async with listening(web_app(core, s, password), host or s.host, s.port if port is None else port) as bound:
+        log.info("teams: /api/messages on %s:%s (auth %s)", host or s.host, bound,
+                 "on" if s.app_id else "off: no app_id")
+        await until_cancelled()

@@ -8,7 +8,6 @@ admin of the group (Telegram's rule) and ``message_reaction`` is among the allow
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from typing import Any
@@ -29,6 +28,7 @@ from telegram.ext import (
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError, RlfleetError
 from rlfleet.shared.secrets_file import read_secret
+from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore
@@ -186,23 +186,21 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     application = build_application(core, token, s.api_base)
     async with application:
         await application.start()
-        runner = None
-        if secret is not None:
-            runner = web.AppRunner(webhook_app(application, secret))
-            await runner.setup()
-            await web.TCPSite(runner, host or s.host, s.port if port is None else port).start()
-            await application.bot.set_webhook(url=s.webhook_url, secret_token=secret,
-                                              allowed_updates=ALLOWED_UPDATES)
-            log.info("telegram: webhook on %s:%s/telegram", host or s.host, s.port if port is None else port)
-        else:
-            await application.bot.delete_webhook()  # polling and a webhook exclude each other
-            await application.updater.start_polling(allowed_updates=ALLOWED_UPDATES)
-            log.info("telegram: long polling")
         try:
-            await asyncio.Event().wait()
-        finally:
-            if runner is not None:
-                await runner.cleanup()
+            if secret is not None:
+                bind = (host or s.host, s.port if port is None else port)
+                async with listening(webhook_app(application, secret), *bind) as bound:
+                    await application.bot.set_webhook(url=s.webhook_url, secret_token=secret,
+                                                      allowed_updates=ALLOWED_UPDATES)
+                    log.info("telegram: webhook on %s:%s/telegram", bind[0], bound)
+                    await until_cancelled()
             else:
-                await application.updater.stop()
+                await application.bot.delete_webhook()  # polling and a webhook exclude each other
+                await application.updater.start_polling(allowed_updates=ALLOWED_UPDATES)
+                log.info("telegram: long polling")
+                try:
+                    await until_cancelled()
+                finally:
+                    await application.updater.stop()
+        finally:
             await application.stop()

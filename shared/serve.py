@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, describe_validation_error
+from .webserver import listening, until_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +137,7 @@ def make_app(responder, model_name: str) -> web.Application:
     return app
 
 
-async def serve(responder, model_name: str, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-    runner = web.AppRunner(make_app(responder, model_name))
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("serving %s on http://%s:%s/v1", model_name, host, port)
-    if ready is not None:
-        ready.set()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+async def serve(responder, model_name: str, host: str, port: int) -> None:
+    async with listening(make_app(responder, model_name), host, port) as bound:
+        log.info("serving %s on http://%s:%s/v1", model_name, host, bound)
+        await until_cancelled()

@@ -8,11 +8,14 @@ import itertools
 import json
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
 from aiohttp import web
+
+from rlfleet.shared.webserver import listening
 
 
 @dataclass
@@ -27,7 +30,7 @@ class FakeServer:
 
     calls: list[Call] = field(default_factory=list)
     url: str = ""
-    _runner: web.AppRunner | None = None
+    _stack: AsyncExitStack = field(default_factory=AsyncExitStack)
 
     def routes(self, app: web.Application) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -35,17 +38,12 @@ class FakeServer:
     async def start(self) -> FakeServer:
         app = web.Application()
         self.routes(app)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = await self._stack.enter_async_context(listening(app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{port}"
         return self
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._stack.aclose()
 
     async def record(self, request: web.Request) -> dict[str, Any]:
         if request.method == "GET":

@@ -120,7 +120,7 @@ async def bot_rig(platform: str, **settings: Any):
     cfg.save()  # the worker reads the allowlists from config.toml, as in production
     handle = open_queue(cfg)
     store = Store(cfg.db_url)
-    core = BotCore(platform, cfg, handle, store, wait_s=0.2)  # type: ignore[arg-type]
+    core = BotCore(platform, cfg, handle, store, wait_s=10.0)  # type: ignore[arg-type]
     try:
         yield BotRig(cfg, handle, store, core, llm)
     finally:

@@ -28,7 +28,6 @@ async def _scenario(platform: str, role: str) -> None:
 async def _matrix(r, platform: str, role: str) -> None:
     actor, is_bot = ROLES[role], role == "bot"
     core = r.core
-    core.wait_s = 10.0
     core.capture(CONV, REF, OWNER, [{"role": "user", "content": "hi"}], Completion("hello there", "tiny"))
     await r.settle()
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 import aiohttp
-from aiohttp import web
 from botfakes import FakeSlack
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from slack_bolt.request.async_request import AsyncBoltRequest
@@ -22,6 +21,7 @@ from rlfleet.bots.core import BotCore
 from rlfleet.bots.slack import GOOD_ACTION, build_app, http_app
 from rlfleet.shared.schema import CaptureRow
 from rlfleet.shared.store import Store
+from rlfleet.shared.webserver import listening
 
 SECRET = "test-signing-secret"
 CHANNEL = "C1"
@@ -243,12 +243,8 @@ def test_forged_stale_and_malformed_requests_change_nothing(queued_home):
 def test_http_mode_serves_bolt_on_loopback_and_refuses_malformed_bodies(queued_home):
     async def go():
         async with rig(queued_home) as r:
-            runner = web.AppRunner(http_app(r.app))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/slack/events"
-            try:
+            async with listening(http_app(r.app), "127.0.0.1", 0) as port:
+                url = f"http://127.0.0.1:{port}/slack/events"
                 async with aiohttp.ClientSession() as http:
                     signed = r.signed("{not json", "application/json")
                     async with http.post(url, data="{not json", headers=signed.headers) as resp:
@@ -262,8 +258,6 @@ def test_http_mode_serves_bolt_on_loopback_and_refuses_malformed_bodies(queued_h
                         assert resp.status == 200
                 assert "no status yet" in await r.reply(1)
                 assert r.queued() == 0
-            finally:
-                await runner.cleanup()
     run(go())
 
 

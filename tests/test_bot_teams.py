@@ -8,11 +8,11 @@ import itertools
 from contextlib import asynccontextmanager
 
 import aiohttp
-from aiohttp import web
 from botfakes import FakeTeamsConnector
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 
 from rlfleet.bots.teams import web_app
+from rlfleet.shared.webserver import listening
 
 CONV = "19:team-chat"
 
@@ -70,18 +70,13 @@ async def rig(home, app_id: str | None = None, **settings):
     connector = await FakeTeamsConnector().start()
     try:
         async with bot_rig("teams", app_id=app_id, **settings) as base:
-            runner = web.AppRunner(web_app(base.core, base.cfg.bots.teams, "pw" if app_id else None))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/messages"
-            try:
+            app = web_app(base.core, base.cfg.bots.teams, "pw" if app_id else None)
+            async with listening(app, "127.0.0.1", 0) as port:
+                url = f"http://127.0.0.1:{port}/api/messages"
                 async with aiohttp.ClientSession() as http:
                     r = TeamsRig(base, url, connector, http)
                     yield r
                     assert all(s < 400 for s in await asyncio.gather(*r.pending))
-            finally:
-                await runner.cleanup()
     finally:
         await connector.stop()
 

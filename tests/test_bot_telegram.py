@@ -9,12 +9,12 @@ import time
 from contextlib import asynccontextmanager
 
 import aiohttp
-from aiohttp import web
 from botfakes import FakeTelegram
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from telegram import Update
 
 from rlfleet.bots.telegram import ALLOWED_UPDATES, build_application, webhook_app
+from rlfleet.shared.webserver import listening
 
 GROUP = -100123
 BOT_ID = 999
@@ -195,30 +195,26 @@ def test_webhook_checks_the_secret_token_header_and_refuses_bad_bodies(queued_ho
     async def go():
         async with rig(queued_home) as r:
             await r.app.start()
-            runner = web.AppRunner(webhook_app(r.app, "s3cret"))
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/telegram"
             try:
-                update = {"update_id": 77, "message": r.message(OWNER_ID, "hello from a webhook", chat=OWNER_ID)}
-                async with aiohttp.ClientSession() as http:
-                    for headers in ({"X-Telegram-Bot-Api-Secret-Token": "wrong"}, {}):
-                        async with http.post(url, json=update, headers=headers) as resp:
-                            assert resp.status == 403
-                    ok = {"X-Telegram-Bot-Api-Secret-Token": "s3cret"}
-                    for body in ("{oops", "[]"):
-                        async with http.post(url, data=body, headers={**ok, "Content-Type": "application/json"}) \
-                                as resp:
-                            assert resp.status == 400, body
-                    await asyncio.sleep(0.2)
-                    assert not r.fake.of("sendMessage") and r.queued() == 0
-                    async with http.post(url, json=update, headers=ok) as resp:
-                        assert resp.status == 200
-                sent = await r.fake.wait_for("sendMessage")
-                assert sent[0]["text"] == "answer to: hello from a webhook"
+                async with listening(webhook_app(r.app, "s3cret"), "127.0.0.1", 0) as port:
+                    url = f"http://127.0.0.1:{port}/telegram"
+                    update = {"update_id": 77, "message": r.message(OWNER_ID, "hello from a webhook", chat=OWNER_ID)}
+                    async with aiohttp.ClientSession() as http:
+                        for headers in ({"X-Telegram-Bot-Api-Secret-Token": "wrong"}, {}):
+                            async with http.post(url, json=update, headers=headers) as resp:
+                                assert resp.status == 403
+                        ok = {"X-Telegram-Bot-Api-Secret-Token": "s3cret"}
+                        for body in ("{oops", "[]"):
+                            async with http.post(url, data=body, headers={**ok, "Content-Type": "application/json"}) \
+                                    as resp:
+                                assert resp.status == 400, body
+                        await asyncio.sleep(0.2)
+                        assert not r.fake.of("sendMessage") and r.queued() == 0
+                        async with http.post(url, json=update, headers=ok) as resp:
+                            assert resp.status == 200
+                    sent = await r.fake.wait_for("sendMessage")
+                    assert sent[0]["text"] == "answer to: hello from a webhook"
             finally:
-                await runner.cleanup()
                 await r.app.stop()
     run(go())
 

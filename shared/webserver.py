@@ -1,0 +1,28 @@
+"""An aiohttp app listening on an address for as long as a block runs: what `rlfleet serve`, the
+Slack and Telegram HTTP modes and the Teams endpoint share (and the tests, on port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+
+@asynccontextmanager
+async def listening(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on ``host:port`` inside the block; yields the port (the real one when 0 was asked)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+        server = site._server
+        yield server.sockets[0].getsockname()[1] if server and server.sockets else port
+    finally:
+        await runner.cleanup()
+
+
+async def until_cancelled() -> None:
+    await asyncio.Event().wait()
