@@ -6,10 +6,11 @@ import asyncio
 import importlib
 import logging
 
-from rlfleet.shared.config import Config
+from rlfleet.shared.config import BotSettings, Config
 from rlfleet.shared.errors import BadInput, ConfigError
 from rlfleet.shared.events import PLATFORMS
 from rlfleet.shared.queue import queue_for
+from rlfleet.shared.secrets_file import read_secret, redact_in_logs
 from rlfleet.shared.store import Store
 
 from .core import BotCore
@@ -26,9 +27,21 @@ def platform_module(platform: str):
         raise ConfigError(f"the {platform} bot needs its SDK ({exc.name}): pip install -e '.[bots]'") from None
 
 
+def _secrets(settings: BotSettings) -> list[str]:
+    """Every secret this bot's settings point at (env vars or files), to keep them out of the logs."""
+    found = []
+    for name in ("token", "signing_secret", "app_token", "webhook_secret"):
+        env, file = getattr(settings, f"{name}_env", None), getattr(settings, f"{name}_file", None)
+        value = read_secret(env, file, name, required=False) if env or file else None
+        if value:
+            found.append(value)
+    return found
+
+
 def run_bot(platform: str, cfg: Config, **opts: object) -> None:
     """Serve ``platform`` until interrupted. ``opts``: ``http``, ``host``, ``port`` where it has them."""
     module = platform_module(platform)
+    redact_in_logs(*_secrets(cfg.bots.get(platform)))  # type: ignore[arg-type]
     with queue_for(cfg) as handle:
         core = BotCore(platform, cfg, handle, Store(cfg.db_url))  # type: ignore[arg-type]
         log.info("%s bot: answering through %s", platform, cfg.responder.url)

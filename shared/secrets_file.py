@@ -3,6 +3,7 @@ from config.toml, never logged. Errors name where a secret was looked for, never
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
@@ -39,3 +40,30 @@ def read_secret(env: str | None, file: Path | None, what: str, required: bool = 
         return None
     where = f"set ${env}" if env else "give a file"
     raise ConfigError(f"{what} is not set: {where} (or point the config at a 0600 file)")
+
+
+class _Redact(logging.Filter):
+    """Replaces known secret values in every log record (SDKs log request URLs, and Telegram's carry
+    the bot token in the path)."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if len(s) >= 6]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(s in message for s in self.secrets):
+            for s in self.secrets:
+                message = message.replace(s, "***")
+            record.msg, record.args = message, None
+        return True
+
+
+def redact_in_logs(*secrets: str | None) -> None:
+    """Keep these values out of every log line from now on (root handlers, so SDK loggers too)."""
+    flt = _Redact([s for s in secrets if s])
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig()
+    for handler in root.handlers:
+        handler.addFilter(flt)
