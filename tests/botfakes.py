@@ -77,9 +77,23 @@ class FakeSlack(FakeServer):
     thread: list[dict] = field(default_factory=list)  # what conversations.replies returns
     _ts: Any = field(default_factory=lambda: itertools.count(1))
 
+    socket: Any = None  # the Socket Mode websocket, once a client connected
+    acks: list[dict] = field(default_factory=list)  # what the client sent back on it
+
     def routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/api/{method}", self.api)
         app.router.add_post("/respond/{id}", self.respond)
+        app.router.add_get("/link", self.link)
+
+    async def link(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.socket = ws
+        await ws.send_str(json.dumps({"type": "hello", "num_connections": 1}))
+        async for msg in ws:
+            if msg.type == web.WSMsgType.TEXT:
+                self.acks.append(json.loads(msg.data))
+        return ws
 
     async def api(self, request: web.Request) -> web.Response:
         body = await self.record(request)
@@ -91,6 +105,8 @@ class FakeSlack(FakeServer):
             ts = f"1700000000.{next(self._ts):06d}"
             return web.json_response({"ok": True, "channel": body.get("channel"), "ts": ts,
                                       "message": {"text": body.get("text"), "ts": ts}})
+        if method == "apps.connections.open":
+            return web.json_response({"ok": True, "url": self.url.replace("http://", "ws://") + "/link"})
         if method == "conversations.replies":
             return web.json_response({"ok": True, "messages": self.thread})
         return web.json_response({"ok": True})

@@ -307,3 +307,30 @@ def test_a_reply_in_its_thread_is_answered_with_the_thread_as_context(queued_hom
             await asyncio.sleep(0.2)
             assert len(r.slack.of("chat.postMessage")) == before + 1
     run(go())
+
+
+def test_socket_mode_acks_envelopes_and_works_after_the_ack(queued_home):
+    """The default connection: bolt's Socket Mode handler opens the websocket our fake hands out, acks
+    a slash-command envelope, and answers through response_url afterwards."""
+    from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
+
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            handler = AsyncSocketModeHandler(r.app, "xapp-test")
+            await handler.connect_async()
+            try:
+                await r.base.until(lambda: r.slack.socket, "the socket connection")
+                assert r.slack.of("apps.connections.open")
+                await r.slack.socket.send_str(json.dumps({
+                    "envelope_id": "env-1", "type": "slash_commands", "accepts_response_payload": True,
+                    "payload": {"command": "/rl", "text": "good via socket", "user_id": OWNER,
+                                "channel_id": CHANNEL, "team_id": "T1", "trigger_id": "t",
+                                "response_url": f"{r.slack.url}/respond/1"}}))
+                await r.base.until(lambda: r.slack.acks, "the envelope's ack")
+                assert r.slack.acks[0]["envelope_id"] == "env-1"
+                assert (await r.reply(1)).startswith("rated good")
+                assert r.ratings() == [(OWNER, 1, "active")]
+            finally:
+                await handler.close_async()
+    run(go())
