@@ -145,3 +145,18 @@ def test_reactions_and_buttons_follow_the_owner_rules(queued_home, monkeypatch):
             assert (await r.press(RATER, answer, "rl:-1")).startswith("rated bad")
             assert r.ratings()[-1] == (RATER, -1, "active")
     run(go())
+
+
+def test_other_bots_are_not_answered_and_change_nothing(queued_home, monkeypatch):
+    """Discord's gateway is authenticated by the bot token over TLS: there is no signature to forge and
+    discord.py parses its payloads; what can reach us unwanted is other bots."""
+    async def go():
+        async with rig(queued_home, monkeypatch) as r:
+            answer = await r.ask(OWNER, "q1")
+            bot = _discord_user("777", bot=True)
+            await r.fake.dispatch("MESSAGE_CREATE", r.fake.message(
+                "901", bot, f"<@{BOT}> hi", mentions=[_discord_user(BOT, bot=True)], member=member("777", True)))
+            await r.react("777", answer, "👍", bot=True)
+            await asyncio.sleep(0.3)
+            assert r.queued() == 0 and r.ratings() == [] and len(r.fake.of("/messages")) == 1
+    run(go())
