@@ -521,6 +521,84 @@ def promote(
         _emit(dispatch(q, cfg, Command(name="promote", args={"version": version, "force": force})), as_json)
 
 
+export_app = typer.Typer(help="Take the improved model or the ratings out of rlfleet.", no_args_is_help=True)
+import_app = typer.Typer(help="Bring ratings in (from `rlfleet export ratings`).", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+app.add_typer(import_app, name="import")
+VersionOpt = Annotated[str | None, typer.Option("--version", help="Adapter version (default: the one served).")]
+
+
+@export_app.command("adapter")
+def export_adapter_cmd(dest: Annotated[Path, typer.Argument(help="New folder to write.")],
+                       version: VersionOpt = None, as_json: JsonOpt = False) -> None:
+    """A plain peft folder (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained."""
+    from .export import export_adapter
+
+    path, v = export_adapter(_config(), dest, version)
+    _emit({"ok": True, "message": f"wrote adapter {v} to {path}", "path": str(path), "version": v}, as_json)
+
+
+@export_app.command("merged")
+def export_merged_cmd(dest: Annotated[Path, typer.Argument(help="New folder to write.")],
+                      version: VersionOpt = None, as_json: JsonOpt = False) -> None:
+    """The base model with the adapter merged in (safetensors + tokenizer), for transformers and friends."""
+    from .export import export_merged
+
+    cfg = _config()
+    with err.status(f"merging {version or 'the served adapter'} into {cfg.model}…"):
+        path, v = export_merged(cfg, dest, version)
+    _emit({"ok": True, "message": f"wrote {cfg.model} + {v} merged to {path}", "path": str(path), "version": v},
+          as_json)
+
+
+@export_app.command("ratings")
+def export_ratings_cmd(
+    dest: Annotated[Path, typer.Argument(help="JSONL file to write (a folder with --format datasets).")],
+    all_states: Annotated[bool, typer.Option("--all", help="Also undone and replaced ratings.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="jsonl | datasets (Hugging Face, save_to_disk)")] = "jsonl",
+    as_json: JsonOpt = False,
+) -> None:
+    """Every rating with its prompt and answer: TRL KTO's prompt / completion / label shape, plus the
+    comment and provenance. Nothing is sent anywhere; the file is yours."""
+    from .models import model_slug
+    from .ratings_io import to_example, write_dataset, write_jsonl
+    from .store import Store
+
+    if fmt not in ("jsonl", "datasets"):
+        raise BadInput(f"unknown --format {fmt!r}: use jsonl or datasets")
+    cfg = _config()
+    pairs = Store(cfg.db_url).rated_pairs(model_slug(cfg.model), all_states=all_states)
+    examples = [to_example(r, c) for r, c in pairs]
+    n = write_jsonl(examples, dest) if fmt == "jsonl" else write_dataset(examples, dest)
+    _emit({"ok": True, "message": f"wrote {n} ratings to {dest}", "path": str(dest), "count": n}, as_json)
+
+
+@import_app.command("ratings")
+def import_ratings_cmd(src: Annotated[Path, typer.Argument(help="A JSONL file from `rlfleet export ratings`.")],
+                       as_json: JsonOpt = False) -> None:
+    """Add the ratings in SRC; lines already here, or invalid, are skipped and counted with the reason."""
+    from .ratings_io import ImportReport, read_jsonl
+    from .store import Store
+
+    if not src.is_file():
+        raise BadInput(f"no file {src}")
+    cfg = _config()
+    store = Store(cfg.db_url)
+    report = ImportReport()
+    for ex in read_jsonl(src, report):
+        why = store.import_example(ex)
+        if why is None:
+            report.imported += 1
+        else:
+            report.skipped[why] += 1
+    skipped = ", ".join(f"{n} {why}" for why, n in report.skipped.items()) or "none"
+    result = {"ok": True, "message": f"imported {report.imported} ratings; skipped: {skipped}", **report.as_dict()}
+    if not as_json:
+        for line in report.errors:
+            err.print(f"[yellow]{escape(line)}[/]")
+    _emit(result, as_json)
+
+
 @app.command()
 def history(as_json: JsonOpt = False) -> None:
     """Every adapter version: ratings used, held-out margin before/after, KL, accepted tokens, verdict."""

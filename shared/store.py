@@ -278,6 +278,58 @@ class Store:
         except IntegrityError:
             return False
 
+    # ---- dataset export / import (shared/ratings_io.py) ------------------------------------------
+
+    def rated_pairs(self, model: str | None = None, all_states: bool = False) -> list[tuple[RatingRow, CaptureRow]]:
+        """Ratings with their captures, oldest first: the active ones, or every one with ``all_states``."""
+        q = select(RatingRow, CaptureRow).join(CaptureRow, RatingRow.capture_id == CaptureRow.id)
+        if model is not None:
+            q = q.where(RatingRow.train_model == model)
+        if not all_states:
+            q = q.where(RatingRow.state == "active")
+        with self.session() as s:
+            return [(r, c) for r, c in s.execute(q.order_by(RatingRow.created, RatingRow.id)).all()]
+
+    def import_example(self, ex) -> str | None:
+        """Insert one exported rating (and its capture, if new) as it was; None when imported, else why
+        it was skipped. Idempotent: the event ids say what is already here."""
+        p = ex.rlfleet
+        try:
+            with self.session() as s:
+                if s.get(ProcessedEvent, p.rating_event_id) is not None:
+                    raise _Skip("already imported")
+                cap = s.get(CaptureRow, p.capture_id)
+                if cap is None:
+                    if s.get(ProcessedEvent, p.capture_event_id) is not None:
+                        raise _Skip("capture event id already used by another answer")
+                    s.add(ProcessedEvent(event_id=p.capture_event_id, kind="capture"))
+                    cap = CaptureRow(
+                        id=p.capture_id, event_id=p.capture_event_id, source=p.capture_source,
+                        conversation=p.conversation, message_ref=p.message_ref, owner=p.owner,
+                        prompt=[m.model_dump() for m in ex.prompt], response=ex.response, model=p.model,
+                        adapter_version=p.adapter_version, behaviour_logprobs=p.behaviour_logprobs,
+                        behaviour_token_ids=p.behaviour_token_ids, created=_utc(p.captured_at),
+                    )
+                    s.add(cap)
+                    s.flush()
+                elif cap.response != ex.response or cap.event_id != p.capture_event_id:
+                    raise _Skip("capture id already used by another answer")
+                if p.state == "active" and s.scalar(
+                    select(RatingRow.id).where(RatingRow.capture_id == cap.id, RatingRow.state == "active")
+                ) is not None:
+                    raise _Skip("that answer already has an active rating here")
+                s.add(ProcessedEvent(event_id=p.rating_event_id, kind="rating"))
+                s.add(RatingRow(
+                    event_id=p.rating_event_id, capture_id=cap.id, train_model=p.train_model, actor=p.actor,
+                    source=p.source, value=p.value, comment=ex.comment, state=p.state,
+                    adapter_version=p.adapter_version, created=_utc(p.rated_at), changed=_utc(p.changed_at),
+                ))
+        except _Skip as skip:
+            return str(skip)
+        except IntegrityError:  # a concurrent import of the same line
+            return "already imported"
+        return None
+
     # ---- training data ------------------------------------------------------------------------
 
     @staticmethod
@@ -510,6 +562,10 @@ class Store:
                     .values(retract_run_id=RatingRow.run_id)
                 )
             return purged
+
+
+class _Skip(Exception):
+    """Roll back one import line and say why."""
 
 
 def _preview(text: str, n: int = 60) -> str:

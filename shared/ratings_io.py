@@ -1,0 +1,143 @@
+"""`rlfleet export ratings` / `rlfleet import ratings`: the rated answers as a JSONL dataset.
+
+One line per rating, in the conversational prompt / completion / label shape TRL's KTOTrainer reads
+(``label`` true for good), plus the comment and an ``rlfleet`` object with the provenance needed to
+rebuild the very rows (ids, event ids, who, where, when, which adapter answered, the behaviour
+log-probs). Import is idempotent (event ids), validates every line, and reports what it skipped and
+why; training bookkeeping (which run consumed a rating) stays local and is not exported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .events import MAX_COMMENT_CHARS, MAX_LOGPROBS, MAX_TEXT_CHARS, Ident, Message, describe_validation_error
+
+FORMAT_VERSION = 1
+MAX_LINE_BYTES = 8 << 20
+
+
+class Provenance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: Literal[1] = FORMAT_VERSION
+    rating_event_id: Ident
+    actor: Ident
+    source: Ident
+    value: Literal[1, -1]
+    state: Literal["active", "replaced", "undone"]
+    train_model: Ident
+    rated_at: datetime
+    changed_at: datetime
+    capture_id: Ident
+    capture_event_id: Ident
+    capture_source: Ident
+    conversation: Ident
+    message_ref: Ident | None = None
+    owner: Ident
+    model: Ident
+    adapter_version: Ident | None = None
+    captured_at: datetime
+    behaviour_logprobs: list[float] | None = Field(None, max_length=MAX_LOGPROBS)
+    behaviour_token_ids: list[int] | None = Field(None, max_length=MAX_LOGPROBS)
+
+
+class RatedExample(BaseModel):
+    """One JSONL line."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: list[Message] = Field(min_length=1)
+    completion: list[Message] = Field(min_length=1, max_length=1)
+    label: bool
+    comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
+    rlfleet: Provenance
+
+    @property
+    def response(self) -> str:
+        return self.completion[0].content
+
+
+@dataclass
+class ImportReport:
+    imported: int = 0
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    errors: list[str] = field(default_factory=list)  # the first few bad lines, "line N: why"
+
+    def as_dict(self) -> dict:
+        return {"imported": self.imported, "skipped": dict(self.skipped), "errors": self.errors}
+
+
+def to_example(rating, capture) -> RatedExample:
+    """A stored (RatingRow, CaptureRow) pair as a dataset line."""
+    return RatedExample(
+        prompt=[Message(**m) for m in capture.prompt],
+        completion=[Message(role="assistant", content=capture.response)],
+        label=rating.value > 0,
+        comment=rating.comment,
+        rlfleet=Provenance(
+            rating_event_id=rating.event_id, actor=rating.actor, source=rating.source, value=rating.value,
+            state=rating.state, train_model=rating.train_model, rated_at=rating.created, changed_at=rating.changed,
+            capture_id=capture.id, capture_event_id=capture.event_id, capture_source=capture.source,
+            conversation=capture.conversation, message_ref=capture.message_ref, owner=capture.owner,
+            model=capture.model, adapter_version=capture.adapter_version, captured_at=capture.created,
+            behaviour_logprobs=capture.behaviour_logprobs, behaviour_token_ids=capture.behaviour_token_ids,
+        ),
+    )
+
+
+def write_jsonl(examples: Iterable[RatedExample], path: Path) -> int:
+    """Write atomically (a partial file never replaces a good one); the number of lines."""
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with tmp.open("w", encoding="utf-8") as fh:
+        for ex in examples:
+            fh.write(ex.model_dump_json(exclude_none=True) + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
+def write_dataset(examples: list[RatedExample], folder: Path) -> int:
+    """A Hugging Face `datasets` folder (``load_from_disk``) with the same columns."""
+    try:
+        import datasets
+    except ImportError:
+        from .errors import ConfigError
+
+        raise ConfigError("--format datasets needs the `datasets` package: pip install datasets") from None
+    rows = [json.loads(ex.model_dump_json()) for ex in examples]
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    return len(rows)
+
+
+def read_jsonl(path: Path, report: ImportReport, max_errors: int = 20) -> Iterator[RatedExample]:
+    """The valid lines of ``path``; each bad one is counted in ``report`` with its line number."""
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            why = None
+            if len(raw) > MAX_LINE_BYTES:
+                why = f"line is {len(raw):,} bytes"
+            else:
+                try:
+                    ex = RatedExample.model_validate_json(raw)
+                    if len(ex.response) > MAX_TEXT_CHARS or not ex.response.strip():
+                        why = "completion is empty or too long"
+                    elif ex.label != (ex.rlfleet.value > 0):
+                        why = "label and rlfleet.value disagree"
+                except ValidationError as exc:
+                    why = describe_validation_error(exc, "invalid line")
+            if why is not None:
+                report.skipped["invalid"] += 1
+                if len(report.errors) < max_errors:
+                    report.errors.append(f"line {n}: {why}")
+                continue
+            yield ex

@@ -1,0 +1,182 @@
+"""`rlfleet export adapter|merged|ratings` and `rlfleet import ratings`, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rlfleet.shared.cli import app
+from rlfleet.shared.errors import BadInput
+from rlfleet.shared.events import Capture, Message, Rating, Undo
+from rlfleet.shared.store import Store
+
+runner = CliRunner()
+
+
+def rl(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def _rated_store(url: str) -> Store:
+    """Three answers: one rated good with a comment, one re-rated (good, then bad), one rated then undone."""
+    store = Store(url)
+    for i in range(3):
+        store.apply_capture(Capture(
+            capture_id=f"cap-{i}", source="slack", actor="U1", owner="U1", conversation="C1",
+            message_ref=f"17000.{i}", prompt=[Message(role="user", content=f"question {i}")],
+            response=f"answer {i}", model="tiny", adapter_version="v0001" if i else None,
+            behaviour_logprobs=[-0.5, -0.25] if i == 0 else None, behaviour_token_ids=[5, 6] if i == 0 else None))
+    store.apply_rating(Rating(source="slack", actor="U1", target="cap-0", value=1, comment="crisp"), "tiny")
+    store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=1), "tiny")
+    store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=-1), "tiny")
+    store.apply_rating(Rating(source="slack", actor="U2", target="cap-2", value=1), "tiny", raters=frozenset({"U2"}))
+    store.apply_undo(Undo(source="slack", actor="U2"))
+    return store
+
+
+def _rows(store: Store) -> list[tuple]:
+    """Everything export promises to carry, per rating, as comparable tuples."""
+    return [
+        (r.event_id, r.actor, r.source, r.value, r.comment, r.state, r.train_model, r.created, r.changed,
+         c.id, c.event_id, c.source, c.conversation, c.message_ref, c.owner, c.prompt, c.response, c.model,
+         c.adapter_version, c.behaviour_logprobs, c.behaviour_token_ids, c.created)
+        for r, c in store.rated_pairs(all_states=True)
+    ]
+
+
+def _norm(rows):  # SQLite hands back naive datetimes (all UTC); PostgreSQL aware ones
+    return [tuple(v.replace(tzinfo=None) if hasattr(v, "tzinfo") and v is not None else v for v in row)
+            for row in rows]
+
+
+def test_ratings_round_trip_to_identical_rows(home, tmp_path, db_url, monkeypatch):
+    source = _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    out = tmp_path / "ratings.jsonl"
+    res = rl("export", "ratings", out, "--all")
+    assert res.exit_code == 0 and "wrote 4 ratings" in res.output, res.output
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    first = lines[0]  # TRL KTO's conversational shape
+    assert first["prompt"] == [{"role": "user", "content": "question 0"}]
+    assert first["completion"] == [{"role": "assistant", "content": "answer 0"}]
+    assert first["label"] is True and first["comment"] == "crisp"
+    assert first["rlfleet"]["behaviour_logprobs"] == [-0.5, -0.25]
+    assert [x["label"] for x in lines] == [True, True, False, True]
+    assert len(rl("export", "ratings", tmp_path / "active.jsonl").output.split("wrote 2 ")) == 2  # active only
+
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    res = rl("import", "ratings", out, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["imported"] == 4
+    assert _norm(_rows(Store(db_url))) == _norm(_rows(source))
+
+    again = json.loads(rl("import", "ratings", out, "--json").output)  # idempotent
+    assert again["imported"] == 0 and again["skipped"] == {"already imported": 4}
+    assert _norm(_rows(Store(db_url))) == _norm(_rows(source))
+
+
+def test_import_counts_bad_lines_and_changes_nothing_for_them(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    src = _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
+    from rlfleet.shared.ratings_io import to_example
+
+    good = [to_example(r, c).model_dump_json() for r, c in src.rated_pairs()]
+    wrong_label = json.loads(good[0])
+    wrong_label["label"] = False
+    clash = json.loads(good[1])
+    clash["rlfleet"]["rating_event_id"] = "another-event"  # same answer, already actively rated
+    bad = tmp_path / "mixed.jsonl"
+    bad.write_text("\n".join([good[0], "{not json", json.dumps({"prompt": []}), json.dumps(wrong_label),
+                              good[1], json.dumps(clash), ""]) + "\n")
+    res = rl("import", "ratings", bad, "--json")
+    report = json.loads(res.output[res.output.index("{"):])
+    assert report["imported"] == 2
+    assert report["skipped"] == {"invalid": 3, "that answer already has an active rating here": 1}
+    assert [e.split(":")[0] for e in report["errors"]] == ["line 2", "line 3", "line 4"]
+    assert len(Store(f"sqlite:///{home / 'rlfleet.db'}").rated_pairs(all_states=True)) == 2
+    with pytest.raises(BadInput, match="no file"):
+        rl("import", "ratings", tmp_path / "nope.jsonl")
+
+
+def test_ratings_as_a_datasets_folder(home, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    res = rl("export", "ratings", tmp_path / "ds", "--format", "datasets")
+    assert res.exit_code == 0, res.output
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert ds.num_rows == 2 and {"prompt", "completion", "label", "rlfleet"} <= set(ds.column_names)
+    from trl.data_utils import is_conversational
+
+    assert is_conversational(ds[0])
+
+
+@pytest.fixture
+def served_adapter(home, tiny_model_dir, monkeypatch):
+    """The tiny model with a non-identity adapter v0001 being served, as training leaves it."""
+    torch = pytest.importorskip("torch")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.shared.models import resolve_model
+    from rlfleet.shared.registry import AdapterRegistry
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    registry = AdapterRegistry(home / "adapters", resolve_model(str(tiny_model_dir)).slug)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(registry.path("v0001"))
+    (registry.path("v0001") / "meta.json").write_text('{"parent": null}')
+    registry.set_current("v0001")
+    return registry
+
+
+def _logprobs(model, ids):
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).view(-1, 1)).squeeze(-1)
+
+
+def test_adapter_and_merged_exports_load_and_agree(served_adapter, tiny_model_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    res = rl("export", "adapter", tmp_path / "adapter")
+    assert res.exit_code == 0 and "wrote adapter v0001" in res.output, res.output
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors", "meta.json"}
+    res = rl("export", "merged", tmp_path / "merged")
+    assert res.exit_code == 0, res.output
+    assert list((tmp_path / "merged").glob("*.safetensors")) and not list(tmp_path.glob(".*partial"))
+
+    ids = AutoTokenizer.from_pretrained(tmp_path / "merged")("The ratings improve the model.")["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with_adapter = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    expected = _logprobs(with_adapter, ids)
+    assert (_logprobs(merged, ids) - expected).abs().max().item() < 1e-4
+    with with_adapter.disable_adapter():
+        assert (_logprobs(with_adapter, ids) - expected).abs().max().item() > 1e-3  # the adapter matters
+
+
+def test_export_refuses_what_it_cannot_do(served_adapter, tmp_path):
+    from rlfleet.shared.errors import NotFound
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(BadInput, match="not an empty folder"):
+        rl("export", "adapter", tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    with pytest.raises(NotFound, match="no adapter version v0009"):
+        rl("export", "merged", tmp_path / "m", "--version", "v0009")
+    served_adapter.set_current(None)
+    with pytest.raises(NotFound, match="no adapter is being served"):
+        rl("export", "adapter", tmp_path / "a")
