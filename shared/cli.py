@@ -361,6 +361,9 @@ def render_status(st: dict) -> Group:
     t.add_row("training", line)
     t.add_row("queue", f"{st['queue']['events']} events, {st['queue']['train']} training jobs waiting")
     t.add_row("workers", str(st["workers"]))
+    for p in st.get("push", []):
+        mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
+        t.add_row(f"push {p['target']}", f"{mark} {p['version'] or 'base'} · {escape(p['message'])}")
     versions = st["adapter"]["versions"]
     if not versions:
         return Group(t)
@@ -519,6 +522,34 @@ def promote(
     cfg = _config()
     with _queue(cfg) as q:
         _emit(dispatch(q, cfg, Command(name="promote", args={"version": version, "force": force})), as_json)
+
+
+@app.command()
+def push(
+    target: Annotated[str | None, typer.Option(help="Only this push target (its name in config.toml).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Push the served adapter to the configured inference servers now (vLLM, Ollama; LM Studio gets the
+    manual step). The worker does this after every promotion; this is the retry."""
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.worker.jobs import run_push
+
+    cfg = _config()
+    if not cfg.push:
+        raise BadInput("no push targets: add a [[push]] section to config.toml (see the README)")
+    if target and target not in {t.name for t in cfg.push}:
+        raise BadInput(f"no push target {target!r} (targets: {', '.join(t.name for t in cfg.push)})")
+    with _queue(cfg) as q:
+        result = run_push(cfg, AdapterRegistry(cfg.adapters_root, model_slug(cfg.model)), q.redis, target)
+    if not as_json:
+        for r in result["results"]:
+            mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual step[/]"}[r["ok"]]
+            out.print(f"{r['target']}: {mark} {escape(r['message'])}")
+        if result["ok"]:
+            return
+        raise typer.Exit(2)
+    _emit(result, as_json)
 
 
 export_app = typer.Typer(help="Take the improved model or the ratings out of rlfleet.", no_args_is_help=True)

@@ -133,6 +133,22 @@ class ResponderSettings(BaseModel):
     logprobs: bool = True  # ask for token log-probs (recorded as the behaviour policy when ours answers)
 
 
+class PushTarget(BaseModel):
+    """An inference server that gets every newly served adapter (worker/push.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # in status and `rlfleet push`
+    kind: Literal["vllm", "ollama", "lmstudio", "manual"]
+    url: str | None = None  # vLLM http://127.0.0.1:8000, Ollama http://127.0.0.1:11434
+    # vLLM: the adapter name clients ask for (default "rlfleet"); Ollama: the model made (default "<base>-rlfleet")
+    model: str | None = None
+    base: str | None = None  # Ollama: the base model as Ollama names it (FROM); never modified
+    adapter_root: str | None = None  # vLLM: where that server sees our adapters folder (a container mount)
+    api_key_env: str | None = None  # vLLM --api-key, sent as a bearer token
+    llama_cpp: Path | None = None  # a llama.cpp checkout: its converters make GGUF files for Ollama
+    timeout: float = Field(120.0, gt=0)
+
+
 class Allowlists(BaseModel):
     model_config = ConfigDict(frozen=True)
     raters: frozenset[str] = frozenset()
@@ -148,6 +164,8 @@ class Config(BaseModel):
     chat: ChatSettings = Field(default_factory=ChatSettings)
     bots: BotsSettings = Field(default_factory=BotsSettings)
     responder: ResponderSettings = Field(default_factory=ResponderSettings)
+    push: list[PushTarget] = Field(default_factory=list)
+    allow_remote_push: bool = False  # push targets must be on this machine (loopback) unless this is set
 
     def allowlists(self, source: str) -> Allowlists:
         """Who besides a capture's owner may rate, and who may run admin commands, for one ingress."""

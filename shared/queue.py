@@ -42,6 +42,14 @@ def status_key(slug: str) -> str:
     return f"rlfleet:status:{slug}"
 
 
+def push_key(slug: str) -> str:
+    """Hash: push target name -> the JSON of its last push result."""
+    return f"rlfleet:push:{slug}"
+
+
+PUSH_JOB = "rlfleet.worker.jobs.push_served"
+
+
 def announce_key(slug: str) -> str:
     return f"rlfleet:announce:{slug}"
 

@@ -35,6 +35,7 @@ def _fsync_dir(path: Path) -> None:
 
 class AdapterRegistry:
     def __init__(self, root: Path, slug: str) -> None:
+        self.slug = slug
         self.dir = Path(root) / slug
 
     @property

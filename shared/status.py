@@ -10,7 +10,7 @@ import redis
 from rq import Queue, Worker
 
 from .config import Config
-from .queue import EVENTS_QUEUE, TRAIN_QUEUE, progress_key, status_key, train_lock_key
+from .queue import EVENTS_QUEUE, TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
 from .store import Store
 
@@ -87,7 +87,16 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
         "training": training_state(store, conn, slug),
         "queue": queue,
         "workers": workers,
+        "push": push_results(conn, slug),
     }
+
+
+def push_results(conn: redis.Redis | None, slug: str) -> list[dict]:
+    """The last push to each inference server (worker/push.py), oldest target name first."""
+    if conn is None:
+        return []
+    raw = conn.hgetall(push_key(slug))
+    return [json.loads(v) for _, v in sorted(raw.items())]
 
 
 def publish_snapshot(cfg: Config, store: Store, conn: redis.Redis, slug: str) -> None:

@@ -4,12 +4,15 @@ aiohttp on 127.0.0.1 (port 0) inside the test's event loop. Nothing here talks t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -275,3 +278,116 @@ class FakeTeamsConnector(FakeServer):
     async def api(self, request: web.Request) -> web.Response:
         await self.record(request)
         return web.json_response({"id": f"reply-{next(self._ids)}"})
+
+
+@contextmanager
+def in_thread(fake: FakeServer):
+    """Run a fake on its own event loop in a thread: for code under test that does blocking HTTP."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@dataclass
+class FakeVLLM(FakeServer):
+    """vLLM's runtime LoRA endpoints as documented (docs/features/lora.md, entrypoints/serve/lora)."""
+
+    inplace: bool = True  # servers before load_inplace ignore the field
+    api_key: str | None = None
+    loaded: dict[str, str] = field(default_factory=dict)
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/load_lora_adapter", self.load)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload)
+
+    def _error(self, status: int, message: str, kind: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                                 status=status)
+
+    def _denied(self, request: web.Request) -> web.Response | None:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return None
+
+    async def load(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        if (denied := self._denied(request)) is not None:
+            return denied
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return self._error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name in self.loaded and not (self.inplace and body.get("load_inplace")):
+            return self._error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                    "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+        if not (Path(path) / "adapter_config.json").is_file():
+            return self._error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+        self.loaded[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        if (denied := self._denied(request)) is not None:
+            return denied
+        name = body.get("lora_name")
+        if name not in self.loaded:
+            return self._error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loaded[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+@dataclass
+class FakeOllama(FakeServer):
+    """Ollama's blob and create API (docs/api.md); from 0.34.1 it refuses LoRA adapters."""
+
+    version: str = "0.33.0"
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    models: dict[str, dict] = field(default_factory=dict)
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/api/version", self.get_version)
+        app.router.add_route("HEAD", "/api/blobs/{digest}", self.has_blob)
+        app.router.add_post("/api/blobs/{digest}", self.put_blob)
+        app.router.add_post("/api/create", self.create)
+        app.router.add_delete("/api/delete", self.delete)
+
+    async def get_version(self, request: web.Request) -> web.Response:
+        self.calls.append(Call(request.path, {}))
+        return web.json_response({"version": self.version})
+
+    async def has_blob(self, request: web.Request) -> web.Response:
+        self.calls.append(Call(request.path, {"method": "HEAD"}))
+        return web.Response(status=200 if request.match_info["digest"] in self.blobs else 404)
+
+    async def put_blob(self, request: web.Request) -> web.Response:
+        data = await request.read()
+        digest = request.match_info["digest"]
+        self.calls.append(Call(request.path, {"bytes": len(data)}))
+        if digest != "sha256:" + hashlib.sha256(data).hexdigest():
+            return web.json_response({"error": "digest mismatch"}, status=400)
+        self.blobs[digest] = data
+        return web.Response(status=201)
+
+    async def create(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        if body.get("adapters") and tuple(int(x) for x in self.version.split(".")) >= (0, 34, 1):
+            return web.json_response({"error": "LoRA adapters are no longer supported"}, status=400)
+        if not body.get("from") and not body.get("files"):
+            return web.json_response({"error": "neither 'from' or 'files' was specified"}, status=400)
+        for digest in {**body.get("adapters", {}), **body.get("files", {})}.values():
+            if digest not in self.blobs:
+                return web.json_response({"error": f"blob {digest} not found"}, status=400)
+        self.models[body["model"]] = body
+        return web.json_response({"status": "success"})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        body = await self.record(request)
+        if self.models.pop(body.get("model"), None) is None:
+            return web.json_response({"error": f"model '{body.get('model')}' not found"}, status=404)
+        return web.json_response({})

@@ -7,6 +7,7 @@ anything unexpected raises so RQ retries it, which the store's idempotency makes
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -22,7 +23,7 @@ from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import may_command
-from rlfleet.shared.queue import TRAIN_JOB, TRAIN_QUEUE, progress_key, train_lock_key
+from rlfleet.shared.queue import EVENTS_QUEUE, PUSH_JOB, TRAIN_JOB, TRAIN_QUEUE, progress_key, push_key, train_lock_key
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.status import build_status, publish_snapshot
 from rlfleet.shared.store import Store
@@ -266,6 +267,7 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
     )
     if status == "active":
         ctx.registry.set_current(version)
+        schedule_push(ctx, conn)
         n = len(train_samples)
         checked = f", held-out check passed on {len(held)}" if held else ""
         return {"ok": True, "message": f"{version} is live (trained on {n} ratings{checked})", "version": version}
@@ -314,6 +316,7 @@ def run_command(ctx: Context, cmd: Command) -> dict:
     if cmd.name == "reset":
         purged = ctx.store.reset(ctx.slug, bool(cmd.args.get("purge_ratings")))
         ctx.registry.set_current(None)
+        schedule_push(ctx, _redis())
         extra = f"; {purged} ratings purged" if purged else "; ratings kept"
         return {"ok": True, "message": f"reset to the base model{extra}"}
     return {"ok": False, "message": f"unknown command {cmd.name!r}"}
@@ -329,12 +332,14 @@ def rollback(ctx: Context, target: object) -> dict:
     if target == "base":
         ctx.registry.set_current(None)
         ctx.store.set_active(ctx.slug, None)
+        schedule_push(ctx, _redis())
         return {"ok": True, "message": "rolled back to the base model", "version": None}
     refusal = _unservable(ctx, target)
     if refusal:
         return {"ok": False, "message": refusal}
     ctx.registry.set_current(target)
     ctx.store.set_active(ctx.slug, target)
+    schedule_push(ctx, _redis())
     return {"ok": True, "message": f"now serving {target}", "version": target}
 
 
@@ -363,6 +368,7 @@ def promote(ctx: Context, version: str, force: bool) -> dict:
     if row.status != "rejected":
         ctx.registry.set_current(version)
         ctx.store.set_active(ctx.slug, version)
+        schedule_push(ctx, _redis())
         return {"ok": True, "message": f"now serving {version}", "version": version}
     meta = ctx.registry.meta(version)
     decay = float(meta.get("config", {}).get("ema_decay", 0.99))
@@ -372,8 +378,43 @@ def promote(ctx: Context, version: str, force: bool) -> dict:
         ema_after=lambda ema, rewards: update_ema(ema, rewards, decay),
     )
     ctx.registry.set_current(version)
+    schedule_push(ctx, _redis())
     return {"ok": True, "message": f"now serving {version} (forced past the gate; {consumed} ratings consumed)",
             "version": version}
+
+
+# ---- pushing the served adapter to inference servers (worker/push.py) -----------------------------
+
+
+def schedule_push(ctx: Context, conn: redis.Redis) -> None:
+    """Queue a push of whatever is served now; it runs beside the rest, so it never delays promotion."""
+    if not ctx.cfg.push:
+        return
+    from rq import Queue
+
+    Queue(EVENTS_QUEUE, connection=conn).enqueue(
+        PUSH_JOB, ctx.slug, job_timeout=3600, result_ttl=24 * 3600, failure_ttl=7 * 24 * 3600,
+        description=f"push {ctx.slug}")
+
+
+def push_served(slug: str, only: str | None = None) -> dict:
+    ctx = context()
+    return run_push(ctx.cfg, ctx.registry, _redis(), only)
+
+
+def run_push(cfg: Config, registry: AdapterRegistry, conn: redis.Redis, only: str | None = None) -> dict:
+    """Push the served version to every target (or ``only`` one); each result is kept for `status`."""
+    from rlfleet.worker.push import push_one
+
+    targets = [t for t in cfg.push if only in (None, t.name)]
+    version = registry.current()
+    adapter_dir = registry.path(version) if version else None
+    results = [push_one(t, cfg, version, adapter_dir) for t in targets]
+    for r in results:
+        conn.hset(push_key(registry.slug), r.target, json.dumps(r.as_dict()))
+    failed = [r for r in results if r.ok is False]
+    return {"ok": not failed, "message": "; ".join(f"{r.target}: {r.message}" for r in results) or "no push targets",
+            "results": [r.as_dict() for r in results]}
 
 
 def reconcile(cfg: Config) -> None:
