@@ -737,6 +737,36 @@ def serve(
     asyncio.run(serve_forever(responder, cfg.model, host, port))
 
 
+@app.command()
+def bridge(
+    host: Annotated[str | None, typer.Option(help="Address (default 127.0.0.1; anything else is exposed).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8765).")] = None,
+) -> None:
+    """The signed local HTTP API for agents, hooks and gateways (OpenAPI at /openapi.json)."""
+    import asyncio
+    import logging
+
+    from rlfleet.bridge.app import load_keys, make_app
+    from rlfleet.shared.webserver import listening, until_cancelled
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("rlfleet").setLevel(logging.INFO)
+    cfg = _config()
+    host = host or cfg.bridge.host
+    port = cfg.bridge.port if port is None else port
+    keys = load_keys(cfg)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]warning:[/] the bridge listens on {host}: reachable from other machines")
+
+    async def serve_bridge() -> None:
+        with _queue(cfg) as q:
+            async with listening(make_app(cfg, q, keys), host, port) as bound:
+                out.print(f"bridge on http://{host}:{bound} (OpenAPI: /openapi.json)")
+                await until_cancelled()
+
+    asyncio.run(serve_bridge())
+
+
 def _serves_locally(cfg: Config) -> bool:
     """Whether the bots' responder is `rlfleet serve` on this machine (so `up` starts it)."""
     from urllib.parse import urlparse
@@ -757,7 +787,8 @@ def up(
     cfg = _config(threshold=threshold)
     with _queue(cfg) as q:
         bots = tuple(enabled_bots(cfg))
-        workers = BackgroundWorkers(cfg, bots=bots, serve=bool(bots) and _serves_locally(cfg))
+        workers = BackgroundWorkers(cfg, bots=bots, serve=bool(bots) and _serves_locally(cfg),
+                                    bridge=cfg.secret_path.exists())
         workers.start()
         try:
             with Live(console=out, refresh_per_second=2, transient=False) as live:

@@ -133,6 +133,27 @@ class ResponderSettings(BaseModel):
     logprobs: bool = True  # ask for token log-probs (recorded as the behaviour policy when ours answers)
 
 
+class BridgeKey(BaseModel):
+    """A further key for gateways: requests it signs act as ``id`` (the data dir's secret file is the
+    key ``local``, the local user's, which is an admin key)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    secret_env: str | None = None
+    secret_file: Path | None = None
+    admin: bool = False
+
+
+class BridgeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8765, ge=0, le=65535)
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    rate_limit: int = Field(50, ge=1, description="requests per second per key")
+    keys: list[BridgeKey] = Field(default_factory=list)
+    agent_admin: bool = False  # /rl train, rollback, reset typed in a coding agent
+
+
 class PushTarget(BaseModel):
     """An inference server that gets every newly served adapter (worker/push.py)."""
 
@@ -165,6 +186,7 @@ class Config(BaseModel):
     bots: BotsSettings = Field(default_factory=BotsSettings)
     responder: ResponderSettings = Field(default_factory=ResponderSettings)
     push: list[PushTarget] = Field(default_factory=list)
+    bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     allow_remote_push: bool = False  # push targets must be on this machine (loopback) unless this is set
 
     def allowlists(self, source: str) -> Allowlists:

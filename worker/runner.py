@@ -108,12 +108,13 @@ class BackgroundWorkers:
 
     def __init__(
         self, cfg: Config, which: tuple[str, ...] = ("events", "train"), bots: tuple[str, ...] = (),
-        serve: bool = False,
+        serve: bool = False, bridge: bool = False,
     ) -> None:
         self.cfg = cfg
         self.which = which
         self.bots = bots  # platforms whose bots run beside the workers (`rlfleet bot NAME`)
         self.serve = serve  # `rlfleet serve`, the bots' responder
+        self.bridge = bridge  # `rlfleet bridge`, the agents' and gateways' HTTP ingress
         self.procs: dict[str, subprocess.Popen] = {}
         self.log_dir = cfg.home / "logs"
 
@@ -122,6 +123,8 @@ class BackgroundWorkers:
         commands = {name: ["rlfleet.worker", "--queue", name] for name in self.which}
         if self.serve:
             commands["serve"] = ["rlfleet.shared", "serve"]
+        if self.bridge:
+            commands["bridge"] = ["rlfleet.shared", "bridge"]
         commands.update({f"bot-{name}": ["rlfleet.shared", "bot", name] for name in self.bots})
         for name, argv in commands.items():
             log = open(self.log_path(name), "ab")

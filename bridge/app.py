@@ -1,0 +1,213 @@
+"""`rlfleet bridge`: the local HTTP ingress for agents, hooks and gateways.
+
+Every request but ``/health`` and ``/openapi.json`` is signed (`bridge/auth.py`); a replayed signature,
+a stale timestamp, an unknown key, a body over the limit or one that does not validate changes
+nothing and gets a one-line JSON error. A valid request becomes one typed event on the Redis queue,
+answered 202 with its event id (``?wait=SECONDS`` also returns the worker's answer when it comes in
+time). The bridge never trains and never opens the database: status is the worker's snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import ConfigError
+from rlfleet.shared.events import Capture, Command, Message, Rating, Undo, describe_validation_error
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
+from rlfleet.shared.secrets_file import read_secret, read_secret_file
+
+from .api import CaptureIn, CommandIn, RatingIn, UndoIn, openapi
+from .auth import KEY_HEADER, MAX_SKEW_S, SIGNATURE_HEADER, verify
+
+log = logging.getLogger(__name__)
+MAX_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Key:
+    id: str
+    secret: str
+    admin: bool
+
+
+def load_keys(cfg: Config) -> dict[str, Key]:
+    """``local`` (the data dir's 0600 secret file, an admin key) and the configured gateway keys."""
+    if not cfg.secret_path.exists():
+        raise ConfigError(f"no secret file {cfg.secret_path}: run `rlfleet init` first")
+    keys = {"local": Key("local", read_secret_file(cfg.secret_path, "the bridge secret"), True)}
+    for k in cfg.bridge.keys:
+        secret = read_secret(k.secret_env, k.secret_file, f"bridge key {k.id}")
+        keys[k.id] = Key(k.id, secret, k.admin)  # type: ignore[arg-type]
+    return keys
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class Bridge:
+    def __init__(self, cfg: Config, handle: QueueHandle, keys: dict[str, Key]) -> None:
+        self.cfg, self.handle, self.keys = cfg, handle, keys
+        self.slug = model_slug(cfg.model)
+
+    # ---- the checks every signed request passes -------------------------------------------------
+
+    async def authenticate(self, request: web.Request) -> tuple[Key, bytes] | web.Response:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body over {self.cfg.bridge.max_body_bytes:,} bytes")
+        key = self.keys.get(request.headers.get(KEY_HEADER, "local"))
+        if key is None:
+            return _error(401, "unknown key")
+        why = verify(key.secret, dict(request.headers), request.method, request.path_qs, body)
+        if why:
+            return _error(401, why)
+        redis = self.handle.redis
+        # A signature is single-use: a replay within the freshness window is refused here, and the
+        # event id makes any repeat that slips past a no-op in the store.
+        if not redis.set(f"rlfleet:bridge:seen:{request.headers[SIGNATURE_HEADER]}", 1, nx=True, ex=2 * MAX_SKEW_S):
+            return _error(401, "replayed request")
+        window = f"rlfleet:bridge:rate:{key.id}:{int(time.time())}"
+        count = redis.incr(window)
+        if count == 1:
+            redis.expire(window, 2)
+        if count > self.cfg.bridge.rate_limit:
+            return _error(429, f"over {self.cfg.bridge.rate_limit} requests per second for key {key.id}")
+        return key, body
+
+    async def _accept(self, request: web.Request, event, capture_id: str | None = None) -> web.Response:
+        job = enqueue_event(self.handle, event)
+        result = None
+        try:
+            wait = min(float(request.query.get("wait", 0) or 0), MAX_WAIT_S)
+        except ValueError:
+            wait = 0.0
+        if wait > 0:
+            result = await asyncio.to_thread(wait_for, job, wait)
+        body = {"ok": True, "event_id": event.event_id, "capture_id": capture_id, "result": result}
+        return web.json_response(body, status=202)
+
+    def _parse(self, model: type[BaseModel], raw: bytes) -> BaseModel | web.Response:
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            return _error(422, describe_validation_error(exc, "invalid body"))
+
+    # ---- endpoints ---------------------------------------------------------------------------------
+
+    async def captures(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        key, raw = auth
+        body = self._parse(CaptureIn, raw)
+        if isinstance(body, web.Response):
+            return body
+        actor = body.actor or key.id
+        prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
+        extra = {"event_id": body.event_id} if body.event_id else {}
+        if body.capture_id:
+            extra["capture_id"] = body.capture_id
+        try:
+            ev = Capture(source=body.source, actor=actor, owner=body.owner or actor, conversation=body.conversation,
+                         message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model,
+                         **extra)
+        except ValidationError as exc:
+            return _error(422, describe_validation_error(exc, "invalid capture"))
+        return await self._accept(request, ev, ev.capture_id)
+
+    async def ratings(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        key, raw = auth
+        body = self._parse(RatingIn, raw)
+        if isinstance(body, web.Response):
+            return body
+        value = 1 if body.value in ("good", 1) else -1
+        extra = {"event_id": body.event_id} if body.event_id else {}
+        ev = Rating(source=body.source, actor=body.actor or key.id, target=body.target,
+                    conversation=body.conversation, value=value, comment=body.comment, **extra)
+        return await self._accept(request, ev)
+
+    async def undo(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        key, raw = auth
+        body = self._parse(UndoIn, raw)
+        if isinstance(body, web.Response):
+            return body
+        extra = {"event_id": body.event_id} if body.event_id else {}
+        ev = Undo(source=body.source, actor=body.actor or key.id, target=body.target, conversation=body.conversation,
+                  **extra)
+        return await self._accept(request, ev)
+
+    async def commands(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        key, raw = auth
+        body = self._parse(CommandIn, raw)
+        if isinstance(body, web.Response):
+            return body
+        if not key.admin:
+            return _error(403, f"/rl {body.name} needs an admin key; key {key.id} is not one")
+        extra = {"event_id": body.event_id} if body.event_id else {}
+        # The worker checks admin rights again by source and actor: an admin key acts as the CLI does.
+        ev = Command(source="cli", actor="local", name=body.name, args=body.args, **extra)
+        return await self._accept(request, ev)
+
+    async def status(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        raw = self.handle.redis.get(status_key(self.slug))
+        if not raw:
+            return _error(503, "no status yet: is the rlfleet worker running (`rlfleet up`)?")
+        return web.json_response(json.loads(raw))
+
+
+@web.middleware
+async def _no_traces(request: web.Request, handler) -> web.StreamResponse:
+    """A clear JSON error for anything that goes wrong; the trace only in our log."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return _error(413, "body too large")
+        return _error(exc.status, exc.reason or "error")
+    except Exception:
+        log.exception("bridge request failed")
+        return _error(500, "internal error (see the bridge's log)")
+
+
+def make_app(cfg: Config, handle: QueueHandle, keys: dict[str, Key] | None = None) -> web.Application:
+    bridge = Bridge(cfg, handle, keys if keys is not None else load_keys(cfg))
+    spec = openapi()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def describe(request: web.Request) -> web.Response:
+        return web.json_response(spec)
+
+    app = web.Application(client_max_size=cfg.bridge.max_body_bytes, middlewares=[_no_traces])
+    app.router.add_get("/health", health)
+    app.router.add_get("/openapi.json", describe)
+    app.router.add_post("/v1/captures", bridge.captures)
+    app.router.add_post("/v1/ratings", bridge.ratings)
+    app.router.add_post("/v1/undo", bridge.undo)
+    app.router.add_post("/v1/commands", bridge.commands)
+    app.router.add_get("/v1/status", bridge.status)
+    return app

@@ -1,0 +1,190 @@
+"""The bridge over real HTTP on 127.0.0.1 with the real queue and worker: the happy path ends as rows;
+forged, stale, replayed, oversized, malformed and over-limit requests change nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+from rq import Queue, SimpleWorker
+from sqlalchemy import func, select
+
+from rlfleet.bridge.app import Key, make_app
+from rlfleet.bridge.auth import sign
+from rlfleet.bridge.client import BridgeClient, BridgeError
+from rlfleet.shared.config import BridgeKey, load_config
+from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
+from rlfleet.shared.schema import CaptureRow, RatingRow
+from rlfleet.shared.store import Store
+from rlfleet.shared.webserver import listening
+
+SECRET, GATEWAY_SECRET = "s" * 64, "g" * 64
+
+
+@contextmanager
+def running(app):
+    """The app on a free loopback port, on its own event loop in a thread (the client blocks)."""
+    loop = asyncio.new_event_loop()
+    ready, stop = threading.Event(), None
+    port: list[int] = []
+
+    async def main():
+        nonlocal stop
+        stop = asyncio.Event()
+        async with listening(app, "127.0.0.1", 0) as bound:
+            port.append(bound)
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield f"http://127.0.0.1:{port[0]}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+
+
+@pytest.fixture
+def bridge(queued_home):
+    cfg = load_config()
+    cfg.bridge.rate_limit = 20
+    cfg.bridge.keys = [BridgeKey(id="gateway", secret_env="UNUSED")]
+    handle = open_queue(cfg)
+    keys = {"local": Key("local", SECRET, True), "gateway": Key("gateway", GATEWAY_SECRET, False)}
+    with running(make_app(cfg, handle, keys)) as url:
+        yield cfg, handle, url
+    handle.close()
+
+
+def work(cfg, handle) -> None:
+    SimpleWorker([Queue(EVENTS_QUEUE, connection=handle.redis)], connection=handle.redis).work(burst=True)
+
+
+def while_working(cfg, handle, call):
+    """``call()`` in a thread while the worker (which wants the main thread) applies what it enqueued."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        deadline = time.monotonic() + 5
+        while not handle.events.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        work(cfg, handle)
+        return future.result(10)
+
+
+def counts(cfg) -> tuple[int, int]:
+    with Store(cfg.db_url).session() as s:
+        return (s.scalar(select(func.count()).select_from(CaptureRow)),
+                s.scalar(select(func.count()).select_from(RatingRow)))
+
+
+def raw(url: str, method: str, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=body if method != "GET" else None, method=method,
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_capture_rate_undo_end_as_rows_and_the_worker_answers(bridge):
+    cfg, handle, url = bridge
+    client = BridgeClient(url, SECRET)
+    cap = client.capture("what is a monad?", "A monad is a monoid in the category of endofunctors.",
+                         conversation="sess-1", message_ref="turn-1", source="claude-code")
+    assert cap["ok"] and cap["capture_id"]
+    work(cfg, handle)
+    r = client.rate("turn-1", "good", conversation="sess-1", comment="precise")
+    work(cfg, handle)
+    with Store(cfg.db_url).session() as s:
+        row = s.scalars(select(CaptureRow)).one()
+        assert (row.source, row.conversation, row.message_ref) == ("claude-code", "sess-1", "turn-1")
+        assert row.owner == "local"
+        rating = s.scalars(select(RatingRow)).one()
+        assert (rating.value, rating.comment, rating.actor, rating.event_id) == (1, "precise", "local", r["event_id"])
+    client.undo()
+    work(cfg, handle)
+    with Store(cfg.db_url).session() as s:
+        assert s.scalars(select(RatingRow)).one().state == "undone"
+    assert client.status()["ratings"]["total"] == 0  # the worker's snapshot, read from Redis
+
+
+def test_wait_returns_the_workers_answer(bridge):
+    cfg, handle, url = bridge
+    client = BridgeClient(url, SECRET)
+    answer = while_working(cfg, handle, lambda: client.rate("last", "bad", conversation="nowhere", wait=5))
+    assert answer["result"] == {"ok": False, "message": "nothing of yours to rate here: no captured answer yet"}
+
+
+def test_forged_stale_replayed_and_unknown_key_requests_change_nothing(bridge):
+    cfg, handle, url = bridge
+    body = json.dumps({"prompt": "q", "response": "a"}).encode()
+    path = "/v1/captures"
+    cases = {
+        "bad signature": sign("wrong-secret", "POST", path, body),
+        "stale request": sign(SECRET, "POST", path, body, now=time.time() - 600),
+        "unknown key": sign(SECRET, "POST", path, body, key="mallory"),
+        "missing": {},
+    }
+    for why, headers in cases.items():
+        status, reply = raw(url, "POST", path, body, headers)
+        assert status == 401, why
+        assert set(reply) == {"error"} and "Traceback" not in reply["error"]
+    other_path = sign(SECRET, "POST", "/v1/ratings", body)  # signed for another endpoint
+    assert raw(url, "POST", path, body, other_path)[0] == 401
+    good = sign(SECRET, "POST", path, body)
+    assert raw(url, "POST", path, body, good)[0] == 202
+    status, reply = raw(url, "POST", path, body, good)  # the same request again
+    assert status == 401 and reply["error"] == "replayed request"
+    assert handle.events.count == 1
+    work(cfg, handle)
+    assert counts(cfg) == (1, 0)
+
+
+def test_oversized_malformed_and_over_limit_requests(bridge):
+    cfg, handle, url = bridge
+    huge = json.dumps({"prompt": "q", "response": "x" * (2 << 20)}).encode()
+    status, reply = raw(url, "POST", "/v1/captures", huge, sign(SECRET, "POST", "/v1/captures", huge))
+    assert status == 413 and ("too large" in reply["error"] or "over" in reply["error"])
+    for body, fragment in ((b"{nope", "invalid body"), (b'{"value": "meh"}', "value"),
+                           (b'{"value": "good", "extra": 1}', "extra"), (b"[]", "invalid body")):
+        status, reply = raw(url, "POST", "/v1/ratings", body, sign(SECRET, "POST", "/v1/ratings", body))
+        assert status == 422 and fragment in reply["error"], (body, reply)
+    assert handle.events.count == 0
+    statuses = []
+    for i in range(30):
+        body = json.dumps({"value": "good", "event_id": f"burst-{i}"}).encode()
+        statuses.append(raw(url, "POST", "/v1/ratings", body, sign(GATEWAY_SECRET, "POST", "/v1/ratings", body,
+                                                                   key="gateway"))[0])
+    assert 429 in statuses and set(statuses) == {202, 429}
+    assert handle.events.count == statuses.count(202)  # refused requests enqueued nothing
+
+
+def test_admin_commands_need_an_admin_key(bridge):
+    cfg, handle, url = bridge
+    gateway = BridgeClient(url, GATEWAY_SECRET, key="gateway")
+    with pytest.raises(BridgeError) as exc:
+        gateway.command("reset")
+    assert exc.value.status == 403 and "admin key" in exc.value.message
+    assert handle.events.count == 0
+    answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("rollback", wait=5))
+    assert answer["result"]["message"] == "already on the base model: nothing to roll back"
+
+
+def test_health_and_openapi_need_no_auth(bridge):
+    _, _, url = bridge
+    with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+        assert json.loads(resp.read()) == {"ok": True}
+    with urllib.request.urlopen(url + "/openapi.json", timeout=5) as resp:
+        spec = json.loads(resp.read())
+    assert {"/v1/captures", "/v1/ratings", "/v1/undo", "/v1/status", "/v1/commands"} <= set(spec["paths"])
+    assert spec["components"]["schemas"]["RatingIn"]["properties"]["value"]
