@@ -76,3 +76,24 @@ def reaction_value(name: str | None) -> Literal[1, -1] | None:
     if key in _BAD or key.startswith("1f44e_thumbsdown"):
         return -1
     return None
+
+
+def status_line(st: dict | None) -> str:
+    """The one-paragraph status a chat user sees (the full dict is `rlfleet status --json`)."""
+    if not st:
+        return "no status yet: is the rlfleet worker running (`rlfleet up`)?"
+    current = (st.get("adapter") or {}).get("current") or "the base model"
+    r = st.get("ratings") or {}
+    t = st.get("training") or {}
+    line = (f"serving {current} of {st.get('model')} · {r.get('total', 0)} ratings "
+            f"({r.get('good', 0)} good, {r.get('bad', 0)} bad), {r.get('pending', 0)}/{st.get('threshold')} "
+            "toward the next training run")
+    state = t.get("state")
+    if state == "running" and t.get("progress"):
+        p = t["progress"]
+        line += f" · training {p.get('phase') or ''} {p.get('step', 0)}/{p.get('total', 0)}".rstrip()
+    elif state in ("queued", "running"):
+        line += f" · training {state}"
+    elif state == "failed" and t.get("error"):
+        line += f" · last run: {t['error']}"
+    return line

@@ -23,7 +23,7 @@ from rlfleet.shared.posted import Posted, PostedMessages
 from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
 from rlfleet.shared.store import Store
 
-from .commands import HELP, RlCommand, parse_rl
+from .commands import HELP, RlCommand, parse_rl, status_line
 from .completions import ChatCompletions, Completion
 
 log = logging.getLogger(__name__)
@@ -37,27 +37,6 @@ NOT_YOURS = "only the person the bot answered (or an allowlisted rater) can rate
 class Reply:
     text: str
     private: bool = True  # ephemeral where the platform has it, else to the sender only
-
-
-def status_line(st: dict | None) -> str:
-    """The one-paragraph status a chat user sees (the full dict is `rlfleet status --json`)."""
-    if not st:
-        return "no status yet: is the rlfleet worker running (`rlfleet up`)?"
-    current = (st.get("adapter") or {}).get("current") or "the base model"
-    r = st.get("ratings") or {}
-    t = st.get("training") or {}
-    line = (f"serving {current} of {st.get('model')} · {r.get('total', 0)} ratings "
-            f"({r.get('good', 0)} good, {r.get('bad', 0)} bad), {r.get('pending', 0)}/{st.get('threshold')} "
-            "toward the next training run")
-    state = t.get("state")
-    if state == "running" and t.get("progress"):
-        p = t["progress"]
-        line += f" · training {p.get('phase') or ''} {p.get('step', 0)}/{p.get('total', 0)}".rstrip()
-    elif state in ("queued", "running"):
-        line += f" · training {state}"
-    elif state == "failed" and t.get("error"):
-        line += f" · last run: {t['error']}"
-    return line
 
 
 class BotCore:

@@ -25,11 +25,13 @@ from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
 from rlfleet.shared.secrets_file import read_secret, read_secret_file
 
+from . import spool
 from .api import CaptureIn, CommandIn, RatingIn, UndoIn, openapi
 from .auth import KEY_HEADER, MAX_SKEW_S, SIGNATURE_HEADER, verify
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 10.0
+SPOOL_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -105,68 +107,63 @@ class Bridge:
 
     # ---- endpoints ---------------------------------------------------------------------------------
 
-    async def captures(self, request: web.Request) -> web.Response:
-        auth = await self.authenticate(request)
-        if isinstance(auth, web.Response):
-            return auth
-        key, raw = auth
-        body = self._parse(CaptureIn, raw)
+    def build_event(self, path: str, raw: bytes, key: Key):
+        """The typed event a signed request (or a spooled one) stands for: ``(event, capture_id)``, or
+        the error response."""
+        model = {"/v1/captures": CaptureIn, "/v1/ratings": RatingIn, "/v1/undo": UndoIn,
+                 "/v1/commands": CommandIn}[path]
+        body = self._parse(model, raw)
         if isinstance(body, web.Response):
             return body
         actor = body.actor or key.id
-        prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
         extra = {"event_id": body.event_id} if body.event_id else {}
-        if body.capture_id:
-            extra["capture_id"] = body.capture_id
         try:
-            ev = Capture(source=body.source, actor=actor, owner=body.owner or actor, conversation=body.conversation,
-                         message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model,
-                         **extra)
+            if isinstance(body, CaptureIn):
+                prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
+                if body.capture_id:
+                    extra["capture_id"] = body.capture_id
+                ev = Capture(source=body.source, actor=actor, owner=body.owner or actor,
+                             conversation=body.conversation, message_ref=body.message_ref, prompt=prompt,
+                             response=body.response, model=body.model, **extra)
+                return ev, ev.capture_id
+            if isinstance(body, RatingIn):
+                value = 1 if body.value in ("good", 1) else -1
+                return Rating(source=body.source, actor=actor, target=body.target, conversation=body.conversation,
+                              value=value, comment=body.comment, **extra), None
+            if isinstance(body, UndoIn):
+                return Undo(source=body.source, actor=actor, target=body.target, conversation=body.conversation,
+                            **extra), None
         except ValidationError as exc:
-            return _error(422, describe_validation_error(exc, "invalid capture"))
-        return await self._accept(request, ev, ev.capture_id)
-
-    async def ratings(self, request: web.Request) -> web.Response:
-        auth = await self.authenticate(request)
-        if isinstance(auth, web.Response):
-            return auth
-        key, raw = auth
-        body = self._parse(RatingIn, raw)
-        if isinstance(body, web.Response):
-            return body
-        value = 1 if body.value in ("good", 1) else -1
-        extra = {"event_id": body.event_id} if body.event_id else {}
-        ev = Rating(source=body.source, actor=body.actor or key.id, target=body.target,
-                    conversation=body.conversation, value=value, comment=body.comment, **extra)
-        return await self._accept(request, ev)
-
-    async def undo(self, request: web.Request) -> web.Response:
-        auth = await self.authenticate(request)
-        if isinstance(auth, web.Response):
-            return auth
-        key, raw = auth
-        body = self._parse(UndoIn, raw)
-        if isinstance(body, web.Response):
-            return body
-        extra = {"event_id": body.event_id} if body.event_id else {}
-        ev = Undo(source=body.source, actor=body.actor or key.id, target=body.target, conversation=body.conversation,
-                  **extra)
-        return await self._accept(request, ev)
-
-    async def commands(self, request: web.Request) -> web.Response:
-        auth = await self.authenticate(request)
-        if isinstance(auth, web.Response):
-            return auth
-        key, raw = auth
-        body = self._parse(CommandIn, raw)
-        if isinstance(body, web.Response):
-            return body
+            return _error(422, describe_validation_error(exc, "invalid body"))
         if not key.admin:
             return _error(403, f"/rl {body.name} needs an admin key; key {key.id} is not one")
-        extra = {"event_id": body.event_id} if body.event_id else {}
         # The worker checks admin rights again by source and actor: an admin key acts as the CLI does.
-        ev = Command(source="cli", actor="local", name=body.name, args=body.args, **extra)
-        return await self._accept(request, ev)
+        return Command(source="cli", actor="local", name=body.name, args=body.args, **extra), None
+
+    async def submit(self, request: web.Request) -> web.Response:
+        auth = await self.authenticate(request)
+        if isinstance(auth, web.Response):
+            return auth
+        key, raw = auth
+        built = self.build_event(request.path, raw, key)
+        if isinstance(built, web.Response):
+            return built
+        event, capture_id = built
+        return await self._accept(request, event, capture_id)
+
+    def drain_spool(self) -> tuple[int, int]:
+        """Requests the hooks spooled while the bridge was down, into the queue in their order."""
+
+        def send(method: str, path: str, body: dict) -> None:
+            built = self.build_event(path, json.dumps(body).encode(), self.keys["local"])
+            if isinstance(built, web.Response):
+                raise ValueError(built.text)
+            enqueue_event(self.handle, built[0])
+
+        sent, dropped = spool.drain(self.cfg.home, send)
+        if sent or dropped:
+            log.info("spool: %d requests queued, %d invalid ones dropped", sent, dropped)
+        return sent, dropped
 
     async def status(self, request: web.Request) -> web.Response:
         auth = await self.authenticate(request)
@@ -176,6 +173,9 @@ class Bridge:
         if not raw:
             return _error(503, "no status yet: is the rlfleet worker running (`rlfleet up`)?")
         return web.json_response(json.loads(raw))
+
+
+BRIDGE: web.AppKey[Bridge] = web.AppKey("bridge", Bridge)
 
 
 @web.middleware
@@ -205,9 +205,23 @@ def make_app(cfg: Config, handle: QueueHandle, keys: dict[str, Key] | None = Non
     app = web.Application(client_max_size=cfg.bridge.max_body_bytes, middlewares=[_no_traces])
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", describe)
-    app.router.add_post("/v1/captures", bridge.captures)
-    app.router.add_post("/v1/ratings", bridge.ratings)
-    app.router.add_post("/v1/undo", bridge.undo)
-    app.router.add_post("/v1/commands", bridge.commands)
+    for path in ("/v1/captures", "/v1/ratings", "/v1/undo", "/v1/commands"):
+        app.router.add_post(path, bridge.submit)
     app.router.add_get("/v1/status", bridge.status)
+
+    async def drain_forever(app: web.Application):
+        async def loop() -> None:
+            while True:
+                try:
+                    await asyncio.to_thread(bridge.drain_spool)
+                except Exception:
+                    log.exception("draining the spool failed")
+                await asyncio.sleep(SPOOL_POLL_S)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(drain_forever)
+    app[BRIDGE] = bridge
     return app

@@ -158,6 +158,9 @@ def init(
         help="PLATFORM:USER_ID allowed /rl train, rollback, reset (repeatable).")] = None,
     rater: Annotated[list[str] | None, typer.Option(
         help="PLATFORM:USER_ID allowed to rate answers given to others (repeatable).")] = None,
+    agent: Annotated[list[str] | None, typer.Option(
+        help="Install hooks in a coding agent: claude-code or codex (repeatable). Its answers are captured, "
+             "and /rl good typed in it rates them.")] = None,
 ) -> None:
     """Write config.toml and the secret file in the data dir, and check the model loads."""
     cfg = load_config()
@@ -198,7 +201,33 @@ def init(
             have = "set" if os.environ.get(b.token_env) or b.token_file else "[yellow]not set yet[/]"
             out.print(f"bot {name}: token from ${b.token_env} ({have}) · {len(b.admins)} admins · "
                       f"{len(b.raters)} raters")
+    for name in agent or []:
+        _install_agent(name, new)
     out.print("next: [bold]rlfleet chat[/]  or  [bold]rlfleet up[/]")
+
+
+def _install_agent(name: str, cfg: Config) -> None:
+    from rlfleet.bridge.agents import install
+
+    custom_home = cfg.home.resolve() != (Path.home() / ".rlfleet").resolve()
+    a, changed = install(name, cfg.home, custom_home)
+    out.print(f"{name}: hooks {'installed in' if changed else 'already in'} {a.path}"
+              + (" (backed up first)" if changed and a.path.exists() else ""))
+    if a.note:
+        out.print(f"[yellow]{name}:[/] {a.note}")
+
+
+@app.command()
+def uninstall(
+    agent: Annotated[list[str], typer.Option(help="claude-code or codex (repeatable).")],
+) -> None:
+    """Remove exactly rlfleet's hooks from a coding agent's settings (other hooks stay as they are)."""
+    from rlfleet.bridge.agents import uninstall as remove
+
+    cfg = _config()
+    for name in agent:
+        a, changed = remove(name, cfg.home)
+        out.print(f"{name}: {'removed our hooks from' if changed else 'no rlfleet hooks in'} {a.path}")
 
 
 def _stdin_is_tty() -> bool:
