@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import redis
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -158,7 +159,10 @@ class Bridge:
             built = self.build_event(path, json.dumps(body).encode(), self.keys["local"])
             if isinstance(built, web.Response):
                 raise ValueError(built.text)
-            enqueue_event(self.handle, built[0])
+            try:
+                enqueue_event(self.handle, built[0])
+            except redis.RedisError as exc:  # keep the line for the next try
+                raise ConnectionError(str(exc)) from None
 
         sent, dropped = spool.drain(self.cfg.home, send)
         if sent or dropped:

@@ -232,3 +232,27 @@ def test_init_and_uninstall_from_the_cli(home, tmp_path, monkeypatch):
     assert set(data["hooks"]) == {"UserPromptSubmit", "Stop"}
     res = CliRunner().invoke(app, ["uninstall", "--agent", "codex"], catch_exceptions=False)
     assert res.exit_code == 0 and not (tmp_path / "codex" / "hooks.json").exists()
+
+
+def test_a_redis_that_is_down_spools_too_and_it_flushes_once_it_is_back(bridge_home, tmp_path):
+    import redis
+
+    from rlfleet.shared.queue import QueueHandle
+
+    cfg, handle = bridge_home
+    transcript = tmp_path / "t.jsonl"
+    dead = QueueHandle(redis=redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2),
+                       url="redis://127.0.0.1:1/0")
+    with running(make_app(cfg, dead)) as url:  # the bridge is up, its Redis is not
+        _point_config_at(cfg, url)
+        run_hook("claude-code", "prompt", prompt_payload("q1", transcript), cfg.home)
+        assert run_hook("claude-code", "stop", stop_payload("a1", transcript), cfg.home).returncode == 0
+        assert spool.pending(cfg.home) == 1
+    with serve_bridge(cfg, handle):  # Redis is back
+        for _ in range(100):
+            if not spool.pending(cfg.home):
+                break
+            time.sleep(0.05)
+    work(cfg, handle)
+    with Store(cfg.db_url).session() as s:
+        assert [c.response for c in s.scalars(select(CaptureRow))] == ["a1"]
