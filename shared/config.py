@@ -41,6 +41,8 @@ class TrainSettings(BaseModel):
     gate: bool = True
     holdout_frac: float = Field(0.15, ge=0.0, le=0.5)
     min_holdout: int = Field(4, ge=1, le=1000)
+    # KL cap (nats/token) for a candidate whose held-out ratings are all good or all bad (worker/gate.py)
+    gate_one_class_kl: float = Field(0.1, gt=0, le=10)
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
     # Explicit overrides of the preset's values; None = the preset decides.

@@ -98,3 +98,15 @@ def test_short_answers_are_not_collapse_when_the_base_is_short_too():
     base = replace(BASE, answer_tokens=5.0)
     cand = _scores([-1.6, -1.7, -2.5, -2.6], length=1.5)
     assert judge(REWARDS, base, base, cand, CFG).promote
+
+
+def test_one_class_held_out_gets_the_lower_kl_cap():
+    """All held-out answers bad: lowering every likelihood raises the one-sided margin, so drift that
+    passes with both classes held out is refused here."""
+    bad_only = [-1, -1, -1, -1]
+    drifted = _scores([-2.6, -2.7, -2.6, -2.8], kl=0.3)  # every answer less likely: "margin" up
+    v = judge(bad_only, BASE, BASE, drifted, CFG)
+    assert v.metrics["heldout_margin_after"] > v.metrics["heldout_margin_before"]
+    assert not v.promote and "only bad answers held out" in v.reason and v.metrics["heldout_one_class"]
+    assert judge(bad_only, BASE, BASE, replace(drifted, kl=0.05), CFG).promote  # a small step is fine
+    assert judge(REWARDS, BASE, BASE, _scores([-1.6, -1.7, -2.5, -2.6], kl=0.3), CFG).promote  # two classes

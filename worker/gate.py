@@ -6,7 +6,11 @@ or the base) on ratings the run never trained on:
 
 - margin: the mean per-token log-probability of held-out good answers minus that of bad ones. The
   candidate must not fall below the parent's by more than the noise of the paired differences;
-- KL to the base on the held-out answers, under a cap;
+- KL to the base on the held-out answers, under a cap; a much lower cap when the held-out answers
+  are all of one class: then the margin is one-sided (all bad: minus their mean log-prob), and a
+  model that lowers every likelihood, i.e. drifts towards noise, looks better on it. The learning
+  benchmark measured exactly that on the default model: runs on nothing but bad ratings shortened
+  and blurred every answer (KL 0.34 per token, entropy 1.3x) while the one-sided margin rose;
 - collapse: the entropy of the next-token distribution on held-out answers, and the distinct
   bigrams and length of sampled answers, must not fall far below the base's.
 """
@@ -29,6 +33,7 @@ class GateConfig:
     noise_sigmas: float = 2.0  # the margin may fall this many standard errors (of paired deltas)...
     min_noise: float = 0.02  # ...or this much in nats per token, whichever is larger, before rejection
     max_kl: float = 0.5  # mean per-token KL(candidate || base) on held-out answers, nats
+    max_kl_one_class: float = 0.1  # the cap when every held-out answer is good, or every one bad
     min_entropy_ratio: float = 0.4  # candidate / base next-token entropy on held-out answers
     min_distinct_ratio: float = 0.5  # candidate / base distinct bigrams of sampled answers
     min_answer_tokens: float = 2.0  # mean sampled length below this (base above 4x it) is collapse
@@ -152,13 +157,21 @@ def judge(
         metrics["answer_tokens"] = cand.answer_tokens
         metrics["answer_tokens_base"] = base.answer_tokens
 
+    one_class = len({r > 0 for r in rewards}) == 1
+    kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if one_class else cfg.max_kl
+    metrics["heldout_one_class"] = one_class
+
     reasons = []
     if not all(math.isfinite(x) for x in (m_cand, cand.kl, cand.entropy)):
         reasons.append("non-finite scores on the held-out answers")
     if m_cand < m_parent - noise:
         reasons.append(f"held-out margin fell from {m_parent:+.3f} to {m_cand:+.3f} (noise ±{noise:.3f})")
-    if cand.kl > cfg.max_kl:
-        reasons.append(f"KL to the base {cand.kl:.3f} > {cfg.max_kl}")
+    if cand.kl > kl_cap:
+        why = ""
+        if one_class:
+            kind = "good" if rewards and rewards[0] > 0 else "bad"
+            why = f" (only {kind} answers held out: drift and learning look alike, so the cap is lower)"
+        reasons.append(f"KL to the base {cand.kl:.3f} > {kl_cap}{why}")
     if entropy_ratio < cfg.min_entropy_ratio:
         reasons.append(f"collapse: entropy {entropy_ratio:.2f}x the base's")
     if distinct_ratio is not None and distinct_ratio < cfg.min_distinct_ratio:

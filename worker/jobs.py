@@ -276,7 +276,8 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
 
 def gate_config(cfg: Config) -> GateConfig:
     return GateConfig(
-        enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout
+        enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout,
+        max_kl_one_class=cfg.train.gate_one_class_kl,
     )
 
 
