@@ -156,7 +156,7 @@ def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
         body = await request.text()
         try:
             req = AsyncBoltRequest(body=body, query=request.query_string, headers=request.headers)
-        except ValueError:
+        except (ValueError, TypeError, KeyError, AttributeError):  # bolt reads fields before it verifies
             return web.json_response({"error": "malformed payload"}, status=400)
         return await to_aiohttp_response(await app.async_dispatch(req))
 

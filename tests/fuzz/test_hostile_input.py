@@ -1,0 +1,237 @@
+"""Hostile input, property-based: the bridge API, hook stdin, imported rating files and `/rl` text.
+
+Nothing crashes a process, nothing changes state unless the request is valid and signed, every
+rejection is a one-line JSON error, and the secret shows up in no reply and no log line. CI runs a
+few hundred cases per surface; ``RLFLEET_FUZZ_EXAMPLES=10000`` is the nightly mode.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from test_bridge import running  # noqa: E402
+
+from rlfleet.bots.commands import parse_rl, reaction_value  # noqa: E402
+from rlfleet.bridge import hook  # noqa: E402
+from rlfleet.bridge.app import Key, make_app  # noqa: E402
+from rlfleet.bridge.auth import sign  # noqa: E402
+from rlfleet.shared.config import load_config  # noqa: E402
+from rlfleet.shared.queue import open_queue  # noqa: E402
+from rlfleet.shared.ratings_io import ImportReport, read_jsonl  # noqa: E402
+
+EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SECRET = "f" * 16 + "SECRET-VALUE-0123456789"
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=20,
+)
+# Bodies shaped like the real ones, with the fields mutated: what a buggy or hostile gateway sends.
+field_names = st.sampled_from(["prompt", "response", "conversation", "message_ref", "owner", "actor", "source",
+                               "target", "value", "comment", "event_id", "name", "args", "model", "capture_id",
+                               "extra"])
+near_bodies = st.dictionaries(field_names, json_values, max_size=8)
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory, redis_url):
+    home = tmp_path_factory.mktemp("fuzz-home")
+    os.environ["RLFLEET_HOME"] = str(home)
+    os.environ["REDIS_URL"] = redis_url
+    cfg = load_config(home)
+    cfg.bridge.rate_limit = 1_000_000
+    handle = open_queue(cfg)
+    handle.redis.flushdb()
+    keys = {"local": Key("local", SECRET, True)}
+    with running(make_app(cfg, handle, keys)) as url:
+        yield url, handle
+    handle.redis.flushdb()
+    handle.close()
+    del os.environ["RLFLEET_HOME"], os.environ["REDIS_URL"]
+
+
+def _post(url: str, path: str, body: bytes, headers: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url + path, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+PATHS = st.sampled_from(["/v1/captures", "/v1/ratings", "/v1/undo", "/v1/commands"])
+
+
+@FUZZ
+@given(path=PATHS, body=near_bodies | json_values, signed=st.booleans())
+def test_bridge_rejects_or_accepts_cleanly(bridge, caplog, path, body, signed):
+    url, handle = bridge
+    raw = json.dumps(body).encode()
+    headers = sign(SECRET, "POST", path, raw) if signed else {"X-Rlfleet-Signature": "sha256=00"}
+    before = handle.events.count
+    with caplog.at_level(logging.DEBUG):
+        status, text = _post(url, path, raw, headers)
+    assert status in (202, 401, 403, 422), (status, text)
+    reply = json.loads(text)
+    assert SECRET not in text and all(SECRET not in r.getMessage() for r in caplog.records)
+    if status == 202:
+        assert signed and handle.events.count == before + 1
+    else:
+        assert set(reply) == {"error"} and "\n" not in reply["error"] and handle.events.count == before
+    handle.redis.delete("rlfleet:events")  # keep the queue small; accepted events are not the point here
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300) | near_bodies.map(lambda b: json.dumps(b).encode()))
+def test_bridge_survives_arbitrary_bytes(bridge, raw):
+    url, handle = bridge
+    status, text = _post(url, "/v1/ratings", raw, sign(SECRET, "POST", "/v1/ratings", raw))
+    assert status in (202, 422) or json.loads(text) == {"error": "replayed request"}  # the same bytes, same second
+    assert "Traceback" not in text
+    handle.redis.delete("rlfleet:events")
+
+
+@FUZZ
+@given(agent=st.sampled_from(["claude-code", "codex"]), event=st.sampled_from(["prompt", "stop"]),
+       payload=st.binary(max_size=200) | st.dictionaries(
+           st.sampled_from(["session_id", "prompt", "last_assistant_message", "transcript_path", "turn_id",
+                            "prompt_id", "hook_event_name"]), json_values, max_size=6).map(
+           lambda d: json.dumps(d).encode()))
+def test_hooks_never_fail_the_agent(tmp_path_factory, monkeypatch, agent, event, payload):
+    home = tmp_path_factory.mktemp("hook-home")
+    (home / "config.toml").write_text("[bridge]\nport = 9\n")  # nothing listens: everything spools
+    (home / "secret").write_text(SECRET)
+    monkeypatch.setenv("RLFLEET_HOME", str(home))
+    stdin, stdout = io.TextIOWrapper(io.BytesIO(payload)), io.StringIO()
+    monkeypatch.setattr(sys, "stdin", stdin)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert hook.main([agent, event]) == 0
+    out = stdout.getvalue()
+    if out:
+        decision = json.loads(out)
+        assert decision["decision"] == "block" and decision["reason"].startswith("rlfleet:")
+    assert SECRET not in out
+    log = home / "logs" / "hooks.log"
+    assert not log.exists() or SECRET not in log.read_text()
+
+
+@FUZZ
+@given(lines=st.lists(st.binary(max_size=120) | near_bodies.map(lambda b: json.dumps(b).encode()), max_size=8))
+def test_imported_rating_files_are_validated_line_by_line(tmp_path_factory, lines):
+    path = tmp_path_factory.mktemp("import") / "ratings.jsonl"
+    path.write_bytes(b"\n".join(x.replace(b"\n", b" ") for x in lines))
+    report = ImportReport()
+    valid = list(read_jsonl(path, report))
+    assert valid == [] and report.skipped["invalid"] == sum(1 for x in lines if x.strip())
+    assert all(e.startswith("line ") for e in report.errors)
+
+
+@FUZZ
+@given(text=st.text(max_size=300), name=st.text(max_size=30) | st.none())
+def test_commands_and_reactions_parse_anything(text, name):
+    cmd = parse_rl(text)
+    assert cmd.verb in ("good", "bad", "undo", "status", "train", "rollback", "reset", "help")
+    assert reaction_value(name) in (1, -1, None)
+
+
+# ---- the platforms: signed but hostile payloads through the SDKs' own dispatch --------------------------
+
+slack_events = st.fixed_dictionaries({
+    "type": st.sampled_from(["reaction_added", "reaction_removed", "message", "app_mention", "team_join"]),
+}, optional={"user": st.text(max_size=12) | st.none(), "reaction": st.text(max_size=20) | st.sampled_from(["+1", "-1"]),
+             "item": st.dictionaries(st.sampled_from(["type", "channel", "ts"]), json_values, max_size=3),
+             "channel": json_values, "ts": json_values, "subtype": json_values, "bot_id": json_values})
+
+
+@settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(events=st.lists(slack_events, min_size=25, max_size=25),
+       texts=st.lists(st.text(max_size=80), min_size=10, max_size=10))
+def test_slack_payloads_change_nothing_they_should_not(queued_home, events, texts):
+    import asyncio
+
+    import aiohttp
+    from test_bot_slack import rig
+
+    from rlfleet.bots.slack import http_app
+    from rlfleet.shared.schema import CaptureRow, RatingRow
+    from rlfleet.shared.store import Store
+    from rlfleet.shared.webserver import listening
+
+    async def go():
+        async with rig(queued_home) as r, listening(http_app(r.app), "127.0.0.1", 0) as port:
+            url = f"http://127.0.0.1:{port}/slack/events"
+            async with aiohttp.ClientSession() as http:
+                for n, event in enumerate(events):
+                    if event["type"] in ("message", "app_mention"):
+                        event["bot_id"] = "B-other"  # another bot talking: never answered, never captured
+                    body = json.dumps({"type": "event_callback", "team_id": "T1", "event_id": f"Ev{n}",
+                                       "event": event})
+                    async with http.post(url, data=body, headers=r.signed(body, "application/json").headers) as resp:
+                        assert resp.status in (200, 400, 404), await resp.text()
+            for text in texts:
+                assert (await r.command("U-someone", text)).status == 200
+            await asyncio.sleep(0.2)
+            r.base.work()
+            with Store(r.cfg.db_url).session() as s:
+                assert s.query(CaptureRow).count() == 0 and s.query(RatingRow).count() == 0
+            assert not r.llm.calls  # nobody got an answer
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+telegram_updates = st.dictionaries(
+    st.sampled_from(["update_id", "message", "message_reaction", "callback_query", "edited_message"]),
+    json_values | st.fixed_dictionaries({"chat": st.fixed_dictionaries({"id": st.integers(), "type": st.just("group")}),
+                                         "message_id": st.integers(), "date": st.integers(0, 2**31)},
+                                        optional={"text": st.text(max_size=40), "data": st.text(max_size=10)}),
+    max_size=4)
+
+
+@settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(updates=st.lists(telegram_updates, min_size=25, max_size=25))
+def test_telegram_webhook_takes_any_body_without_harm(queued_home, updates):
+    import asyncio
+
+    import aiohttp
+    from test_bot_telegram import rig
+
+    from rlfleet.bots.telegram import webhook_app
+    from rlfleet.shared.webserver import listening
+
+    async def go():
+        async with rig(queued_home) as r:
+            await r.app.start()
+            try:
+                async with listening(webhook_app(r.app, "s3cret"), "127.0.0.1", 0) as port:
+                    async with aiohttp.ClientSession() as http:
+                        for update in updates:
+                            async with http.post(f"http://127.0.0.1:{port}/telegram", json=update,
+                                                 headers={"X-Telegram-Bot-Api-Secret-Token": "s3cret"}) as resp:
+                                assert resp.status in (200, 400)
+                    await asyncio.sleep(0.3)
+            finally:
+                await r.app.stop()
+            r.errors.clear()  # PTB reports what it could not parse to the error handler: not a crash of ours
+            assert r.queued() == 0 and r.ratings() == []
+
+    asyncio.run(asyncio.wait_for(go(), 120))
