@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import redis
-from rq import get_current_job
+from rq import Queue, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
@@ -81,7 +81,11 @@ def handle_event(payload: str) -> dict:
             result = run_command(ctx, event)
     except RlfleetError as exc:
         return {"ok": False, "message": str(exc)}
-    publish_snapshot(ctx.cfg, ctx.store, _redis(), ctx.slug)
+    conn = _redis()
+    # The status snapshot costs more than applying a rating: under a burst only the event that
+    # empties the queue publishes it (so the last word is always fresh); commands always do.
+    if isinstance(event, Command) or not Queue(EVENTS_QUEUE, connection=conn).count:
+        publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
     return result
 
 

@@ -1,0 +1,169 @@
+"""How many ratings per second the queue and the workers take, and how long one takes to be a row.
+
+    python -m bench.ingest [--ratings 2000] [--workers 1,2,4] [--rate 500] [--redis URL] [--json]
+
+Through the real path: each rating is a typed event enqueued on Redis (as a bot or the bridge does),
+applied by real `rlfleet worker --queue events` processes into the database (SQLite in a temporary
+data dir, or `DATABASE_URL`). Latency is from the event's creation (its ``ts``) to the committed row
+(the row's ``created``, set in the transaction that stores it). Beside it, the ceiling: a no-op RQ
+job through the same workers, and raw Redis round trips. Prints a table; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timezone
+from pathlib import Path
+
+import redis
+from rq import Queue
+from sqlalchemy import func, select
+
+from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Message, Rating
+from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, open_queue
+from rlfleet.shared.schema import RatingRow
+from rlfleet.shared.store import Store
+
+
+def noop() -> None:
+    """The ceiling's job: RQ's own cost per job, nothing of ours."""
+
+
+def _workers(n: int, home: Path, env: dict) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", "events"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=open(home / "worker.log", "ab")) for _ in range(n)]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _wait_rows(store: Store, n: int, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with store.session() as s:
+            if (s.scalar(select(func.count()).select_from(RatingRow)) or 0) >= n:
+                return time.monotonic()
+        time.sleep(0.05)
+    raise TimeoutError(f"fewer than {n} ratings stored after {timeout} s")
+
+
+def _latencies(store: Store, sent: dict[str, float]) -> list[float]:
+    with store.session() as s:
+        rows = s.execute(select(RatingRow.event_id, RatingRow.created)).all()
+    out = []
+    for event_id, created in rows:
+        if event_id in sent:
+            created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
+            out.append((created.timestamp() - sent[event_id]) * 1000)
+    return out
+
+
+def run_case(workers: int, ratings: int, rate: float | None, redis_url: str) -> dict:
+    """One configuration in a fresh data dir; ``rate`` None = as fast as the producer can enqueue."""
+    home = Path(tempfile.mkdtemp(prefix="rlfleet-ingest-"))
+    env = {**os.environ, "RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
+    os.environ.update({"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"})
+    cfg = load_config(home)
+    cfg.train.threshold = 100_000  # no training runs in the way
+    cfg.save()
+    handle = open_queue(cfg)
+    handle.redis.flushdb()
+    store = Store(cfg.db_url)
+    captures = [Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")], response=f"a{i}",
+                        model="bench") for i in range(ratings)]
+    for c in captures:  # the answers exist already: what is measured is rating intake
+        store.apply_capture(c)
+    procs = _workers(workers, home, env)
+    time.sleep(2.0)  # let them connect
+    sent: dict[str, float] = {}
+    try:
+        t0 = time.monotonic()
+        for i, c in enumerate(captures):
+            if rate:
+                ahead = t0 + i / rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+            ev = Rating(target=c.capture_id, value=1 if i % 2 else -1)
+            sent[ev.event_id] = ev.ts.timestamp()
+            enqueue_event(handle, ev)
+        t_end = _wait_rows(store, ratings, timeout=max(120, ratings / 20))
+        lat = _latencies(store, sent)
+    finally:
+        _stop(procs)
+        handle.close()
+    q = statistics.quantiles(lat, n=100)
+    return {"workers": workers, "ratings": ratings, "offered_rate": rate or "max",
+            "ratings_per_s": ratings / (t_end - t0), "p50_ms": statistics.median(lat), "p99_ms": q[98]}
+
+
+_NOOP_WORKER = (
+    "import sys; from redis import Redis; from rq import Queue, SimpleWorker; "
+    "c = Redis.from_url(sys.argv[1]); SimpleWorker([Queue(sys.argv[2], connection=c)], connection=c)"
+    ".work(burst=True, logging_level='WARNING')"
+)
+
+
+def ceiling(workers: int, jobs: int, redis_url: str) -> dict:
+    """RQ's own cost per job (SimpleWorker, as ours) with nothing of ours in the job, and raw Redis."""
+    conn = redis.Redis.from_url(redis_url)
+    conn.flushdb()
+    t = time.perf_counter()
+    for _ in range(2000):
+        conn.ping()
+    ping_us = (time.perf_counter() - t) / 2000 * 1e6
+    q = Queue(EVENTS_QUEUE, connection=conn)
+    for _ in range(jobs):
+        q.enqueue("bench.ingest.noop", result_ttl=0)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    t = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", _NOOP_WORKER, redis_url, EVENTS_QUEUE], env=env)
+             for _ in range(workers)]
+    for p in procs:
+        p.wait(600)
+    return {"workers": workers, "noop_jobs_per_s": jobs / (time.perf_counter() - t), "redis_ping_us": ping_us}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratings", type=int, default=2000)
+    ap.add_argument("--workers", default="1,2,4", help="comma list of event-worker counts")
+    ap.add_argument("--rate", type=float, default=500.0, help="the fixed offered rate for the latency row")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/10", help="a Redis DB this may flush")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = []
+    for w in (int(x) for x in args.workers.split(",")):
+        rows.append({**run_case(w, args.ratings, None, args.redis), **ceiling(w, args.ratings, args.redis)})
+        rows.append(run_case(w, min(args.ratings, int(args.rate * 4)), args.rate, args.redis))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return rows
+    print(f"{time.strftime('%Y-%m-%d')} · {platform.node()} · {os.cpu_count()} CPUs · "
+          f"Python {platform.python_version()}")
+    print("| workers | offered | ratings/s | p50 ms | p99 ms | no-op RQ jobs/s | Redis PING µs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['offered_rate']} | {r['ratings_per_s']:.0f} | {r['p50_ms']:.1f} | "
+              f"{r['p99_ms']:.1f} | {r.get('noop_jobs_per_s', float('nan')):.0f} | "
+              f"{r.get('redis_ping_us', float('nan')):.0f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
