@@ -59,6 +59,53 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     return notes
 
 
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def requeue_orphans(conn) -> int:
+    """Events jobs left "started" by a worker that is gone (killed with SIGKILL, say) go back on the
+    queue now, instead of when RQ's registry entry expires minutes later. A worker on this machine
+    whose process is gone counts as dead; the events handlers are idempotent, so a job requeued by a
+    race with a live worker that just took it only repeats a no-op."""
+    import socket
+
+    from rq import Worker
+    from rq.exceptions import NoSuchJobError
+
+    here = socket.gethostname()
+    busy = set()
+    for w in Worker.all(connection=conn):
+        if w.hostname == here and not _pid_alive(w.pid):
+            continue
+        current = w.get_current_job_id()
+        if current:
+            busy.add(current)
+    registry = StartedJobRegistry(EVENTS_QUEUE, connection=conn)
+    queue = Queue(EVENTS_QUEUE, connection=conn)
+    requeued = 0
+    for job_id, execution in registry.get_job_and_execution_ids(cleanup=False):
+        if job_id in busy:
+            continue
+        # RQ 3 keys started entries as "job:execution", which its own requeue() does not remove
+        if not conn.zrem(registry.key, f"{job_id}:{execution}" if execution else job_id):
+            continue  # another worker took care of it meanwhile
+        try:
+            queue.enqueue_job(Job.fetch(job_id, connection=conn), at_front=True)
+            requeued += 1
+        except NoSuchJobError:
+            pass
+    return requeued
+
+
 def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: QueueHandle | None = None) -> bool:
     """Work the queues named by ``which`` until stopped (or until empty with ``burst``)."""
     own = handle is None
@@ -67,6 +114,10 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
         if which in ("train", "all") and not burst:
             for note in recover(cfg, handle):
                 logging.getLogger("rlfleet.worker").warning(note)
+        if which in ("events", "all"):
+            n = requeue_orphans(handle.redis)
+            if n:
+                logging.getLogger("rlfleet.worker").warning("requeued %d events left by a dead worker", n)
         queues = [Queue(q, connection=handle.redis) for q in QUEUES[which]]
         worker = SimpleWorker(queues, connection=handle.redis)
         return worker.work(burst=burst, logging_level="WARNING")
