@@ -162,9 +162,10 @@ slack_events = st.fixed_dictionaries({
 
 
 @settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(events=st.lists(slack_events, min_size=25, max_size=25),
-       texts=st.lists(st.text(max_size=80), min_size=10, max_size=10))
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(events=st.lists(slack_events, min_size=12, max_size=12),
+       texts=st.lists(st.text(max_size=80), min_size=8, max_size=8))
 def test_slack_payloads_change_nothing_they_should_not(queued_home, events, texts):
     import asyncio
 
@@ -207,8 +208,9 @@ telegram_updates = st.dictionaries(
 
 
 @settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(updates=st.lists(telegram_updates, min_size=25, max_size=25))
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(updates=st.lists(telegram_updates, min_size=12, max_size=12))
 def test_telegram_webhook_takes_any_body_without_harm(queued_home, updates):
     import asyncio
 
