@@ -103,6 +103,21 @@ def requeue_orphans(conn) -> int:
             requeued += 1
         except NoSuchJobError:
             pass
+    # A worker killed between taking a job off the queue and starting it leaves it in RQ's
+    # intermediate list, in no registry: RQ only notices much later.
+    from rq.intermediate_queue import IntermediateQueue
+
+    intermediate = IntermediateQueue(queue.key, connection=conn)
+    started = set(registry.get_job_ids(cleanup=False))
+    for job_id in intermediate.get_job_ids():
+        if job_id in busy or job_id in started:
+            continue
+        intermediate.remove(job_id)
+        try:
+            queue.enqueue_job(Job.fetch(job_id, connection=conn), at_front=True)
+            requeued += 1
+        except NoSuchJobError:
+            pass
     return requeued
 
 
@@ -120,7 +135,9 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
                 logging.getLogger("rlfleet.worker").warning("requeued %d events left by a dead worker", n)
         queues = [Queue(q, connection=handle.redis) for q in QUEUES[which]]
         worker = SimpleWorker(queues, connection=handle.redis)
-        return worker.work(burst=burst, logging_level="WARNING")
+        # with_scheduler: failed events are retried after an interval (EVENT_RETRY), which only a
+        # scheduling worker puts back on the queue; without it a retried rating would wait forever
+        return worker.work(burst=burst, logging_level="WARNING", with_scheduler=True)
     finally:
         if own:
             handle.close()

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from rq.registry import StartedJobRegistry
+from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 from sqlalchemy import func, select
 
 from rlfleet.shared.config import load_config
@@ -60,7 +60,8 @@ def test_killed_event_workers_lose_and_double_nothing(queued_home):
             time.sleep(1.0)
         deadline = time.monotonic() + 60
         started = StartedJobRegistry(EVENTS_QUEUE, connection=handle.redis)
-        while handle.events.count or started.get_job_ids(cleanup=False):
+        scheduled = ScheduledJobRegistry(EVENTS_QUEUE, connection=handle.redis)  # retries after a failure
+        while handle.events.count or started.get_job_ids(cleanup=False) or scheduled.count:
             assert time.monotonic() < deadline, (
                 f"stuck: {handle.events.count} queued, {started.get_job_ids(cleanup=False)} started")
             if worker.poll() is not None:
