@@ -14,11 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+import redis
 from rq import Queue, SimpleWorker
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
-from rlfleet.shared.config import Config
+from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, open_queue, train_lock_key
 from rlfleet.shared.store import Store
@@ -31,7 +33,8 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
 
     - half-written adapter folders are removed and CURRENT agrees with the store;
     - a training run whose job is gone, failed or abandoned is marked failed and its lock released,
-      and training is queued again if the ratings are still there (so it resumes by itself).
+      and training is queued again if the ratings are still there (so it resumes by itself);
+    - a training lock that names an abandoned job is released.
     """
     from rlfleet.worker.jobs import context, maybe_trigger, reconcile
 
@@ -43,20 +46,75 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     slug = model_slug(cfg.model)
     store = Store(cfg.db_url)
     run = store.latest_run(slug)
+    lock = train_lock_key(slug)
+    released = False
     if run is not None and run.state in ("queued", "running"):
-        job_id = f"rlfleet-train-{slug}-{run.id}"
-        try:
-            status = Job.fetch(job_id, connection=conn).get_status()
-        except Exception:
-            status = None
-        if status not in (JobStatus.QUEUED, JobStatus.STARTED, JobStatus.DEFERRED, JobStatus.SCHEDULED):
+        if _train_job_lost(conn, f"rlfleet-train-{slug}-{run.id}"):
             store.fail_run(run.id, "interrupted: the training worker stopped during the run")
-            conn.delete(train_lock_key(slug))
+            conn.delete(lock)
             notes.append(f"run {run.id} was interrupted; marked failed")
-            msg = maybe_trigger(context(), conn)
-            if msg:
-                notes.append(msg)
+            released = True
+    elif run is not None and run.state == "failed" and (run.error or "").startswith("interrupted"):
+        released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
+    holder = conn.get(lock)
+    if holder and holder != b"claiming" and _train_job_lost(conn, holder.decode()):
+        # its run ended, but the worker died before letting go (killed in `train`'s cleanup)
+        conn.delete(lock)
+        notes.append("released the training lock of a dead worker")
+        released = True
+    if released:
+        msg = maybe_trigger(context(), conn)
+        if msg:
+            notes.append(msg)
     return notes
+
+
+def _train_job_lost(conn, job_id: str) -> bool:
+    """Whether training job ``job_id`` will never run to its end by itself (gone, ended, or abandoned).
+
+    A non-forking worker killed mid-run (SIGKILL, the OOM killer, a power cut) leaves its job
+    "started" until the job's timeout, a day for training: RQ renews no heartbeat while a SimpleWorker
+    runs a job, so its own cleanup would notice only then, and until then the training lock stayed
+    held and training never resumed. A started job that no live worker is running is abandoned now.
+    Likewise a queued job that a worker killed between dequeuing and starting left in RQ's
+    intermediate list (RQ fails those only after minutes of maintenance passes). Both are marked
+    failed in RQ, so nothing else waits on them."""
+    from rq.intermediate_queue import IntermediateQueue
+
+    try:
+        job = Job.fetch(job_id, connection=conn)
+    except NoSuchJobError:
+        return True
+    status = job.get_status()
+    if status in (JobStatus.DEFERRED, JobStatus.SCHEDULED):
+        return False
+    if status == JobStatus.QUEUED:
+        queue = Queue(job.origin, connection=conn)
+        if job_id not in IntermediateQueue(queue.key, connection=conn).get_job_ids() or job_id in _busy_jobs(conn):
+            return False
+    elif status == JobStatus.STARTED:
+        if job_id in _busy_jobs(conn):
+            return False
+    else:
+        return True
+    _bury(conn, job, "abandoned: the worker running it died")
+    return True
+
+
+def _bury(conn, job: Job, why: str) -> None:
+    """Take an abandoned job out of RQ's started registry and intermediate list and mark it failed."""
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.job_lifecycle import record_job_failure
+
+    queue = Queue(job.origin, connection=conn)
+    registry = StartedJobRegistry(job.origin, connection=conn)
+    for job_id, execution in registry.get_job_and_execution_ids(cleanup=False):
+        if job_id == job.id:
+            conn.zrem(registry.key, f"{job_id}:{execution}" if execution else job_id)
+    IntermediateQueue(queue.key, connection=conn).remove(job.id)
+    with conn.pipeline() as pipe:
+        record_job_failure(job, why, pipe)
+        pipe.execute()
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -71,15 +129,12 @@ def _pid_alive(pid: int | None) -> bool:
     return True
 
 
-def requeue_orphans(conn) -> int:
-    """Events jobs left "started" by a worker that is gone (killed with SIGKILL, say) go back on the
-    queue now, instead of when RQ's registry entry expires minutes later. A worker on this machine
-    whose process is gone counts as dead; the events handlers are idempotent, so a job requeued by a
-    race with a live worker that just took it only repeats a no-op."""
+def _busy_jobs(conn) -> set[str]:
+    """Ids of the jobs live workers are running. A worker on this machine whose process is gone is
+    dead, whatever its registration (which outlives a SIGKILLed worker) says."""
     import socket
 
     from rq import Worker
-    from rq.exceptions import NoSuchJobError
 
     here = socket.gethostname()
     busy = set()
@@ -89,6 +144,15 @@ def requeue_orphans(conn) -> int:
         current = w.get_current_job_id()
         if current:
             busy.add(current)
+    return busy
+
+
+def requeue_orphans(conn) -> int:
+    """Events jobs left "started" by a worker that is gone (killed with SIGKILL, say) go back on the
+    queue now, instead of when RQ's registry entry expires minutes later. A worker on this machine
+    whose process is gone counts as dead; the events handlers are idempotent, so a job requeued by a
+    race with a live worker that just took it only repeats a no-op."""
+    busy = _busy_jobs(conn)
     registry = StartedJobRegistry(EVENTS_QUEUE, connection=conn)
     queue = Queue(EVENTS_QUEUE, connection=conn)
     requeued = 0
@@ -103,12 +167,20 @@ def requeue_orphans(conn) -> int:
             requeued += 1
         except NoSuchJobError:
             pass
-    # A worker killed between taking a job off the queue and starting it leaves it in RQ's
-    # intermediate list, in no registry: RQ only notices much later.
+    return requeued + requeue_stranded(conn, queue, busy)
+
+
+def requeue_stranded(conn, queue: Queue, busy: set[str] | None = None) -> int:
+    """Jobs in RQ's intermediate list of ``queue`` that no worker holds go back on the queue. A worker
+    takes a job by moving it there; one killed before it starts the job, or a Redis crash between the
+    move and its reply (or the fetch after it), leaves the job there, in no registry, and RQ notices
+    only after minutes of maintenance passes."""
     from rq.intermediate_queue import IntermediateQueue
 
+    busy = _busy_jobs(conn) if busy is None else busy
+    started = set(StartedJobRegistry(queue.name, connection=conn).get_job_ids(cleanup=False))
     intermediate = IntermediateQueue(queue.key, connection=conn)
-    started = set(registry.get_job_ids(cleanup=False))
+    requeued = 0
     for job_id in intermediate.get_job_ids():
         if job_id in busy or job_id in started:
             continue
@@ -121,26 +193,138 @@ def requeue_orphans(conn) -> int:
     return requeued
 
 
+class _RecoveringQueue(Queue):
+    """RQ retries a dequeue that failed on a Redis error by itself, so the worker carries on; but the
+    failed attempt may have moved a job into the intermediate list already (the reply was lost, or the
+    fetch after the move failed), where no worker looks. The next dequeue first puts such jobs back."""
+
+    _lost_redis = False
+
+    @classmethod
+    def dequeue_any(cls, queues, timeout, connection, *args, **kwargs):
+        if _RecoveringQueue._lost_redis:
+            n = sum(requeue_stranded(connection, q) for q in queues)
+            _RecoveringQueue._lost_redis = False
+            if n:
+                logging.getLogger("rlfleet.worker").warning("requeued %d jobs a Redis outage left stranded", n)
+        try:
+            return super().dequeue_any(queues, timeout, connection, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError):
+            _RecoveringQueue._lost_redis = True
+            raise
+
+
 def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: QueueHandle | None = None) -> bool:
-    """Work the queues named by ``which`` until stopped (or until empty with ``burst``)."""
+    """Work the queues named by ``which`` until stopped (or until empty with ``burst``).
+
+    A Redis outage does not end a long-running worker: RQ itself retries only while waiting for a
+    job, and quits its loop when Redis goes away in the middle of one (or while it tidies up). Here
+    the worker then says so, waits until Redis answers again, puts back what the interrupted worker
+    held (the same recovery as at start) and works on, so `rlfleet up` needs no supervisor.
+    """
     own = handle is None
     handle = handle or open_queue(cfg)
+    log = logging.getLogger("rlfleet.worker")
+    if not burst:
+        _schedulers_stop_with_worker()
+    worked = False
     try:
-        if which in ("train", "all") and not burst:
-            for note in recover(cfg, handle):
-                logging.getLogger("rlfleet.worker").warning(note)
-        if which in ("events", "all"):
-            n = requeue_orphans(handle.redis)
-            if n:
-                logging.getLogger("rlfleet.worker").warning("requeued %d events left by a dead worker", n)
-        queues = [Queue(q, connection=handle.redis) for q in QUEUES[which]]
-        worker = SimpleWorker(queues, connection=handle.redis)
-        # with_scheduler: failed events are retried after an interval (EVENT_RETRY), which only a
-        # scheduling worker puts back on the queue; without it a retried rating would wait forever
-        return worker.work(burst=burst, logging_level="WARNING", with_scheduler=True)
+        while True:
+            worker = None
+            try:
+                if which in ("train", "all") and not burst:
+                    for note in recover(cfg, handle):
+                        log.warning(note)
+                if which in ("events", "all"):
+                    n = requeue_orphans(handle.redis)
+                    if n:
+                        log.warning("requeued %d events left by a dead worker", n)
+                queues = [_RecoveringQueue(q, connection=handle.redis) for q in QUEUES[which]]
+                worker = SimpleWorker(queues, connection=handle.redis, queue_class=_RecoveringQueue)
+                # with_scheduler: failed events are retried after an interval (EVENT_RETRY), which only a
+                # scheduling worker puts back on the queue; without it a retried rating would wait forever
+                worked = worker.work(burst=burst, logging_level="WARNING", with_scheduler=True) or worked
+                if burst or worker._shutdown_requested_date is not None:  # stopped on request (SIGTERM, Ctrl-C)
+                    return worked
+                # RQ quit its loop on an error it logged above (Redis gone in the middle of a job, mostly)
+                log.warning("the worker stopped without being asked to; it starts again when Redis answers")
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if burst:
+                    raise
+                log.warning("lost Redis at %s (%s: %s); the worker starts again when it answers",
+                            redact_url(handle.url), type(exc).__name__, exc)
+            time.sleep(1.0)  # no busy loop if the error is not Redis's
+            if not _wait_for_redis(handle.redis, log):
+                return worked
+            if worker is not None:
+                _forget(worker)
+            log.warning("the worker starts again on Redis at %s", redact_url(handle.url))
     finally:
         if own:
             handle.close()
+
+
+def _wait_for_redis(conn, log: logging.Logger) -> bool:
+    """Block until Redis answers (True) or a stop signal arrives meanwhile (False)."""
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):  # RQ's handlers belong to the worker that quit
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    try:
+        delay, said = 0.5, 0.0
+        while not stopping:
+            try:
+                if conn.ping():
+                    return True
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() - said > 30:
+                    log.warning("waiting for Redis (%s); retrying every few seconds", type(exc).__name__)
+                    said = time.monotonic()
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        return False
+    finally:  # until the next worker installs its own: a stop now just ends the process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _forget(worker: SimpleWorker) -> None:
+    """Unregister a worker whose loop ended on a Redis error (its own teardown could not reach Redis):
+    while registered with this live process's pid it would count as busy with the job it held, and
+    that job would never be put back."""
+    try:
+        worker.register_death()
+    except redis.RedisError:
+        pass
+    try:
+        worker.unsubscribe()
+    except Exception:  # noqa: BLE001 - the pubsub thread may be gone already
+        pass
+
+
+_SCHEDULER_WATCH = False
+
+
+def _schedulers_stop_with_worker() -> None:
+    """RQ forks its scheduler from the worker (``with_scheduler``) and stops it only on a clean shutdown:
+    a worker killed with SIGKILL left it running as an orphan for good (one more process, holding the
+    scheduler lock, after every such kill). The forked child watches its parent and stops with it."""
+    global _SCHEDULER_WATCH
+    if _SCHEDULER_WATCH:
+        return
+    _SCHEDULER_WATCH = True
+    parent = os.getpid()
+
+    def in_child() -> None:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's own clean stop: locks released
+
+        threading.Thread(target=watch, name="worker-watch", daemon=True).start()
+
+    os.register_at_fork(after_in_child=in_child)
 
 
 PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background workers: they stop when that process is gone

@@ -28,7 +28,7 @@ def _worker(env: dict) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_killed_event_workers_lose_and_double_nothing(queued_home):
+def test_killed_event_workers_lose_and_double_nothing(chaos_home):
     rng = random.Random(20261123)
     cfg = load_config(model="tiny")
     cfg.train.threshold = 100_000  # no training in the way
