@@ -15,8 +15,10 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import ValidationError
+
 from rlfleet.shared.config import BotSettings, Config
-from rlfleet.shared.events import Capture, Command, Message, Platform, Rating, Undo
+from rlfleet.shared.events import Capture, Command, Message, Platform, Rating, Undo, describe_validation_error
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import may_command, may_rate
 from rlfleet.shared.posted import Posted, PostedMessages
@@ -123,6 +125,15 @@ class BotCore:
         it replies to, when the platform says (else good/bad address the actor's last answer here)."""
         if is_bot or not actor:
             return None
+        try:
+            return await self._command(actor, conversation, text, target)
+        except ValidationError as exc:
+            # What the platform handed us does not make an event (a NUL in the comment, a conversation or
+            # user id over 256 characters): the ValidationError used to escape into the SDK's turn, and
+            # the person got no reply at all.
+            return Reply(describe_validation_error(exc, "could not record that"))
+
+    async def _command(self, actor: str, conversation: str, text: str, target: str | None) -> Reply:
         cmd = parse_rl(text)
         if cmd.verb == "help":
             head = f"unknown command {cmd.unknown!r}. " if cmd.unknown else ""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import discord
 from discord import app_commands
@@ -36,6 +37,29 @@ def intents() -> discord.Intents:
     return i
 
 
+def _tolerant(parsers: dict[str, Callable[[Any], None]]) -> None:
+    """discord.py parses each gateway event inside its receive loop, and `Client.connect` survives only
+    connection errors: one event it cannot read (a reaction without ``emoji``, a list where an object
+    belongs) ended the loop, `client.start()` raised and the bot stopped for good. Such an event is
+    dropped with a warning instead; the connection and every other event carry on."""
+    for name, parse in list(parsers.items()):
+        def guarded(data: Any, _name: str = name, _parse: Callable[[Any], None] = parse) -> None:
+            try:
+                _parse(data)
+            except Exception as exc:
+                log.warning("dropped a %s gateway event discord.py could not read (%s)", _name,
+                            exc.__class__.__name__)
+        parsers[name] = guarded
+
+
+def _sender(interaction: discord.Interaction) -> tuple[str | None, bool]:
+    """Who typed or pressed, and whether it is a bot. An interaction with neither ``member`` nor ``user``
+    leaves discord.py's ``interaction.user`` a falsy MISSING: ``.id`` raised, and the person who saw
+    "thinking…" never got a reply. Without a sender the core ignores it."""
+    user = interaction.user
+    return (str(user.id), bool(user.bot)) if user else (None, False)
+
+
 class RatingView(discord.ui.View):
     """👍 / 👎 under an answer; persistent (fixed custom ids, no timeout)."""
 
@@ -46,9 +70,9 @@ class RatingView(discord.ui.View):
     async def _rate(self, interaction: discord.Interaction, value: Literal[1, -1]) -> None:
         await interaction.response.defer(ephemeral=True, thinking=True)
         message = interaction.message
+        actor, is_bot = _sender(interaction)
         reply = await self.core.button(
-            str(interaction.user.id), str(interaction.channel_id), str(message.id) if message else "", value,
-            is_bot=interaction.user.bot,
+            actor, str(interaction.channel_id), str(message.id) if message else "", value, is_bot=is_bot,
         )
         await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
 
@@ -64,6 +88,7 @@ class RatingView(discord.ui.View):
 class RlfleetClient(discord.Client):
     def __init__(self, core: BotCore, sync_commands: bool = True, **options: object) -> None:
         super().__init__(intents=intents(), **options)  # type: ignore[arg-type]
+        _tolerant(self._connection.parsers)
         self.core = core
         self.sync_commands = sync_commands
         self.tree = app_commands.CommandTree(self)
@@ -78,8 +103,8 @@ class RlfleetClient(discord.Client):
         async def rl(interaction: discord.Interaction, action: Action, detail: str | None = None) -> None:
             await interaction.response.defer(ephemeral=True, thinking=True)
             text = f"{action} {detail or ''}".strip()
-            reply = await core.command(str(interaction.user.id), str(interaction.channel_id), text,
-                                       is_bot=interaction.user.bot)
+            actor, is_bot = _sender(interaction)
+            reply = await core.command(actor, str(interaction.channel_id), text, is_bot=is_bot)
             await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
 
     async def setup_hook(self) -> None:

@@ -120,8 +120,44 @@ class _AuthConfig:
         self.APP_TENANTID = s.tenant_id or ""
 
 
+def _missing(activity: Activity) -> str | None:
+    """The first field every Bot Framework activity carries and this one lacks. Without a recipient the
+    handler's mention stripping raised, without a conversation the reply did: the turn failed after
+    a 201, so the sender never learnt why."""
+    if not isinstance(activity, Activity) or not activity.type:
+        return "type"
+    for name, value in (("serviceUrl", activity.service_url), ("from", activity.from_property),
+                        ("recipient", activity.recipient),
+                        ("conversation.id", activity.conversation.id if activity.conversation else None)):
+        if not value:
+            return name
+    return None
+
+
+class _KeysUnavailable(RuntimeError):
+    pass
+
+
+class _Authentication(ConfigurationBotFrameworkAuthentication):
+    """botbuilder's token checks raise whatever PyJWT or a lookup raises on a token they cannot read
+    (DecodeError for ``Bearer x``, KeyError for a token without ``iss``, IndexError for an unknown key
+    id, InvalidSignatureError for a forged signature), and aiohttp answered those with 500. A token that
+    cannot be verified is a refusal: PermissionError, which the adapter answers with 401. Failing to
+    fetch the signing keys (requests' errors are OSErrors) is ours, not the sender's: 503."""
+
+    async def authenticate_request(self, activity: Activity, auth_header: str) -> Any:
+        try:
+            return await super().authenticate_request(activity, auth_header)
+        except PermissionError:
+            raise
+        except OSError as exc:
+            raise _KeysUnavailable(exc.__class__.__name__) from None
+        except Exception as exc:
+            raise PermissionError(f"unverifiable credentials ({exc.__class__.__name__})") from None
+
+
 def web_app(core: BotCore, settings: TeamsSettings, password: str | None) -> web.Application:
-    adapter = CloudAdapter(ConfigurationBotFrameworkAuthentication(_AuthConfig(settings, password)))
+    adapter = CloudAdapter(_Authentication(_AuthConfig(settings, password)))
     bot = TeamsBot(core)
 
     async def on_error(turn: TurnContext, error: Exception) -> None:
@@ -133,13 +169,19 @@ def web_app(core: BotCore, settings: TeamsSettings, password: str | None) -> web
         if "application/json" not in request.headers.get("Content-Type", ""):
             return web.json_response({"error": "expected an application/json activity"}, status=415)
         try:
-            Activity().deserialize(await request.json())
+            activity = Activity().deserialize(await request.json())
         except ValueError:
             return web.json_response({"error": "malformed activity"}, status=400)
+        missing = _missing(activity)
+        if missing:
+            return web.json_response({"error": f"malformed activity: no {missing}"}, status=400)
         try:
             response = await adapter.process(request, bot)
         except PermissionError:
             return web.json_response({"error": "unauthorized"}, status=401)
+        except _KeysUnavailable as exc:
+            log.warning("teams: cannot verify a request: the Bot Framework signing keys are unreachable (%s)", exc)
+            return web.json_response({"error": "cannot verify the sender now"}, status=503)
         return response or web.Response(status=201)
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)

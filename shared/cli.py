@@ -29,6 +29,11 @@ from .errors import BadInput, RlfleetError
 from .events import PLATFORMS, Capture, Command, Message, Rating, Undo, describe_validation_error
 from .queue import EVENTS_QUEUE, QueueHandle, enqueue_event, open_queue, wait_for
 
+try:  # typer >= 0.2x carries its own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException
+
 app = typer.Typer(
     name="rlfleet",
     help="Self-improving RL for your local model: rate answers, a LoRA adapter trains in the background.",
@@ -102,12 +107,12 @@ def _emit(result: dict, as_json: bool) -> None:
     if as_json:
         out.print_json(json.dumps(result, default=str))
     elif result.get("ok"):
-        out.print(result.get("message", "ok"))
+        out.print(escape(str(result.get("message", "ok"))))
         if result.get("training"):
-            out.print(f"[cyan]{result['training']}[/]")
+            out.print(f"[cyan]{escape(str(result['training']))}[/]")
     if not result.get("ok"):
         if not as_json:
-            err.print(f"[red]error:[/] {result.get('message', 'failed')}")
+            err.print(f"[red]error:[/] {one_line(str(result.get('message', 'failed')))}")
         raise typer.Exit(2)
 
 
@@ -117,17 +122,57 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> None:
+ERROR_CHARS = 500
+
+
+def one_line(text: str, limit: int = ERROR_CHARS) -> str:
+    """An error message as one printable line. Messages echo what the user typed: a newline or a control
+    character in it would break the one-line error, a 100 kB argument would bury it, and rich markup in
+    it (``[/x]``) made rich raise MarkupError, a traceback instead of the error."""
+    flat = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    if len(flat) > limit:
+        flat = flat[:limit] + "…"
+    return escape(flat)
+
+
+def _usage_line(exc: ClickException) -> str:
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    return one_line(exc.format_message()) + escape(hint)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``rlfleet`` entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop_on_signal)
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        app()
+        for n, arg in enumerate(args, 1):
+            # Bytes that are not UTF-8 arrive as lone surrogates; pydantic refused some fields and crashed
+            # serialising others (rollback's version): refuse them here, before anything runs.
+            if not arg.isascii():
+                try:
+                    arg.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInput(f"argument {n} is not valid UTF-8 text") from None
+        # standalone_mode=False: click's usage errors come to us and print as one line (click's own
+        # format is a usage block and a boxed panel), like every other error.
+        code = app(args=args, prog_name="rlfleet", standalone_mode=False)
+    except ClickException as exc:
+        if type(exc).__name__ != "NoArgsIsHelpError":  # that one printed the help already (typer's own test)
+            err.print(f"[red]error:[/] {_usage_line(exc)}")
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(1)
     except RlfleetError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {one_line(str(exc))}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 # ---- init -------------------------------------------------------------------------------------------
@@ -164,6 +209,11 @@ def init(
 ) -> None:
     """Write config.toml and the secret file in the data dir, and check the model loads."""
     cfg = load_config()
+    if agent:
+        from rlfleet.bridge.agents import agent as known_agent
+
+        for name in agent:  # before anything is written: an unknown agent used to fail after config.toml was saved
+            known_agent(name)
     interactive = _stdin_is_tty() and not yes
     if interactive:
         model = model or typer.prompt("Base model (smollm2-135m, a local folder, or org/name)", default=cfg.model)
@@ -640,7 +690,11 @@ def import_ratings_cmd(src: Annotated[Path, typer.Argument(help="A JSONL file fr
     from .ratings_io import ImportReport, read_jsonl
     from .store import Store
 
-    if not src.is_file():
+    try:
+        is_file = src.is_file()
+    except OSError as exc:  # a name too long for the file system: is_file() raises instead of saying no
+        raise BadInput(f"cannot read {src}: {exc.strerror}") from None
+    if not is_file:
         raise BadInput(f"no file {src}")
     cfg = _config()
     store = Store(cfg.db_url)

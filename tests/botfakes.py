@@ -391,3 +391,30 @@ class FakeOllama(FakeServer):
         if self.models.pop(body.get("model"), None) is None:
             return web.json_response({"error": f"model '{body.get('model')}' not found"}, status=404)
         return web.json_response({})
+
+
+@dataclass
+class FakeBotFrameworkKeys(FakeServer):
+    """The OpenID metadata and signing keys botbuilder fetches to verify an inbound token, per issuer
+    (``/channel/...``, ``/emulator/...``): point ``ChannelValidation.open_id_metadata_endpoint`` and
+    ``AuthenticationConstants.TO_BOT_FROM_EMULATOR_OPENID_METADATA_URL`` at :meth:`metadata_url`.
+    botbuilder fetches them with blocking ``requests``: serve this with :func:`in_thread`."""
+
+    jwks: dict[str, dict] = field(default_factory=dict)  # issuer name -> {"keys": [JWK, ...]}
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/{issuer}/.well-known/openidconfiguration", self.metadata)
+        app.router.add_get("/{issuer}/keys", self.keys)
+
+    def metadata_url(self, issuer: str) -> str:
+        return f"{self.url}/{issuer}/.well-known/openidconfiguration"
+
+    async def metadata(self, request: web.Request) -> web.Response:
+        await self.record(request)
+        issuer = request.match_info["issuer"]
+        return web.json_response({"issuer": issuer, "jwks_uri": f"{self.url}/{issuer}/keys",
+                                  "id_token_signing_alg_values_supported": ["RS256"]})
+
+    async def keys(self, request: web.Request) -> web.Response:
+        await self.record(request)
+        return web.json_response(self.jwks.get(request.match_info["issuer"], {"keys": []}))

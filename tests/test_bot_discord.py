@@ -80,7 +80,7 @@ class DiscordRig:
 
 
 @asynccontextmanager
-async def rig(home, monkeypatch, **settings):
+async def rig(home, monkeypatch, token: str = "TEST.TOKEN", **settings):
     fake = await FakeDiscord(bot_id=BOT).start()
     monkeypatch.setattr(discord.http.Route, "BASE", f"{fake.url}/api/v10")
     monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
@@ -88,7 +88,7 @@ async def rig(home, monkeypatch, **settings):
     try:
         async with bot_rig("discord", **settings) as base:
             client = RlfleetClient(base.core, sync_commands=True, guild_ready_timeout=0.1)
-            task = asyncio.create_task(client.start("TEST.TOKEN"))
+            task = asyncio.create_task(client.start(token))
             try:
                 await asyncio.wait_for(client.wait_until_ready(), 10)
                 yield DiscordRig(base, client, fake)

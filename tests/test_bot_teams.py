@@ -66,11 +66,11 @@ class TeamsRig:
 
 
 @asynccontextmanager
-async def rig(home, app_id: str | None = None, **settings):
+async def rig(home, app_id: str | None = None, password: str = "pw", **settings):
     connector = await FakeTeamsConnector().start()
     try:
         async with bot_rig("teams", app_id=app_id, **settings) as base:
-            app = web_app(base.core, base.cfg.bots.teams, "pw" if app_id else None)
+            app = web_app(base.core, base.cfg.bots.teams, password if app_id else None)
             async with listening(app, "127.0.0.1", 0) as port:
                 url = f"http://127.0.0.1:{port}/api/messages"
                 async with aiohttp.ClientSession() as http:

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hostile import SECRET, fuzz, json_values  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,16 +34,7 @@ from rlfleet.shared.config import load_config  # noqa: E402
 from rlfleet.shared.queue import open_queue  # noqa: E402
 from rlfleet.shared.ratings_io import ImportReport, read_jsonl  # noqa: E402
 
-EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-SECRET = "f" * 16 + "SECRET-VALUE-0123456789"
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=40),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
-    max_leaves=20,
-)
+FUZZ = fuzz()
 # Bodies shaped like the real ones, with the fields mutated: what a buggy or hostile gateway sends.
 field_names = st.sampled_from(["prompt", "response", "conversation", "message_ref", "owner", "actor", "source",
                                "target", "value", "comment", "event_id", "name", "args", "model", "capture_id",
@@ -161,9 +153,7 @@ slack_events = st.fixed_dictionaries({
              "channel": json_values, "ts": json_values, "subtype": json_values, "bot_id": json_values})
 
 
-@settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@fuzz(divisor=50)
 @given(events=st.lists(slack_events, min_size=12, max_size=12),
        texts=st.lists(st.text(max_size=80), min_size=8, max_size=8))
 def test_slack_payloads_change_nothing_they_should_not(queued_home, events, texts):
@@ -207,9 +197,7 @@ telegram_updates = st.dictionaries(
     max_size=4)
 
 
-@settings(max_examples=max(2, EXAMPLES // 50), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@fuzz(divisor=50)
 @given(updates=st.lists(telegram_updates, min_size=12, max_size=12))
 def test_telegram_webhook_takes_any_body_without_harm(queued_home, updates):
     import asyncio
