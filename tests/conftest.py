@@ -10,13 +10,13 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import redis
 
 sys.path.insert(0, str(Path(__file__).parent))  # tinymodel.py
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository root: bench/
 
 PG_ADMIN_URL = os.environ.get("RLFLEET_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_BASE = os.environ.get("RLFLEET_TEST_REDIS", "redis://127.0.0.1:6379")
@@ -124,22 +124,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """On the tiny model's tensors thread start-up costs more than the work: one thread is 3-4x faster
-    on a busy 2-core machine (an answer of 16 tokens: 0.78 s with 2 threads, 0.05 s with 1)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def single_thread() -> Iterator[None]:
+    from tinymodel import one_torch_thread
+
     with one_torch_thread():
         yield
 

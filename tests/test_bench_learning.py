@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import one_torch_thread
+from tinymodel import one_torch_thread
 
 from bench.learning.__main__ import main
 from bench.learning.metrics import collapse_signals, margin, preferred_rate, wilson

@@ -7,7 +7,17 @@ from dataclasses import replace
 
 import pytest
 
-from rlfleet.worker.gate import GateConfig, ModelScores, distinct_n, judge, margin, paired_noise, split_holdout
+from rlfleet.worker.gate import (
+    GateConfig,
+    ModelScores,
+    distinct_n,
+    judge,
+    margin,
+    paired_noise,
+    repeated_ngrams,
+    sample_plan,
+    split_holdout,
+)
 
 CFG = GateConfig()
 
@@ -46,14 +56,43 @@ def test_margin_and_noise_by_hand():
     assert math.isinf(paired_noise([0.1, 0.2], [0.0, 0.0], [1, -1]))  # one answer per class: no spread
 
 
+def test_repeated_ngrams_and_the_sampling_plan():
+    assert repeated_ngrams([1, 2, 3, 4, 5]) == 0.0
+    # "my dear , my dear , my dear !": 7 trigrams, 3 of them seen before
+    assert repeated_ngrams(["my", "dear", ",", "my", "dear", ",", "my", "dear", "!"]) == pytest.approx(3 / 7)
+    assert repeated_ngrams([1, 2]) == 0.0
+    assert sample_plan(["a", "b", "c"], 8) == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert sample_plan([], 8) == [] and sample_plan(["a"], 0) == []
+
+
+def test_scores_from_sums_measure_repetition_per_answer():
+    looping = [1, 2, 3, 1, 2, 3, 1, 2, 3]  # 7 trigrams, 3 distinct
+    s = ModelScores.from_sums([-1.0], [2.0], [0.0], [1], [looping, [4, 5, 6, 7]])
+    assert s.repetition == pytest.approx((4 / 7 + 0.0) / 2)
+    assert ModelScores.from_sums([-1.0], [2.0], [0.0], [1], None).repetition is None
+
+
+def test_a_blurred_or_looping_candidate_is_refused_even_when_its_margin_rises():
+    """What the 128-rating benchmark served before these checks: margin up, distinct bigrams at
+    0.7x (passing the collapse check), entropy 1.39x, answers repeating phrases."""
+    cand = _scores([-1.6, -1.7, -2.5, -2.6], entropy=2.78, distinct=0.63, repetition=0.15)
+    v = judge(REWARDS, BASE, BASE, cand, CFG)
+    assert v.metrics["heldout_margin_after"] > v.metrics["heldout_margin_before"]
+    assert not v.promote and "entropy" in v.reason and "trigrams" in v.reason
+    assert v.metrics["repetition"] == 0.15 and v.metrics["repetition_base"] == 0.02
+    # the same figures a little under the bounds pass
+    assert judge(REWARDS, BASE, BASE, replace(cand, entropy=2.5, repetition=0.09), CFG).promote
+
+
 def test_distinct_n():
     assert distinct_n([[1, 2, 3, 4]]) == 1.0
     assert distinct_n([[7, 7, 7, 7, 7]]) == pytest.approx(1 / 4)
     assert distinct_n([[1], []]) == 1.0
 
 
-def _scores(lps, kl=0.01, entropy=2.0, distinct=0.9, length=30.0):
-    return ModelScores(logprobs=lps, kl=kl, entropy=entropy, distinct2=distinct, answer_tokens=length)
+def _scores(lps, kl=0.01, entropy=2.0, distinct=0.9, length=30.0, repetition=0.02):
+    return ModelScores(logprobs=lps, kl=kl, entropy=entropy, distinct2=distinct, answer_tokens=length,
+                       repetition=repetition)
 
 
 REWARDS = [1, 1, -1, -1]
@@ -83,6 +122,8 @@ def test_inverted_preferences_are_rejected():
     [
         ({"kl": 0.9}, "KL to the base"),
         ({"entropy": 0.3}, "entropy"),
+        ({"entropy": 2.8}, "degenerating: next-token entropy 1.40x"),
+        ({"repetition": 0.2}, "repeat 20% of their trigrams"),
         ({"distinct": 0.2}, "distinct bigrams"),
         ({"length": 1.0}, "shrank"),
         ({"kl": float("nan")}, "non-finite"),

@@ -37,7 +37,7 @@ PAIRS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(single_thread) -> None:
-    """See conftest.one_torch_thread."""
+    """See tinymodel.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")
@@ -268,11 +268,11 @@ def test_gate_scores_match_the_torch_measurement(mlx_trainer, torch_trainer, lea
     from rlfleet.worker.gate import GateConfig
 
     out, _, _ = learned
-    teacher_forced = GateConfig(eval_prompts=0)
+    teacher_forced = GateConfig(eval_samples=0)
     for adapter in (None, out):
         got = mlx_trainer.score_model(PAIRS, adapter, teacher_forced)
         want = score_model(torch_trainer, PAIRS, adapter, teacher_forced)
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
         assert got.kl == pytest.approx(want.kl, abs=1e-4) and got.entropy == pytest.approx(want.entropy, abs=1e-4)
-    sampled = mlx_trainer.score_model(PAIRS, out, GateConfig(eval_prompts=2, eval_new_tokens=8))
+    sampled = mlx_trainer.score_model(PAIRS, out, GateConfig(eval_samples=2, eval_new_tokens=8))
     assert 0 <= sampled.distinct2 <= 1 and 0 <= sampled.answer_tokens <= 8

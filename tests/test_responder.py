@@ -27,7 +27,7 @@ MSGS = [{"role": "user", "content": "Say something nice about tests."}]
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(single_thread) -> None:
-    """See conftest.one_torch_thread."""
+    """See tinymodel.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

@@ -161,6 +161,40 @@ def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch
         handle.close()
 
 
+def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_home, monkeypatch):
+    """Redis gone in the middle of a run: the run is "interrupted" (not failed, which would wait for
+    new ratings), and the worker's recovery, once Redis answers, queues it again by itself."""
+    import redis as redis_mod
+
+    from rlfleet.worker.runner import recover
+
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        import rlfleet.worker.trainer as trainer_mod
+
+        real_run = trainer_mod.Trainer.run
+
+        def lost(self, *a, **k):
+            raise redis_mod.ConnectionError("Connection closed by server.")
+
+        monkeypatch.setattr(trainer_mod.Trainer, "run", lost)
+        _rate_some(cfg, handle, 4)
+        _work_train_queue(handle)  # the run's job raises, as it would with Redis gone
+        st = status()
+        assert st["training"]["state"] == "failed" and st["training"]["error"].startswith("interrupted: lost Redis")
+        assert st["adapter"]["current"] is None and st["ratings"]["pending"] == 4
+        assert handle.train.count == 0
+
+        monkeypatch.setattr(trainer_mod.Trainer, "run", real_run)
+        notes = recover(cfg, handle)  # what the worker runs when Redis answers again
+        assert any("queued" in n for n in notes), notes  # no new rating was needed
+        _work_train_queue(handle)
+        assert status()["adapter"]["current"] == "v0001"
+    finally:
+        handle.close()
+
+
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
     """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)

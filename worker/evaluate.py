@@ -1,8 +1,9 @@
 """Measure a model (the base, or the base plus an adapter) on held-out rated answers for the gate.
 
 Teacher-forced over the held-out answers: the mean log-prob of each, the exact KL to the base and
-the next-token entropy at each answer position. Sampled on a few held-out prompts: distinct
-bigrams and length, the collapse signals a teacher-forced pass cannot see.
+the next-token entropy at each answer position. Sampled answers on the held-out prompts (one
+batched ``generate``: on a CPU a batch of eight costs about what two answers one by one do): distinct
+bigrams, repetition inside each answer and length, the signals a teacher-forced pass cannot see.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from rlfleet.shared.responder import seeded_rng
 
-from .batching import encode_sample
-from .gate import GateConfig, ModelScores
+from .batching import _ids, encode_sample
+from .gate import GateConfig, ModelScores, sample_plan
 from .samples import TrainSample
 from .trainer import Trainer
 
@@ -57,10 +58,8 @@ def score_model(
                 ent_sum[i] += float(ent[k])
                 kl_sum[i] += float(kl[k])
                 count[i] += 1
-        sampled = [
-            _sample(trainer, model, p, cfg.eval_new_tokens, seed + j)
-            for j, (p, _r) in enumerate(pairs[: cfg.eval_prompts])
-        ]
+        prompts = sample_plan([p for p, _r in pairs], cfg.eval_samples)
+        sampled = _sample(trainer, model, prompts, cfg.eval_new_tokens, seed) if prompts else []
     return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
 
@@ -73,15 +72,22 @@ def _response_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, 
     return torch.log_softmax(logits[pred].float(), dim=-1), rows.cpu(), ids[:, 1:][pred]
 
 
-def _sample(trainer: Trainer, model, prompt: list[dict], max_new_tokens: int, seed: int) -> list[int]:
+def _sample(trainer: Trainer, model, prompts: list[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
+    """One sampled answer per prompt (temperature 0.7), as token ids up to the end token."""
     tok = trainer.tokenizer
-    enc = tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True, return_tensors="pt")
-    ids = enc["input_ids"].to(trainer.device)
     eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    rows = [_ids(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+    width = max(len(r) for r in rows)
+    # Left padding: every row's next token is generated at the same position.
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=trainer.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=trainer.device)
     with seeded_rng(seed, trainer.device):
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id or eos,
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=pad,
         )
-    new = out[0, ids.shape[1]:].tolist()
-    return new[: new.index(eos)] if eos in new else new
+    answers = []
+    for row in out[:, width:].tolist():
+        answers.append(row[: row.index(eos)] if eos in row else row)
+    return answers

@@ -12,7 +12,14 @@ or the base) on ratings the run never trained on:
   benchmark measured exactly that on the default model: runs on nothing but bad ratings shortened
   and blurred every answer (KL 0.34 per token, entropy 1.3x) while the one-sided margin rose;
 - collapse: the entropy of the next-token distribution on held-out answers, and the distinct
-  bigrams and length of sampled answers, must not fall far below the base's.
+  bigrams and length of sampled answers, must not fall far below the base's;
+- degeneration: answers that loop ("my dear, my dear, my dear!") or a next-token distribution
+  blurred well past the base's. Measured on the default model (bench/RESULTS.md): candidates served
+  at 96-128 ratings kept distinct bigrams at 0.56-0.66x the base's (the collapse check above passed
+  them) while their entropy rose to 1.34-1.39x and sampled answers repeated whole phrases; runs that
+  moved no preference at all drifted to 1.28-1.59x; the cleanest gain measured (short answers, GPU,
+  balanced preset) stayed at 1.20x. So the entropy has an upper bound too, and the share of repeated
+  trigrams inside each sampled answer may not rise much above the base's.
 """
 
 from __future__ import annotations
@@ -36,8 +43,12 @@ class GateConfig:
     max_kl_one_class: float = 0.1  # the cap when every held-out answer is good, or every one bad
     min_entropy_ratio: float = 0.4  # candidate / base next-token entropy on held-out answers
     min_distinct_ratio: float = 0.5  # candidate / base distinct bigrams of sampled answers
+    max_entropy_ratio: float = 1.3  # above this the candidate is blurring towards noise
+    max_repetition_rise: float = 0.08  # mean repeated-trigram share of sampled answers, over the base's
     min_answer_tokens: float = 2.0  # mean sampled length below this (base above 4x it) is collapse
-    eval_prompts: int = 4  # held-out prompts sampled for the collapse check (0: teacher-forced only)
+    # Answers sampled for the collapse checks, cycling through the held-out prompts (0: teacher-forced
+    # only). Eight: with four, one looping answer in four moved the figures by 25 points.
+    eval_samples: int = 8
     eval_new_tokens: int = 48
 
 
@@ -50,6 +61,7 @@ class ModelScores:
     entropy: float  # mean next-token entropy over held-out answer positions
     distinct2: float | None = None  # distinct bigram fraction of sampled answers
     answer_tokens: float | None = None  # mean sampled answer length
+    repetition: float | None = None  # mean share of repeated trigrams within each sampled answer
 
     @classmethod
     def from_sums(
@@ -68,6 +80,7 @@ class ModelScores:
             entropy=sum(ent_sum) / total,
             distinct2=distinct_n(sampled, 2) if sampled else None,
             answer_tokens=sum(len(o) for o in sampled) / len(sampled) if sampled else None,
+            repetition=sum(repeated_ngrams(o, 3) for o in sampled) / len(sampled) if sampled else None,
         )
 
 
@@ -132,6 +145,17 @@ def distinct_n(token_lists: Sequence[Sequence[int | str]], n: int = 2) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
+def repeated_ngrams(tokens: Sequence[int | str], n: int = 3) -> float:
+    """Share of one answer's n-grams that already occurred earlier in it (0.0 when it has none)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def sample_plan(prompts: Sequence[T], n: int) -> list[T]:
+    """The ``n`` prompts to sample answers for: the held-out ones in turn, repeated as needed."""
+    return [prompts[i % len(prompts)] for i in range(n)] if prompts else []
+
+
 def judge(
     rewards: Sequence[float], base: ModelScores, parent: ModelScores, cand: ModelScores, cfg: GateConfig
 ) -> Verdict:
@@ -156,6 +180,11 @@ def judge(
     if cand.answer_tokens is not None:
         metrics["answer_tokens"] = cand.answer_tokens
         metrics["answer_tokens_base"] = base.answer_tokens
+    repetition_rise = None
+    if cand.repetition is not None and base.repetition is not None:
+        repetition_rise = cand.repetition - base.repetition
+        metrics["repetition"] = cand.repetition
+        metrics["repetition_base"] = base.repetition
 
     one_class = len({r > 0 for r in rewards}) == 1
     kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if one_class else cfg.max_kl
@@ -174,6 +203,12 @@ def judge(
         reasons.append(f"KL to the base {cand.kl:.3f} > {kl_cap}{why}")
     if entropy_ratio < cfg.min_entropy_ratio:
         reasons.append(f"collapse: entropy {entropy_ratio:.2f}x the base's")
+    if entropy_ratio > cfg.max_entropy_ratio:
+        reasons.append(f"degenerating: next-token entropy {entropy_ratio:.2f}x the base's (> {cfg.max_entropy_ratio})")
+    if repetition_rise is not None and repetition_rise > cfg.max_repetition_rise:
+        reasons.append(
+            f"degenerating: sampled answers repeat {cand.repetition:.0%} of their trigrams (base {base.repetition:.0%})"
+        )
     if distinct_ratio is not None and distinct_ratio < cfg.min_distinct_ratio:
         reasons.append(f"collapse: distinct bigrams {distinct_ratio:.2f}x the base's")
     if (

@@ -31,6 +31,7 @@ from rlfleet.worker.gate import GateConfig, Verdict, judge, split_holdout
 
 log = logging.getLogger("rlfleet.worker")
 LOCK_TTL = 24 * 3600  # a training run longer than this is treated as dead
+CLAIM_TTL = 60  # seconds a trigger may take from claiming the training lock to queueing the job
 
 
 @dataclass
@@ -124,12 +125,14 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     if force and not ctx.store.pending_ratings(ctx.slug, 1):
         return "nothing to train on: no pending ratings"
     key = train_lock_key(ctx.slug)
-    if not conn.set(key, b"claiming", nx=True, ex=LOCK_TTL):
+    # "claiming" lives only for the moment between claiming and queueing: a worker killed in between
+    # must not block training for a day (no job id to check it against); the job's id then holds it.
+    if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
         holder = conn.get(key)
         if holder == b"claiming" or not _lock_is_stale(conn, holder):
             return "a training run is already queued or running"
         conn.delete(key)  # the worker holding it died: take over
-        if not conn.set(key, b"claiming", nx=True, ex=LOCK_TTL):
+        if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
             return "a training run is already queued or running"
     run_id = ctx.store.create_run(ctx.slug)
     job_id = f"rlfleet-train-{ctx.slug}-{run_id}"
@@ -168,6 +171,12 @@ def train(run_id: int, slug: str) -> dict:
         if slug != ctx.slug:
             raise RlfleetError(f"this worker trains {ctx.slug}, not {slug}; start one with that model")
         return _train(ctx, conn, run_id)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Redis went away mid-run: nothing was wrong with the ratings, so the run counts as interrupted
+        # (queued again as soon as the worker is back on Redis: runner.recover), not as failed (which
+        # would wait for half a threshold of new ratings first).
+        ctx.store.fail_run(run_id, f"interrupted: lost Redis during the run ({type(exc).__name__})")
+        raise
     except Exception as exc:  # a failed run leaves CURRENT alone and says why in status
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not isinstance(exc, RlfleetError):
@@ -179,9 +188,12 @@ def train(run_id: int, slug: str) -> dict:
         ctx.store.fail_run(run_id, "interrupted: the training worker stopped during the run")
         raise
     finally:
-        conn.delete(train_lock_key(slug))
-        conn.delete(progress_key(slug))
-        publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
+        try:
+            conn.delete(train_lock_key(slug))
+            conn.delete(progress_key(slug))
+            publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # Redis is gone: runner.recover releases the lock of this ended job once it is back
 
 
 def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
@@ -296,7 +308,7 @@ def evaluate_candidate(
     base = score_model(trainer, pairs, None, gcfg, max_tokens)
     # The parent is only needed for its margin: no sampling.
     parent = base if parent_dir is None else score_model(
-        trainer, pairs, parent_dir, replace(gcfg, eval_prompts=0), max_tokens
+        trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
     )
     cand = score_model(trainer, pairs, candidate_dir, gcfg, max_tokens)
     return judge(rewards, base, parent, cand, gcfg)

@@ -592,11 +592,11 @@ class MlxTrainer:
     ) -> Any:
         """The evaluation gate's measurement (``worker/evaluate.score_model``) on MLX: per answer the
         mean token log-prob, over all answer tokens the exact KL to the base and the next-token
-        entropy, and on ``cfg.eval_prompts`` prompts sampled answers (temperature 0.7) for the
+        entropy, and ``cfg.eval_samples`` sampled answers (temperature 0.7) for the
         distinct-bigram and length checks. ``cfg`` is a :class:`rlfleet.worker.gate.GateConfig`."""
         import numpy as np
 
-        from .gate import ModelScores
+        from .gate import ModelScores, sample_plan
 
         mx = _mx()
         samples = [TrainSample(i, p, r, 0.0) for i, (p, r) in enumerate(pairs)]
@@ -627,10 +627,8 @@ class MlxTrainer:
                     ent_sum[i] += float(ent_np[row][m].sum())
                     kl_sum[i] += float(kl_np[row][m].sum())
                     count[i] += int(m.sum())
-            sampled = [
-                self._sample(prompt, cfg.eval_new_tokens, seed + j)
-                for j, (prompt, _r) in enumerate(pairs[: cfg.eval_prompts])
-            ]
+            prompts = sample_plan([prompt for prompt, _r in pairs], cfg.eval_samples)
+            sampled = [self._sample(prompt, cfg.eval_new_tokens, seed + j) for j, prompt in enumerate(prompts)]
         return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
     def _log_softmax(self, ids: Any) -> Any:

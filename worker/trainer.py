@@ -41,10 +41,21 @@ _LOGIT_POSTPROCESSING = (
 
 class Trainer:
     def __init__(self, ref: ModelRef, device: str = "cpu") -> None:
+        self._attach(ref, device, load_tokenizer(ref), load_model(ref, device))
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, device: str, ref: ModelRef | None = None) -> Trainer:
+        """A Trainer around a model already in memory (the benchmarks build random-init ones)."""
+        self = cls.__new__(cls)
+        ref = ref or ModelRef(spec="in-memory", path="", gguf_file=None, slug="in-memory")
+        self._attach(ref, device, tokenizer, model.to(device).eval())
+        return self
+
+    def _attach(self, ref: ModelRef, device: str, tokenizer: Any, base: Any) -> None:
         self.ref = ref
         self.device = device
-        self.tokenizer = load_tokenizer(ref)
-        self.base = load_model(ref, device)
+        self.tokenizer = tokenizer
+        self.base = base
         for p in self.base.parameters():  # the base is never trained; only LoRA weights are
             p.requires_grad_(False)
         self._n_params = sum(p.numel() for p in self.base.parameters())

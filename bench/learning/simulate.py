@@ -146,7 +146,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         jobs._TRAINERS[key] = KtoTrainer(trainer)
 
     held = heldout_prompts(bc.heldout)
-    eval_cfg = GateConfig(eval_prompts=0)
+    eval_cfg = GateConfig(eval_samples=0)
     reference: dict = {}  # the base's held-out answers: fixed texts for margin and entropy
 
     def checkpoint(given: int) -> Checkpoint:

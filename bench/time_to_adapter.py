@@ -1,0 +1,177 @@
+"""Wall time from the threshold-th rating to a served adapter, through the whole pipeline.
+
+Real parts: Redis, an events worker and a training worker as `rlfleet up` starts them, the store
+in a fresh data dir, the default model. The answers exist already (answer generation is the chat's
+time, not this one's): short answers of about the chat's mean length on CPU (50 tokens, measured by
+bench.spine). Ratings alternate good and bad. For each run, all but the last rating of the batch are
+sent and stored first; the clock starts when the last one is enqueued and stops when `CURRENT`
+names the new version (or the run ends without one: then the verdict says why). The phases come
+from the training worker's progress record in Redis (polled every 0.1 s).
+
+Run 1 is cold (the training worker loads the model inside the first job); run 2 is what every
+later run costs.
+
+    python -m bench.time_to_adapter [--threshold 32] [--runs 2] [--redis URL] [--json] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "owls", "silk", "bees"]
+FORMS = ["Tell me about {} in two sentences.", "What is {} good for?", "Give me one fact about {}."]
+ANSWER = (
+    "{t} is a topic people ask about often. In short, {t} has a long history, a few common uses and "
+    "some surprising details that are worth a look if you have a minute to spare today."
+)
+
+
+def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"{what}: nothing after {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.time_to_adapter", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
+    ap.add_argument("--threshold", type=int, default=32, help="ratings per run (default 32, the default threshold)")
+    ap.add_argument("--runs", type=int, default=2, help="consecutive runs; the first is cold (default 2)")
+    ap.add_argument("--device", default="cpu", help="training device (default cpu)")
+    ap.add_argument("--redis", default=None,
+                    help="a Redis URL this may flush (default: the embedded one, started for this run)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for one run (default 900)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    args = ap.parse_args(argv)
+    # Stopped with SIGTERM (timeout, kill): unwind through `finally`, which stops the workers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from rich.console import Console
+
+    from rlfleet.shared.config import load_config
+    from rlfleet.shared.events import Capture, Message, Rating
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.queue import enqueue_event, open_queue, progress_key
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.store import Store
+
+    from .record import append, markdown_table
+
+    console = Console(stderr=True)
+    home = Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
+    # Without --redis: the embedded server of a fresh data dir, as a new user gets it.
+    chosen = {"RLFLEET_HOME": str(home), "RLFLEET_MODEL": args.model}
+    if args.redis:
+        chosen["REDIS_URL"] = args.redis
+    os.environ.pop("REDIS_URL", None)
+    os.environ.update(chosen)
+    env = {**os.environ, **chosen}
+    cfg = load_config(home)
+    cfg.train.threshold = args.threshold
+    cfg.train.device = args.device
+    cfg.save()
+    handle = open_queue(cfg)
+    if args.redis:
+        handle.redis.flushdb()
+    store = Store(cfg.db_url)
+    slug = model_slug(cfg.model)
+    registry = AdapterRegistry(cfg.adapters_root, slug)
+    n = args.threshold * args.runs
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        store.apply_capture(Capture(
+            capture_id=f"c{i}", prompt=[Message(role="user", content=FORMS[i % len(FORMS)].format(topic))],
+            response=ANSWER.format(t=topic.capitalize()), model=cfg.model,
+        ))
+    logs = open(home / "workers.log", "ab")
+    procs = [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env,
+                              stdout=logs, stderr=logs) for q in ("events", "train")]
+    runs: list[dict] = []
+    try:
+        for r in range(args.runs):
+            ratings = [Rating(target=f"c{i}", value=1 if i % 2 == 0 else -1)
+                       for i in range(r * args.threshold, (r + 1) * args.threshold)]
+            for ev in ratings[:-1]:
+                enqueue_event(handle, ev)
+            stored = r * args.threshold + len(ratings) - 1
+            _wait(lambda s=stored: store.counts(slug).total >= s, 120, "ratings stored")
+            before = registry.current()
+            last_run = store.latest_run(slug)
+            t0 = time.monotonic()
+            enqueue_event(handle, ratings[-1])
+            console.print(f"run {r + 1}: rating {args.threshold} sent, waiting for the adapter")
+            phases: dict[str, float] = {}
+
+            def finished(last=last_run, before=before, phases=phases, t0=t0):
+                got = handle.redis.hget(progress_key(slug), "phase")
+                if got:
+                    phases.setdefault(got.decode(), time.monotonic() - t0)
+                if registry.current() != before:
+                    return "served"
+                run = store.latest_run(slug)
+                if run is not None and (last is None or run.id != last.id) and run.state not in ("queued", "running"):
+                    return run.state
+                return None
+
+            outcome = _wait(finished, args.timeout, f"run {r + 1}")
+            total = time.monotonic() - t0
+            run = store.latest_run(slug)
+            metrics = run.metrics or {}
+            runs.append({
+                "run": r + 1, "outcome": outcome, "seconds": total, "phases": phases,
+                "version": run.version, "verdict": metrics.get("verdict"), "reason": metrics.get("reason"),
+                "train_seconds": metrics.get("seconds"), "tokens_per_s": metrics.get("tokens_per_s"),
+                "steps": metrics.get("steps"), "ratings_used": metrics.get("ratings_used"),
+            })
+            console.print(f"run {r + 1}: {outcome} after {total:.1f} s")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if args.redis:
+            handle.redis.flushdb()
+        handle.close()
+
+    order = ["loading", "reference", "training", "evaluating", "saving"]
+
+    def spans(ph: dict[str, float], total: float) -> str:
+        seen = [(k, ph[k]) for k in order if k in ph]
+        out = [f"queued {seen[0][1]:.1f}"] if seen else []
+        for (k, t), nxt in zip(seen, [*(t for _, t in seen[1:]), total], strict=True):
+            out.append(f"{k} {nxt - t:.1f}")
+        return " · ".join(out)
+
+    rows = [[r["run"], "cold" if r["run"] == 1 else "warm", r["outcome"], f"{r['seconds']:.1f} s",
+             spans(r["phases"], r["seconds"]), r["ratings_used"], r["steps"],
+             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "–"] for r in runs]
+    text = markdown_table(["run", "model", "outcome", "threshold-th rating → served", "phases (s)",
+                           "ratings trained", "steps", "train tokens/s"], rows)
+    figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "runs": runs}
+    print(json.dumps(figures) if args.json else text)
+    if not args.no_record:
+        append(f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · {args.device}", text)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

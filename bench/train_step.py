@@ -1,0 +1,389 @@
+"""Training-step throughput and peak memory: our objective vs TRL's KTOTrainer vs a two-copy loop.
+
+Same model, same ratings, same LoRA (rank, alpha, all linear layers), same micro-batch budget and
+device; each run is a fresh process (so one run's freed memory cannot hide the next one's peak),
+the methods interleaved round by round, medians reported.
+
+* ``ours``: the worker's Trainer (worker/trainer.py): one model, the reference is the base with the
+  adapter switched off and is computed once per run; the output head runs on response tokens only.
+* ``kto``: TRL's KTOTrainer on the same ratings (bench/learning/kto.py wires it to the same LoRA,
+  optimizer and batch budget); its reference is also the adapter switched off, computed every step,
+  plus its KL pass over mismatched pairs.
+* ``two-copy``: what a plain implementation does: a second, frozen copy of the model as the
+  reference, run every step, full-vocabulary logits at every position; the same MIS-PO loss.
+
+Figures: tokens/s of the steady steps (steps 2..N: the first pays one-off costs), tokens/s over the
+whole run (setup and our once-per-run reference pass included), and peak memory during the run
+(CUDA: the allocator's peak; CPU: the process's peak resident set) in total and above the loaded
+base model. "Tokens" are the rated prompt+answer tokens one optimizer step trains on, the same
+count for every method.
+
+    python -m bench.train_step --model default                  # the default model, CPU
+    python -m bench.train_step --model tiny --rounds 5          # the tests' tiny model
+    python -m bench.train_step --model arch:smollm2-135m --device cuda --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ours", "kto", "two-copy")
+
+
+# -- one run, in its own process -------------------------------------------------------------------
+
+
+def build_trainer(model: str, device: str, dtype: str) -> Any:
+    """``tiny`` / ``arch:NAME`` (random-init, byte tokenizer), ``default`` or a model folder/hub id."""
+    import torch
+
+    from rlfleet.shared.models import resolve_model
+    from rlfleet.worker.trainer import Trainer
+
+    from .synthetic import byte_tokenizer, random_model
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    if model == "tiny" or model.startswith("arch:"):
+        tok = byte_tokenizer()
+        arch = "tiny" if model == "tiny" else model.removeprefix("arch:")
+        return Trainer.from_model(random_model(arch, tok, device, torch_dtype), tok, device)
+    trainer = Trainer(resolve_model(model), device)
+    if torch_dtype != torch.float32:
+        trainer.base.to(torch_dtype)
+    return trainer
+
+
+class Memory:
+    """Peak memory from a reset point: CUDA's allocator peak, or the process's peak RSS on CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+
+    def current(self) -> int:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return _status_kb("VmRSS") * 1024
+
+    def reset(self) -> None:
+        import torch
+
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            # Linux: writing 5 resets the peak-RSS mark (VmHWM) to the current RSS.
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def peak(self) -> int:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return _status_kb("VmHWM") * 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
+    """The plain loop: a frozen second copy as the reference, full logits everywhere, every step."""
+    import torch
+
+    from rlfleet.worker.batching import encode_sample
+    from rlfleet.worker.objective import loss_for
+
+    reference = copy.deepcopy(trainer.base)  # the second copy: its memory is part of this method
+    encoded = [encode_sample(trainer.tokenizer, s, cfg.max_tokens) for s in samples]
+    groups, batches = trainer._batches(encoded, cfg.micro_batch_tokens)
+    adv = trainer._advantages(samples, None, cfg).to(trainer.device)
+    autocast = trainer._use_autocast(encoded)
+    loss_fn = loss_for(cfg)
+
+    def logprobs(model: Any, batch: dict) -> torch.Tensor:
+        with trainer._autocast(autocast):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        picked = lp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=picked.device)
+        out[:, 1:] = picked
+        return out * batch["response_mask"]
+
+    torch.manual_seed(cfg.seed)
+    with trainer._adapter(None, cfg, trainable=True) as model:
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr)
+        behaviour: dict[int, torch.Tensor] = {}
+        for step in range(cfg.steps):
+            opt.zero_grad(set_to_none=True)
+            for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
+                with torch.no_grad():
+                    ref_lp = logprobs(reference, batch)
+                new_lp = logprobs(model, batch)
+                if k not in behaviour:
+                    behaviour[k] = new_lp.detach()
+                out = loss_fn(new_lp, behaviour[k], ref_lp, batch["response_mask"], adv[group])
+                (out.loss * len(group) / len(samples)).backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            on_step(step + 1)
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    from rlfleet.shared.models import pick_device
+    from rlfleet.worker.batching import encode_sample
+    from rlfleet.worker.presets import preset
+    from rlfleet.worker.samples import Progress
+
+    from . import synthetic
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    device = pick_device(args.device)
+    trainer = build_trainer(args.model, device, args.dtype)
+    samples = synthetic.ratings(args.samples, args.prompt_chars, args.response_chars, seed=0)
+    cfg = replace(
+        preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
+        max_tokens=args.max_tokens, rank=args.rank, alpha=args.rank,
+    )
+    encoded = [encode_sample(trainer.tokenizer, s, cfg.max_tokens) for s in samples]
+    tokens_per_step = sum(e.length for e in encoded)
+    flops_per_step = _step_flops(trainer, [(e.prompt_len, e.n_response) for e in encoded], cfg.rank)
+
+    memory = Memory(device)
+    base_bytes = memory.current()
+    memory.reset()
+    stamps: dict[int, float] = {}
+
+    def on_step(step: int) -> None:
+        if memory.cuda:
+            torch.cuda.synchronize()
+        stamps.setdefault(step, time.perf_counter())
+
+    def on_progress(p: Progress) -> None:
+        if p.phase == "training" and p.step >= 1:
+            on_step(p.step)
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as out:
+        if args.child == "ours":
+            trainer.run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
+        elif args.child == "kto":
+            from .learning.kto import KtoTrainer
+
+            KtoTrainer(trainer).run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
+        else:
+            two_copy_run(trainer, samples, cfg, on_step)
+    seconds = time.perf_counter() - started
+    peak = memory.peak()
+    steady = [stamps[s] for s in sorted(stamps)]
+    if len(steady) < 2:
+        raise RuntimeError(f"{args.child}: saw {len(steady)} step(s); need --steps >= 2")
+    return {
+        "method": args.child,
+        "model": args.model,
+        "device": device,
+        "dtype": args.dtype,
+        "samples": args.samples,
+        "tokens_per_step": tokens_per_step,
+        "steps": args.steps,
+        "step_tokens_per_s": tokens_per_step * (len(steady) - 1) / (steady[-1] - steady[0]),
+        "step_model_gflops_per_s": flops_per_step * (len(steady) - 1) / (steady[-1] - steady[0]) / 1e9
+        if flops_per_step else None,
+        "run_tokens_per_s": tokens_per_step * args.steps / seconds,
+        "peak_bytes": peak,
+        "base_bytes": base_bytes,
+        "above_base_bytes": peak - base_bytes,
+    }
+
+
+def _step_flops(trainer: Any, lengths: list[tuple[int, int]], rank: int) -> float | None:
+    """The step's model FLOPs (bench.train_gpu's count), for Llama-shaped configs; else None."""
+    from .train_gpu import step_flops
+
+    try:
+        return step_flops(trainer.base.config, lengths, rank)
+    except AttributeError:
+        return None
+
+
+def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20) -> float:
+    """This machine's fp32 matrix-product rate (GFLOP/s): the ceiling a training step works under."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    for _ in range(3):
+        a @ b
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        a @ b
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeat / (time.perf_counter() - t) / 1e9
+
+
+# -- the interleaved rounds ------------------------------------------------------------------------
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    keep = ("model", "device", "dtype", "samples", "prompt_chars", "response_chars", "steps",
+            "micro_batch_tokens", "max_tokens", "rank", "threads")
+    out: list[str] = []
+    for k in keep:
+        out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    return out
+
+
+def run_rounds(args: argparse.Namespace, methods: list[str]) -> list[dict]:
+    from rich.progress import Progress as Bar
+
+    results: list[dict] = []
+    total = args.rounds * len(methods)
+    with Bar(transient=True) as bar:
+        task = bar.add_task("train_step", total=total)
+        for r in range(args.rounds):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]  # interleaved, rotated
+            for m in order:
+                bar.update(task, description=f"round {r + 1}/{args.rounds} · {m}")
+                cmd = [sys.executable, "-m", "bench.train_step", "--child", m, *_forward(args)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+                if proc.returncode != 0:
+                    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+                    raise SystemExit(f"{m} failed (exit {proc.returncode}):\n{tail}")
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                bar.advance(task)
+    return results
+
+
+def summarise(results: list[dict], methods: list[str]) -> list[dict]:
+    rows = []
+    for m in methods:
+        mine = [r for r in results if r["method"] == m]
+        rows.append({
+            "method": m,
+            "runs": len(mine),
+            "tokens_per_step": mine[0]["tokens_per_step"],
+            "step_tokens_per_s": statistics.median(r["step_tokens_per_s"] for r in mine),
+            "run_tokens_per_s": statistics.median(r["run_tokens_per_s"] for r in mine),
+            "model_gflops_per_s": statistics.median(r["step_model_gflops_per_s"] or 0.0 for r in mine),
+            "peak_bytes": statistics.median(r["peak_bytes"] for r in mine),
+            "above_base_bytes": statistics.median(r["above_base_bytes"] for r in mine),
+            "base_bytes": mine[0]["base_bytes"],
+        })
+    kto = next((r for r in rows if r["method"] == "kto"), None)
+    for r in rows:
+        if kto:
+            r["speed_vs_kto"] = r["step_tokens_per_s"] / kto["step_tokens_per_s"]
+            r["peak_vs_kto"] = r["peak_bytes"] / kto["peak_bytes"]
+            r["above_base_vs_kto"] = r["above_base_bytes"] / max(kto["above_base_bytes"], 1)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    from .record import markdown_table
+
+    def mib(b: float) -> str:
+        return f"{b / 2**20:,.0f} MiB"
+
+    header = ["method", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
+              "above base", "speed vs KTO", "peak vs KTO", "above-base vs KTO"]
+    body = [
+        [r["method"], r["tokens_per_step"], f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
+         f"{r['model_gflops_per_s']:,.1f}",
+         mib(r["peak_bytes"]), mib(r["above_base_bytes"]),
+         f"{r['speed_vs_kto']:.2f}×" if "speed_vs_kto" in r else "–",
+         f"{r['peak_vs_kto']:.2f}×" if "peak_vs_kto" in r else "–",
+         f"{r['above_base_vs_kto']:.2f}×" if "above_base_vs_kto" in r else "–"]
+        for r in rows
+    ]
+    return markdown_table(header, body)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.train_step", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--model", default="default", help="default | tiny | arch:NAME | a folder")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="base weights (default fp32)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--samples", type=int, default=32, help="rated samples per step (default 32)")
+    ap.add_argument("--prompt-chars", type=int, default=200, help="prompt length in characters (default 200)")
+    ap.add_argument("--response-chars", type=int, default=400, help="answer length in characters (default 400)")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run (default 4; the first is not timed)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported (default 3)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048, help="micro-batch budget (default 2048)")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="per-sample token cap (default 1024)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (default: torch's choice)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--no-record", action="store_true", help="do not append the table to bench/RESULTS.md")
+    ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (the first step is not timed)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    if args.child:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the one JSON line only
+            result = child(args)
+        print(json.dumps(result))
+        return result
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    rows = summarise(run_rounds(args, methods), methods)
+    from rlfleet.shared.models import pick_device
+
+    ceiling = matmul_gflops(pick_device(args.device), args.threads)
+    summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "rounds": args.rounds, "rows": rows,
+               "matmul_gflops_per_s": ceiling}
+    text = table(rows) + (
+        f"\n\nfp32 matrix product on this machine (1024², same threads): {ceiling:,.1f} GFLOP/s. Model GFLOP/s "
+        "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
+        "causal attention, the head on answer tokens)."
+    )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(text)
+    if not args.no_record:
+        from .record import append
+
+        append(f"`bench.train_step` · {args.model} · {args.dtype}", text)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

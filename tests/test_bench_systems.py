@@ -1,0 +1,74 @@
+"""The systems benchmarks (bench/train_step.py, train_gpu.py, time_to_adapter.py, record.py) run end to
+end on the tiny offline model and report figures that add up. No timing is asserted: figures are
+for bench/RESULTS.md, not for CI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("trl", reason="the KTO baseline needs TRL: pip install -e '.[bench]'")
+
+from bench import record, time_to_adapter, train_gpu, train_step  # noqa: E402
+from bench.synthetic import llama_config  # noqa: E402
+
+
+def test_train_step_compares_the_three_methods_on_the_same_tokens():
+    summary = train_step.main(["--model", "tiny", "--rounds", "1", "--steps", "2", "--samples", "4",
+                               "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
+                               "--json", "--no-record"])
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert set(rows) == {"ours", "kto", "two-copy"}
+    assert len({r["tokens_per_step"] for r in rows.values()}) == 1  # same ratings, same token count
+    for r in rows.values():
+        assert r["step_tokens_per_s"] > 0 and r["run_tokens_per_s"] > 0 and r["model_gflops_per_s"] > 0
+        assert r["peak_bytes"] >= r["base_bytes"] > 0
+    assert rows["kto"]["speed_vs_kto"] == 1.0
+    ours, kto = rows["ours"], rows["kto"]
+    assert ours["speed_vs_kto"] == pytest.approx(ours["step_tokens_per_s"] / kto["step_tokens_per_s"])
+    assert summary["matmul_gflops_per_s"] > 0
+
+
+def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
+    figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
+                              "--prompt-tokens", "32", "--response-tokens", "16", "--json", "--no-record"])
+    assert figures["tokens_per_step"] == 2 * (32 + 16)
+    assert figures["mfu"] is None and figures["tokens_per_s"] > 0
+    # The FLOP count by hand for one sample on the tiny shape (d 64, i 128, 2 layers, 4 heads, 2 kv)
+    from bench.synthetic import byte_tokenizer
+
+    cfg = llama_config("tiny", byte_tokenizer())
+    d, i, layers, v = 64, 128, 2, cfg.vocab_size
+    kv = 2 * (d // 4)
+    n_lin = layers * (2 * d * d + 2 * d * kv + 3 * d * i)
+    n_lora = layers * 8 * ((d + d) * 2 + (d + kv) * 2 + (d + i) * 3)
+    seq, resp = 48, 16
+    expected = seq * (4 * n_lin + 6 * n_lora) + layers * 3 * d * seq * seq + resp * 4 * d * v
+    assert train_gpu.step_flops(cfg, [(32, 16)], rank=8) == pytest.approx(expected)
+    assert train_gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert train_gpu.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert train_gpu.peak_tflops("a card nobody listed") is None
+
+
+def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the embedded server, as a new user gets it
+    figures = time_to_adapter.main(["--model", str(tiny_model_dir), "--threshold", "8", "--runs", "1",
+                                    "--timeout", "240", "--json", "--no-record"])
+    (run,) = figures["runs"]
+    assert run["outcome"] in ("served", "rejected", "succeeded")
+    assert run["version"] == "v0001" and run["steps"] and math.isfinite(run["seconds"])
+    assert run["ratings_used"] >= 1
+    assert "training" in run["phases"]  # the progress record was seen mid-run
+
+
+def test_record_appends_a_dated_block_with_the_command(tmp_path, monkeypatch):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nearlier text\n")
+    monkeypatch.setattr("sys.argv", ["bench/train_step.py", "--model", "tiny"])
+    record.append("`bench.x` · tiny", "| a |\n|---|\n| 1 |", results)
+    record.append("`bench.x` · tiny", "| a |\n|---|\n| 2 |", results)
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\nearlier text\n")
+    assert text.count(record.APPENDED) == 1 and text.count("### `bench.x` · tiny · ") == 2
+    assert "--model tiny" in text and text.index("| 1 |") < text.index("| 2 |")
