@@ -49,6 +49,7 @@ def build_trainer(model: str, device: str, dtype: str) -> Any:
     """``tiny`` / ``arch:NAME`` (random-init, byte tokenizer), ``default`` or a model folder/hub id."""
     import torch
 
+    from rlfleet.shared.config import DEFAULT_MODEL
     from rlfleet.shared.models import resolve_model
     from rlfleet.worker.trainer import Trainer
 
@@ -59,7 +60,7 @@ def build_trainer(model: str, device: str, dtype: str) -> Any:
         tok = byte_tokenizer()
         arch = "tiny" if model == "tiny" else model.removeprefix("arch:")
         return Trainer.from_model(random_model(arch, tok, device, torch_dtype), tok, device)
-    trainer = Trainer(resolve_model(model), device)
+    trainer = Trainer(resolve_model(DEFAULT_MODEL if model == "default" else model), device)
     if torch_dtype != torch.float32:
         trainer.base.to(torch_dtype)
     return trainer

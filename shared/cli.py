@@ -861,7 +861,10 @@ def _serves_locally(cfg: Config) -> bool:
 def up(
     threshold: Annotated[int | None, typer.Option(help="Ratings that start a training run.")] = None,
 ) -> None:
-    """Start Redis (embedded when no REDIS_URL) and the workers, with a live status panel. Ctrl-C stops."""
+    """Start Redis (embedded when no REDIS_URL) and the workers, with a live status panel. Ctrl-C stops.
+
+    A worker, bot, responder or bridge that dies is started again (at once after a long life, with
+    growing waits after quick exits, not after six quick exits in a row)."""
     from rich.live import Live
 
     from rlfleet.bots.runner import enabled_bots
@@ -877,12 +880,12 @@ def up(
             with Live(console=out, refresh_per_second=2, transient=False) as live:
                 while True:
                     st = status_dict(cfg, q)
-                    alive = workers.alive()
                     grid = Table.grid()
                     grid.add_row(render_status(st))
-                    dead = [n for n, ok in alive.items() if not ok]
-                    if dead:
-                        grid.add_row(f"[red]worker stopped: {', '.join(dead)} (see {workers.log_dir})[/]")
+                    for name, line in workers.state().items():
+                        colour = "yellow" if line.startswith("restarted") else "red"
+                        where = escape(str(workers.log_path(name)))
+                        grid.add_row(f"[{colour}]{name}: {escape(line)} (log: {where})[/]")
                     grid.add_row("[dim]Ctrl-C to stop[/]")
                     live.update(grid)
                     time.sleep(1.0)
