@@ -389,6 +389,13 @@ class Store:
                 select(TrainRun).where(TrainRun.model == model).order_by(TrainRun.id.desc()).limit(1)
             ).first()
 
+    def recent_runs(self, model: str, n: int) -> list[TrainRun]:
+        """The model's last ``n`` runs, newest first."""
+        with self.session() as s:
+            return list(s.scalars(
+                select(TrainRun).where(TrainRun.model == model).order_by(TrainRun.id.desc()).limit(n)
+            ))
+
     def start_run(self, run_id: int, parent: str | None) -> None:
         with self.session() as s:
             run = s.get(TrainRun, run_id)

@@ -195,6 +195,41 @@ def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_
         handle.close()
 
 
+def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home, monkeypatch):
+    """A run that takes its worker down every time (the OOM killer, say) is retried at once twice, then
+    treated like a failure: no retry loop, a reason in status, and new ratings or `train` go on."""
+    import redis as redis_mod
+
+    import rlfleet.worker.trainer as trainer_mod
+    from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW
+    from rlfleet.worker.runner import recover
+
+    cfg = load_config()
+    handle = open_queue(cfg)
+    try:
+        def lost(self, *a, **k):
+            raise redis_mod.ConnectionError("Connection closed by server.")
+
+        monkeypatch.setattr(trainer_mod.Trainer, "run", lost)
+        _rate_some(cfg, handle, 4)
+        for attempt in range(1, INTERRUPTED_IN_A_ROW + 1):
+            _work_train_queue(handle)
+            notes = recover(cfg, handle)
+            retried = any("queued" in n for n in notes)
+            assert retried == (attempt < INTERRUPTED_IN_A_ROW), (attempt, notes)
+        assert handle.train.count == 0
+        st = status()
+        assert st["ratings"]["pending"] == 4
+        assert "3 runs in a row: not retried" in st["training"]["error"], st["training"]
+
+        _rate_some(cfg, handle, 1)  # one new rating is not half a threshold (2): still waiting
+        assert handle.train.count == 0
+        results = _rate_some(cfg, handle, 1)
+        assert results[0]["training"].startswith("training run")
+    finally:
+        handle.close()
+
+
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
     """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)

@@ -103,14 +103,41 @@ def _lock_is_stale(conn: redis.Redis, job_id: bytes | None) -> bool:
     return job.get_status() in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED)
 
 
+INTERRUPTED_IN_A_ROW = 3
+
+
+def interrupted_streak(store: Store, slug: str, before: int | None = None) -> int:
+    """How many of the model's latest runs (older than run ``before``) in a row were interrupted: their
+    worker died or lost Redis."""
+    streak = 0
+    for run in store.recent_runs(slug, INTERRUPTED_IN_A_ROW + 1):
+        if before is not None and run.id >= before:
+            continue
+        if run.state != "failed" or not (run.error or "").startswith("interrupted"):
+            break
+        streak += 1
+    return streak
+
+
+def fail_interrupted(store: Store, slug: str, run_id: int, why: str) -> None:
+    """Mark a run interrupted (retried at once); the last of a streak says it will not be, and why."""
+    error = f"interrupted: {why}"
+    in_a_row = interrupted_streak(store, slug, before=run_id) + 1
+    if in_a_row >= INTERRUPTED_IN_A_ROW:
+        error += (f" ({in_a_row} runs in a row: not retried until half a threshold of new ratings, or "
+                  "`rlfleet train`; out of memory? see the training worker's log)")
+    store.fail_run(run_id, error)
+
+
 def _waiting_after_failure(ctx: Context) -> bool:
     """After a failed or rejected run its ratings are still pending: retrying on every new rating
-    would train on nearly the same data again and again. Wait for half a threshold of new ones
-    (an interrupted run is retried at once: nothing was wrong with its data)."""
+    would train on nearly the same data again and again. Wait for half a threshold of new ones.
+    An interrupted run is retried at once (nothing was wrong with its data), unless the last few all
+    were: a run that kills its worker every time (the OOM killer, say) would otherwise loop forever."""
     last = ctx.store.latest_run(ctx.slug)
     if last is None or last.state not in ("failed", "rejected") or last.started is None:
         return False
-    if (last.error or "").startswith("interrupted"):
+    if (last.error or "").startswith("interrupted") and interrupted_streak(ctx.store, ctx.slug) < INTERRUPTED_IN_A_ROW:
         return False
     return ctx.store.pending_count(ctx.slug, since=last.started) < max(1, ctx.cfg.train.threshold // 2)
 
@@ -175,7 +202,7 @@ def train(run_id: int, slug: str) -> dict:
         # Redis went away mid-run: nothing was wrong with the ratings, so the run counts as interrupted
         # (queued again as soon as the worker is back on Redis: runner.recover), not as failed (which
         # would wait for half a threshold of new ratings first).
-        ctx.store.fail_run(run_id, f"interrupted: lost Redis during the run ({type(exc).__name__})")
+        fail_interrupted(ctx.store, ctx.slug, run_id, f"lost Redis during the run ({type(exc).__name__})")
         raise
     except Exception as exc:  # a failed run leaves CURRENT alone and says why in status
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -185,7 +212,7 @@ def train(run_id: int, slug: str) -> dict:
         ctx.store.fail_run(run_id, msg)
         return {"ok": False, "message": f"training run {run_id} failed: {msg}"}
     except BaseException:  # stopped mid-run (Ctrl-C, shutdown): say so, keep CURRENT, re-raise
-        ctx.store.fail_run(run_id, "interrupted: the training worker stopped during the run")
+        fail_interrupted(ctx.store, ctx.slug, run_id, "the training worker stopped during the run")
         raise
     finally:
         try:

@@ -40,7 +40,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       and training is queued again if the ratings are still there (so it resumes by itself);
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.jobs import context, maybe_trigger, reconcile
+    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile
 
     notes: list[str] = []
     reconcile(cfg)
@@ -54,7 +54,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     released = False
     if run is not None and run.state in ("queued", "running"):
         if _train_job_lost(conn, f"rlfleet-train-{slug}-{run.id}"):
-            store.fail_run(run.id, "interrupted: the training worker stopped during the run")
+            fail_interrupted(store, slug, run.id, "the training worker stopped during the run")
             conn.delete(lock)
             notes.append(f"run {run.id} was interrupted; marked failed")
             released = True
