@@ -3,13 +3,16 @@
 Real parts: Redis, an events worker and a training worker as `rlfleet up` starts them, the store
 in a fresh data dir, the default model. The answers exist already (answer generation is the chat's
 time, not this one's): short answers of about the chat's mean length on CPU (50 tokens, measured by
-bench.spine). Ratings alternate good and bad. For each run, all but the last rating of the batch are
-sent and stored first; the clock starts when the last one is enqueued and stops when `CURRENT`
+bench.spine). Ratings alternate good (a clear answer) and bad (an evasive one). For each run, all
+but the last rating that reaches the threshold are sent and stored first (after the first run fewer
+new ones do: a run's held-out ratings stay pending); the clock starts when the last one is enqueued
+and stops when `CURRENT`
 names the new version (or the run ends without one: then the verdict says why). The phases come
 from the training worker's progress record in Redis (polled every 0.1 s).
 
-Run 1 is cold (the training worker loads the model inside the first job); run 2 is what every
-later run costs.
+Run 1 is the first run of a freshly started training worker (it loads the model as it starts,
+`train.preload`, so the load overlaps the time the ratings take to arrive: a few seconds here,
+minutes for a real user); later runs are what every run after it costs.
 
     python -m bench.time_to_adapter [--threshold 32] [--runs 2] [--redis URL] [--json] [--no-record]
 """
@@ -28,9 +31,15 @@ from pathlib import Path
 
 TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "owls", "silk", "bees"]
 FORMS = ["Tell me about {} in two sentences.", "What is {} good for?", "Give me one fact about {}."]
-ANSWER = (
+# One consistent taste (the clear answer good, the evasive one bad), as a real user rates: labels that
+# contradict each other on one answer make a run the KL check refuses, and nothing would be timed.
+GOOD = (
     "{t} is a topic people ask about often. In short, {t} has a long history, a few common uses and "
     "some surprising details that are worth a look if you have a minute to spare today."
+)
+BAD = (
+    "{t}? Hard to say. Some say one thing about {t}, some say another, and I would not like to pick "
+    "between them, so you may want to ask someone else about it, or look it up later."
 )
 
 
@@ -51,7 +60,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
     ap.add_argument("--threshold", type=int, default=32, help="ratings per run (default 32, the default threshold)")
-    ap.add_argument("--runs", type=int, default=2, help="consecutive runs; the first is cold (default 2)")
+    ap.add_argument("--runs", type=int, default=2, help="consecutive runs (default 2)")
+    ap.add_argument("--first-after", type=float, default=60.0,
+                    help="seconds after the workers start before the first run's last rating is sent: a "
+                         "user's first ratings take minutes (default 60; 0: at once)")
     ap.add_argument("--device", default="cpu", help="training device (default cpu)")
     ap.add_argument("--redis", default=None,
                     help="a Redis URL this may flush (default: the embedded one, started for this run)")
@@ -97,25 +109,35 @@ def main(argv: list[str] | None = None) -> dict:
         topic = TOPICS[i % len(TOPICS)]
         store.apply_capture(Capture(
             capture_id=f"c{i}", prompt=[Message(role="user", content=FORMS[i % len(FORMS)].format(topic))],
-            response=ANSWER.format(t=topic.capitalize()), model=cfg.model,
+            response=(GOOD if i % 2 == 0 else BAD).format(t=topic.capitalize()), model=cfg.model,
         ))
     logs = open(home / "workers.log", "ab")
     procs = [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env,
                               stdout=logs, stderr=logs) for q in ("events", "train")]
+    workers_started = time.monotonic()
     runs: list[dict] = []
     try:
+        sent = 0
         for r in range(args.runs):
-            ratings = [Rating(target=f"c{i}", value=1 if i % 2 == 0 else -1)
-                       for i in range(r * args.threshold, (r + 1) * args.threshold)]
+            # The threshold counts pending ratings, and a run's held-out slice stays pending (it trains
+            # the next run): after the first run fewer than `threshold` new ratings start one.
+            need = max(1, args.threshold - store.pending_count(slug))
+            last = store.latest_run(slug)
+            if last is not None and last.state in ("failed", "rejected") and last.started is not None:
+                # after a refused run the next waits for half a threshold of new ratings (worker/jobs.py)
+                need = max(need, max(1, args.threshold // 2) - store.pending_count(slug, since=last.started))
+            ratings = [Rating(target=f"c{i}", value=1 if i % 2 == 0 else -1) for i in range(sent, sent + need)]
+            sent += need
             for ev in ratings[:-1]:
                 enqueue_event(handle, ev)
-            stored = r * args.threshold + len(ratings) - 1
-            _wait(lambda s=stored: store.counts(slug).total >= s, 120, "ratings stored")
+            _wait(lambda s=sent - 1: store.counts(slug).total >= s, 120, "ratings stored")
+            if r == 0:
+                time.sleep(max(0.0, workers_started + args.first_after - time.monotonic()))
             before = registry.current()
             last_run = store.latest_run(slug)
             t0 = time.monotonic()
             enqueue_event(handle, ratings[-1])
-            console.print(f"run {r + 1}: rating {args.threshold} sent, waiting for the adapter")
+            console.print(f"run {r + 1}: rating {args.threshold} sent ({need} new), waiting for the adapter")
             phases: dict[str, float] = {}
 
             def finished(last=last_run, before=before, phases=phases, t0=t0):
@@ -152,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             handle.redis.flushdb()
         handle.close()
 
-    order = ["loading", "reference", "training", "evaluating", "saving"]
+    order = ["loading", "reference", "training", "saving", "evaluating"]  # the gate reads the saved candidate
 
     def spans(ph: dict[str, float], total: float) -> str:
         seen = [(k, ph[k]) for k in order if k in ph]
@@ -161,15 +183,16 @@ def main(argv: list[str] | None = None) -> dict:
             out.append(f"{k} {nxt - t:.1f}")
         return " · ".join(out)
 
-    rows = [[r["run"], "cold" if r["run"] == 1 else "warm", r["outcome"], f"{r['seconds']:.1f} s",
+    rows = [[r["run"], "first" if r["run"] == 1 else "later", r["outcome"], f"{r['seconds']:.1f} s",
              spans(r["phases"], r["seconds"]), r["ratings_used"], r["steps"],
              f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "–"] for r in runs]
-    text = markdown_table(["run", "model", "outcome", "threshold-th rating → served", "phases (s)",
+    text = markdown_table(["run", "of the worker", "outcome", "threshold-th rating → served", "phases (s)",
                            "ratings trained", "steps", "train tokens/s"], rows)
     figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "runs": runs}
     print(json.dumps(figures) if args.json else text)
     if not args.no_record:
-        append(f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · {args.device}", text)
+        append(f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · {args.device} · "
+               f"first run's last rating {args.first_after:.0f} s after start", text)
     return figures
 
 

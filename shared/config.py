@@ -43,6 +43,10 @@ class TrainSettings(BaseModel):
     min_holdout: int = Field(4, ge=1, le=1000)
     # KL cap (nats/token) for a candidate whose held-out ratings are all good or all bad (worker/gate.py)
     gate_one_class_kl: float = Field(0.1, gt=0, le=10)
+    # The training worker loads the model when it starts, not inside the first run: the load (20-35 s
+    # on a CPU for the default model) overlaps the minutes it takes to collect the first ratings.
+    # false: load on the first run (memory is held only once training has happened).
+    preload: bool = True
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
     # Explicit overrides of the preset's values; None = the preset decides.

@@ -197,7 +197,7 @@ def test_learning_moves_held_out_preferences(mlx_trainer, learned):
     assert result.metrics["ratings_used"] == 32 and result.metrics["steps"] == LEARN.steps
     assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
     assert seen[0].phase == "reference" and seen[-1].phase == "saving"
-    assert [p.step for p in seen if p.phase == "training"] == list(range(1, LEARN.steps + 1))
+    assert [p.step for p in seen if p.phase == "training"] == list(range(0, LEARN.steps + 1))  # 0: steps begin
 
     good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
     bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]

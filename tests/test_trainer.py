@@ -175,7 +175,7 @@ def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learne
     # ema None: baseline = mean of this run's ratings = 0, so +1 -> 1.2 and -1 -> -1.
     assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
     assert [p.phase for p in seen][0] == "reference"
-    assert [p.step for p in seen if p.phase == "training"] == list(range(1, LEARN.steps + 1))
+    assert [p.step for p in seen if p.phase == "training"] == list(range(0, LEARN.steps + 1))  # 0: steps begin
 
     before = base_logits(trainer)
     assert not any("lora" in name for name, _ in trainer.base.named_modules())

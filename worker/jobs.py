@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -176,6 +177,7 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
 # ---- training -------------------------------------------------------------------------------------
 
 _TRAINERS: dict[tuple[str, str], object] = {}
+_TRAINERS_LOCK = threading.Lock()  # a run that starts while the worker preloads waits for that load
 
 
 def get_trainer(cfg: Config):
@@ -186,9 +188,28 @@ def get_trainer(cfg: Config):
     ref = resolve_model(cfg.model)
     device = pick_device(cfg.train.device)
     key = (ref.path + (ref.gguf_file or ""), device)
-    if key not in _TRAINERS:
-        _TRAINERS[key] = make_trainer(ref, device)
-    return _TRAINERS[key]
+    with _TRAINERS_LOCK:
+        if key not in _TRAINERS:
+            _TRAINERS[key] = make_trainer(ref, device)
+        return _TRAINERS[key]
+
+
+def preload_trainer(cfg: Config) -> threading.Thread:
+    """Load the model in the background as the training worker starts. A failure is only logged: the
+    first run loads again and says why in status."""
+
+    def load() -> None:
+        started = time.monotonic()
+        try:
+            get_trainer(cfg)
+        except Exception as exc:
+            log.warning("could not preload %s (%s); the first training run will try again", cfg.model, exc)
+        else:
+            log.info("preloaded %s in %.1f s", cfg.model, time.monotonic() - started)
+
+    thread = threading.Thread(target=load, name="rlfleet-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def train(run_id: int, slug: str) -> dict:

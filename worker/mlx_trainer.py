@@ -400,6 +400,7 @@ class MlxTrainer:
         with self._adapter(parent_adapter, cfg) as spec:
             report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
             ref_lp, beh_lp = self._fixed_logprobs(encoded, groups, batches, parent_adapter)
+            report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
             def loss_fn(ids, mask, beh, ref, group_adv, share):
                 out = mispo_loss(

@@ -230,6 +230,11 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
     handle = handle or open_queue(cfg)
     if not burst:
         _schedulers_stop_with_worker()
+        # not MLX: its arrays belong to the stream of the thread that made them
+        if which in ("train", "all") and cfg.train.preload and cfg.train.device != "mlx":
+            from rlfleet.worker.jobs import preload_trainer
+
+            preload_trainer(cfg)
     worked = False
     try:
         while True:

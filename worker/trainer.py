@@ -200,6 +200,7 @@ class Trainer:
         with self._adapter(parent_adapter, cfg, trainable=True) as model:
             report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
             ref_lp, beh_lp = self._fixed_logprobs(model, encoded, groups, batches, parent_adapter, autocast)
+            report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
             loss_fn = loss_for(cfg)
             params = [p for p in model.parameters() if p.requires_grad]
