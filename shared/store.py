@@ -516,9 +516,20 @@ class Store:
     def _baseline(self, s: Session, model: str) -> Baseline:
         base = s.get(Baseline, model)
         if base is None:
-            base = Baseline(model=model, ema=None, count=0, lineage=0)
-            s.add(base)
-            s.flush()
+            # Several processes (`up`'s status panel, the workers' recovery) may create it at once:
+            # the loser of a plain INSERT raised IntegrityError and `up` exited. Insert-or-nothing, then read.
+            from sqlalchemy.dialects import postgresql, sqlite
+
+            dialect = s.get_bind().dialect.name
+            insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
+            if insert is None:  # another database: the plain insert
+                base = Baseline(model=model, ema=None, count=0, lineage=0)
+                s.add(base)
+                s.flush()
+                return base
+            s.execute(insert(Baseline).values(model=model, ema=None, count=0, lineage=0)
+                      .on_conflict_do_nothing(index_elements=["model"]))
+            base = s.get(Baseline, model)
         return base
 
     def baseline(self, model: str) -> tuple[float | None, int]:

@@ -288,7 +288,7 @@ def _train(ctx: Context, conn: redis.Redis, run_id: int) -> dict:
     train_samples = [s for s in samples if s.rating_id not in held_ids]
 
     trainer = get_trainer(ctx.cfg)
-    tcfg = presets.resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe)
+    tcfg = presets.resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
     ema, _lineage = ctx.store.baseline(ctx.slug)
     version = ctx.registry.next_version()
     staging = ctx.registry.staging(version)

@@ -53,8 +53,14 @@ def preset(name: Preset) -> TrainConfig:
     return _PRESETS[name]
 
 
-def resolve(settings: TrainSettings, n_params: float | None = None, moe: bool = False) -> TrainConfig:
-    """The preset with the model-size scaling, MoE adjustments, then the user's explicit overrides."""
+CPU_MICRO_BATCH_TOKENS = 512
+
+
+def resolve(
+    settings: TrainSettings, n_params: float | None = None, moe: bool = False, device: str | None = None
+) -> TrainConfig:
+    """The preset with the model-size scaling, MoE adjustments, then the user's explicit overrides.
+    ``device``: where the run trains (the micro-batch default depends on it)."""
     cfg = _PRESETS[settings.preset]
     lr = cfg.lr
     if n_params:
@@ -71,7 +77,8 @@ def resolve(settings: TrainSettings, n_params: float | None = None, moe: bool = 
         beta=beta if settings.beta is None else settings.beta,
         seq_band=tuple(settings.seq_band) if settings.seq_band else cfg.seq_band,
         max_tokens=settings.max_tokens,
-        micro_batch_tokens=settings.micro_batch_tokens,
+        micro_batch_tokens=settings.micro_batch_tokens
+        or (CPU_MICRO_BATCH_TOKENS if device == "cpu" else cfg.micro_batch_tokens),
         seed=settings.seed,
         device=settings.device,
         objective=settings.objective,
