@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import shlex
@@ -49,3 +51,24 @@ def _module() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return spec.name.removesuffix(".__main__") if spec is not None else Path(sys.argv[0]).stem
+
+
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring's first paragraph as the description, the rest as the
+    epilog (``--help`` then explains what is measured and how)."""
+    head, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=head, epilog=rest,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def output_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--no-record", action="store_true", help="do not append the table to bench/RESULTS.md")
+
+
+def publish(figures: dict, text: str, args: argparse.Namespace, title: str) -> None:
+    """Print the figures (``--json``) or the table, and append the table to RESULTS.md (unless
+    ``--no-record``)."""
+    print(json.dumps(figures) if args.json else text)
+    if not args.no_record:
+        append(title, text)

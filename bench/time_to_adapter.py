@@ -19,8 +19,6 @@ minutes for a real user); later runs are what every run after it costs.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .record import output_options, parser, publish
 
 TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "owls", "silk", "bees"]
 FORMS = ["Tell me about {} in two sentences.", "What is {} good for?", "Give me one fact about {}."]
@@ -54,10 +54,7 @@ def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.time_to_adapter", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
+    ap = parser("bench.time_to_adapter", __doc__)
     ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
     ap.add_argument("--threshold", type=int, default=32, help="ratings per run (default 32, the default threshold)")
     ap.add_argument("--runs", type=int, default=2, help="consecutive runs (default 2)")
@@ -68,8 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--redis", default=None,
                     help="a Redis URL this may flush (default: the embedded one, started for this run)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for one run (default 900)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    output_options(ap)
     args = ap.parse_args(argv)
     # Stopped with SIGTERM (timeout, kill): unwind through `finally`, which stops the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -83,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.store import Store
 
-    from .record import append, markdown_table
+    from .record import markdown_table
 
     console = Console(stderr=True)
     home = Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
@@ -189,10 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = markdown_table(["run", "of the worker", "outcome", "threshold-th rating → served", "phases (s)",
                            "ratings trained", "steps", "train tokens/s"], rows)
     figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "runs": runs}
-    print(json.dumps(figures) if args.json else text)
-    if not args.no_record:
-        append(f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · {args.device} · "
-               f"first run's last rating {args.first_after:.0f} s after start", text)
+    publish(figures, text, args, f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · "
+            f"{args.device} · first run's last rating {args.first_after:.0f} s after start")
     return figures
 
 

@@ -18,13 +18,13 @@ not a step: it is reported beside, in the whole-run tokens/s.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from .record import output_options, parser, publish
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {
@@ -79,10 +79,7 @@ def step_flops(cfg: Any, lengths: list[tuple[int, int]], rank: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.train_gpu", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
+    ap = parser("bench.train_gpu", __doc__)
     ap.add_argument("--arch", default="llama-8b", help="llama-8b | smollm2-135m | tiny (default llama-8b)")
     ap.add_argument("--device", default="cuda", help="default cuda")
     ap.add_argument("--samples", type=int, default=16, help="rated samples per step (default 16)")
@@ -92,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps; the first is not timed (default 5)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: from the name)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
+    output_options(ap)
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not timed)")
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.worker.trainer import Trainer
 
     from . import synthetic
-    from .record import append, markdown_table
+    from .record import markdown_table
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -179,9 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = markdown_table(
         ["model", "ratings × (prompt+answer)", "tokens/step", "step", "tokens/s", "run tokens/s",
          "model TFLOP/s", "MFU", "peak memory"], rows)
-    print(json.dumps(figures) if args.json else text)
-    if not args.no_record:
-        append(f"`bench.train_gpu` · {args.arch} · LoRA r{args.rank}", text)
+    publish(figures, text, args, f"`bench.train_gpu` · {args.arch} · LoRA r{args.rank}")
     return figures
 
 

@@ -39,6 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .record import output_options, parser, publish
+
 METHODS = ("ours", "kto", "two-copy")
 
 
@@ -327,10 +329,7 @@ def table(rows: list[dict]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.train_step", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1],
-    )
+    ap = parser("bench.train_step", __doc__)
     ap.add_argument("--model", default="default", help="default | tiny | arch:NAME | a folder")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="base weights (default fp32)")
@@ -344,8 +343,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="per-sample token cap (default 1024)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (default: torch's choice)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--no-record", action="store_true", help="do not append the table to bench/RESULTS.md")
+    output_options(ap)
     ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -375,14 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
         "causal attention, the head on answer tokens)."
     )
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(text)
-    if not args.no_record:
-        from .record import append
-
-        append(f"`bench.train_step` · {args.model} · {args.dtype}", text)
+    publish(summary, text, args, f"`bench.train_step` · {args.model} · {args.dtype}")
     return summary
 
 

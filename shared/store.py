@@ -384,10 +384,8 @@ class Store:
             return s.get(TrainRun, run_id)
 
     def latest_run(self, model: str) -> TrainRun | None:
-        with self.session() as s:
-            return s.scalars(
-                select(TrainRun).where(TrainRun.model == model).order_by(TrainRun.id.desc()).limit(1)
-            ).first()
+        runs = self.recent_runs(model, 1)
+        return runs[0] if runs else None
 
     def recent_runs(self, model: str, n: int) -> list[TrainRun]:
         """The model's last ``n`` runs, newest first."""

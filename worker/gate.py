@@ -147,8 +147,7 @@ def distinct_n(token_lists: Sequence[Sequence[int | str]], n: int = 2) -> float:
 
 def repeated_ngrams(tokens: Sequence[int | str], n: int = 3) -> float:
     """Share of one answer's n-grams that already occurred earlier in it (0.0 when it has none)."""
-    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+    return 1.0 - distinct_n([tokens], n)
 
 
 def sample_plan(prompts: Sequence[T], n: int) -> list[T]:

@@ -26,6 +26,7 @@ from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import may_command
 from rlfleet.shared.queue import EVENTS_QUEUE, PUSH_JOB, TRAIN_JOB, TRAIN_QUEUE, progress_key, push_key, train_lock_key
 from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.schema import TrainRun
 from rlfleet.shared.status import build_status, publish_snapshot
 from rlfleet.shared.store import Store
 from rlfleet.worker.gate import GateConfig, Verdict, judge, split_holdout
@@ -107,6 +108,11 @@ def _lock_is_stale(conn: redis.Redis, job_id: bytes | None) -> bool:
 INTERRUPTED_IN_A_ROW = 3
 
 
+def was_interrupted(run: TrainRun) -> bool:
+    """A run that failed for a reason outside its data (its worker died, Redis went away)."""
+    return run.state == "failed" and (run.error or "").startswith("interrupted")
+
+
 def interrupted_streak(store: Store, slug: str, before: int | None = None) -> int:
     """How many of the model's latest runs (older than run ``before``) in a row were interrupted: their
     worker died or lost Redis."""
@@ -114,7 +120,7 @@ def interrupted_streak(store: Store, slug: str, before: int | None = None) -> in
     for run in store.recent_runs(slug, INTERRUPTED_IN_A_ROW + 1):
         if before is not None and run.id >= before:
             continue
-        if run.state != "failed" or not (run.error or "").startswith("interrupted"):
+        if not was_interrupted(run):
             break
         streak += 1
     return streak
@@ -138,7 +144,7 @@ def _waiting_after_failure(ctx: Context) -> bool:
     last = ctx.store.latest_run(ctx.slug)
     if last is None or last.state not in ("failed", "rejected") or last.started is None:
         return False
-    if (last.error or "").startswith("interrupted") and interrupted_streak(ctx.store, ctx.slug) < INTERRUPTED_IN_A_ROW:
+    if was_interrupted(last) and interrupted_streak(ctx.store, ctx.slug) < INTERRUPTED_IN_A_ROW:
         return False
     return ctx.store.pending_count(ctx.slug, since=last.started) < max(1, ctx.cfg.train.threshold // 2)
 

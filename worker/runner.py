@@ -40,7 +40,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       and training is queued again if the ratings are still there (so it resumes by itself);
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile
+    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted
 
     notes: list[str] = []
     reconcile(cfg)
@@ -58,7 +58,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
             conn.delete(lock)
             notes.append(f"run {run.id} was interrupted; marked failed")
             released = True
-    elif run is not None and run.state == "failed" and (run.error or "").startswith("interrupted"):
+    elif run is not None and was_interrupted(run):
         released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
     holder = conn.get(lock)
     if holder and holder != b"claiming" and _train_job_lost(conn, holder.decode()):
@@ -262,7 +262,7 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
                 log.warning("lost Redis at %s (%s: %s); the worker starts again when it answers",
                             redact_url(handle.url), type(exc).__name__, exc)
             time.sleep(1.0)  # no busy loop if the error is not Redis's
-            if not _wait_for_redis(handle.redis, log):
+            if not _wait_for_redis(handle.redis):
                 return worked
             if worker is not None:
                 _forget(worker)
@@ -272,7 +272,7 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
             handle.close()
 
 
-def _wait_for_redis(conn, log: logging.Logger) -> bool:
+def _wait_for_redis(conn) -> bool:
     """Block until Redis answers (True) or a stop signal arrives meanwhile (False)."""
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):  # RQ's handlers belong to the worker that quit
@@ -323,8 +323,6 @@ def _schedulers_stop_with_worker() -> None:
     parent = os.getpid()
 
     def in_child() -> None:
-        import threading
-
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(0.2)
