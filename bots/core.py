@@ -223,8 +223,8 @@ class BotCore:
     # ---- plumbing ---------------------------------------------------------------------------------------
 
     async def _send(self, ev: Rating | Undo | Command) -> Reply:
-        job = enqueue_event(self.handle, ev)
-        result = await asyncio.to_thread(wait_for, job, self.wait_s)
+        ticket = enqueue_event(self.handle, ev)
+        result = await asyncio.to_thread(wait_for, ticket, self.wait_s)
         if result is None:
             return Reply("noted; it will be recorded when the rlfleet worker gets to it")
         msg = str(result.get("message") or ("done" if result.get("ok") else "failed"))

@@ -89,14 +89,14 @@ class Bridge:
         return key, body
 
     async def _accept(self, request: web.Request, event, capture_id: str | None = None) -> web.Response:
-        job = enqueue_event(self.handle, event)
+        ticket = enqueue_event(self.handle, event)
         result = None
         try:
             wait = min(float(request.query.get("wait", 0) or 0), MAX_WAIT_S)
         except ValueError:
             wait = 0.0
         if wait > 0:
-            result = await asyncio.to_thread(wait_for, job, wait)
+            result = await asyncio.to_thread(wait_for, ticket, wait)
         body = {"ok": True, "event_id": event.event_id, "capture_id": capture_id, "result": result}
         return web.json_response(body, status=202)
 

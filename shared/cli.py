@@ -83,12 +83,12 @@ def dispatch(handle: QueueHandle, cfg: Config, event: Any, timeout: float = 15.0
     With no events worker alive (nothing running), the queue is worked right here, so commands
     work on their own; the event is in Redis (append-only) before anything else happens.
     """
-    job = enqueue_event(handle, event)
+    ticket = enqueue_event(handle, event)
     if not _events_worker_alive(handle):
         from rlfleet.worker.runner import run_worker
 
         run_worker(cfg, "events", burst=True, handle=handle)
-    result = wait_for(job, timeout)
+    result = wait_for(ticket, timeout)
     if result is None:
         return {"ok": True, "message": "queued; a worker will apply it shortly", "queued": True}
     return result
@@ -439,6 +439,9 @@ def render_status(st: dict) -> Group:
         line += f" · [red]{escape(tr['error'])}[/]"
     t.add_row("training", line)
     t.add_row("queue", f"{st['queue']['events']} events, {st['queue']['train']} training jobs waiting")
+    if st["queue"].get("dead_letters"):
+        t.add_row("set aside", f"[red]{st['queue']['dead_letters']} events the worker failed on[/red]: "
+                  "`rlfleet events --dead` shows them, `--retry` tries them again")
     t.add_row("workers", str(st["workers"]))
     for p in st.get("push", []):
         mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
@@ -711,6 +714,51 @@ def import_ratings_cmd(src: Annotated[Path, typer.Argument(help="A JSONL file fr
         for line in report.errors:
             err.print(f"[yellow]{escape(line)}[/]")
     _emit(result, as_json)
+
+
+@app.command()
+def events(
+    dead: Annotated[bool, typer.Option("--dead", help="List the events the worker set aside.")] = False,
+    retry: Annotated[bool, typer.Option("--retry", help="Put the set-aside events back in the queue.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """What waits in the events queue, and the events the worker failed on and set aside.
+
+    An event the worker fails on (a bug, not a refusal and not a database outage) is tried 5 times and
+    then set aside with its error, so it never holds up the events behind it; nothing is dropped.
+    Fix the cause, then `rlfleet events --retry`.
+    """
+    from . import inbox
+    from .queue import ensure_drain
+
+    cfg = _config()
+    with _queue(cfg) as q:
+        requeued = inbox.requeue_dead(q.redis) if retry else 0
+        if requeued:
+            ensure_drain(q.redis)
+        aside = inbox.dead(q.redis)
+        report = {"ok": True, "waiting": q.waiting_events(), "set_aside": len(aside), "requeued": requeued}
+        if dead:
+            report["dead"] = [_dead_line(d) for d in aside]
+    if as_json:
+        _emit(report, True)
+        return
+    out.print(f"{report['waiting']} events waiting, {report['set_aside']} set aside"
+                  + (f"; {requeued} put back in the queue" if retry else ""), markup=False)
+    for d in report.get("dead", []):
+        out.print(f"  {d['when']}  {d['type']} {d['event_id']} from {d['actor']}: {d['error']}", markup=False)
+
+
+def _dead_line(d: dict) -> dict:
+    """A set-aside event as a person reads it: which one and why, not its text (it may be private)."""
+    try:
+        ev = json.loads(d["event"])
+    except (TypeError, ValueError):
+        ev = {}
+    ev = ev if isinstance(ev, dict) else {}
+    return {"when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.get("ts", 0))),
+            "type": str(ev.get("type", "unreadable")), "event_id": str(ev.get("event_id", "?")),
+            "actor": str(ev.get("actor", "?")), "error": one_line(str(d.get("error", "")))}
 
 
 @app.command()

@@ -14,8 +14,10 @@ from typing import Any
 
 import redis
 from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
+from . import inbox
 from .config import Config, redact_url
 from .errors import QueueUnavailable
 from .events import Capture, Command, Rating, Undo
@@ -70,6 +72,10 @@ class QueueHandle:
     def train(self) -> Queue:
         return Queue(TRAIN_QUEUE, connection=self.redis)
 
+    def waiting_events(self) -> int:
+        """Events handed over and not applied yet."""
+        return inbox.pending(self.redis)
+
     def close(self) -> None:
         if self.embedded is not None:
             self.embedded.release()
@@ -104,20 +110,54 @@ def queue_for(cfg: Config) -> Iterator[QueueHandle]:
         handle.close()
 
 
-def enqueue_event(handle: QueueHandle, event: Capture | Rating | Undo | Command) -> Job:
-    return handle.events.enqueue(
-        HANDLE_EVENT,
-        event.model_dump_json(),
-        retry=EVENT_RETRY,
-        result_ttl=3600,
-        failure_ttl=7 * 24 * 3600,
-        job_timeout=300,
-        description=f"{event.type} {event.event_id}",
+def enqueue_event(handle: QueueHandle, event: Capture | Rating | Undo | Command) -> inbox.Ticket:
+    """Hand an event to the workers (through the inbox: see shared/inbox.py); once this returns it is
+    in Redis and will be applied."""
+    ticket, drain_id = inbox.push(handle.redis, event.event_id, event.model_dump_json())
+    if drain_id is not None:
+        queue_drain(handle.redis, drain_id)
+    return ticket
+
+
+def queue_drain(conn: redis.Redis, drain_id: str) -> Job:
+    return Queue(EVENTS_QUEUE, connection=conn).enqueue(
+        inbox.DRAIN_JOB, job_id=drain_id, retry=EVENT_RETRY, result_ttl=600, failure_ttl=7 * 24 * 3600,
+        job_timeout=300, description="apply the events in the inbox",  # a drain hands over after 30 s
     )
 
 
-def wait_for(job: Job, timeout: float) -> dict | None:
-    """The job's return value once it finishes; None if it is still queued or running at ``timeout``."""
+def ensure_drain(conn: redis.Redis) -> bool:
+    """Queue a drain when events wait with nobody to apply them: the producer that claimed the inbox
+    died before queueing its drain, or the drain job failed for good (its retries spent while the
+    database was down, say). True when it queued one."""
+    if not inbox.pending(conn):
+        return False
+    owner = conn.get(inbox.OWNER)
+    if owner is not None:
+        try:
+            status = Job.fetch(owner.decode(), connection=conn).get_status()
+        except NoSuchJobError:
+            status = None
+        if status not in (None, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED):
+            return False  # queued, running, or waiting for its retry
+        # compare-and-delete: a drain that took over meanwhile keeps the inbox
+        conn.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
+                  1, inbox.OWNER, owner)
+    drain_id = inbox.new_drain_id()
+    if not conn.set(inbox.OWNER, drain_id, nx=True, ex=inbox.OWNER_TTL):
+        return False
+    queue_drain(conn, drain_id)
+    return True
+
+
+def wait_for(ticket: inbox.Ticket | Job, timeout: float) -> dict | None:
+    """What the worker made of an event (or ran a job into); None if it is still waiting at ``timeout``."""
+    if isinstance(ticket, inbox.Ticket):
+        return inbox.wait(ticket, timeout)
+    return _wait_for_job(ticket, timeout)
+
+
+def _wait_for_job(job: Job, timeout: float) -> dict | None:
     deadline = time.monotonic() + timeout
     delay = 0.005
     while True:
@@ -131,4 +171,3 @@ def wait_for(job: Job, timeout: float) -> dict | None:
             return None
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
-

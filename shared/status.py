@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 import redis
 from rq import Queue, Worker
 
+from . import inbox
 from .config import Config
 from .queue import EVENTS_QUEUE, TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
@@ -66,12 +67,13 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
         }
         for v in store.versions(slug)
     ]
-    queue = {"events": 0, "train": 0}
+    queue = {"events": 0, "train": 0, "dead_letters": 0}
     workers = 0
     if conn is not None:
         queue = {
-            "events": Queue(EVENTS_QUEUE, connection=conn).count,
+            "events": inbox.pending(conn) + Queue(EVENTS_QUEUE, connection=conn).count,
             "train": Queue(TRAIN_QUEUE, connection=conn).count,
+            "dead_letters": conn.llen(inbox.DEAD),
         }
         workers = len(Worker.all(connection=conn))
     return {

@@ -6,9 +6,9 @@ Functions here take typed events and return small result dataclasses; nothing he
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,6 +22,8 @@ from .events import PLATFORMS, Capture, Rating, Undo
 from .permissions import may_rate
 from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
 
+# (raters, admins) allowlisted for a source
+Allow = Callable[[str], tuple[frozenset[str], frozenset[str]]]
 MIGRATIONS = Path(__file__).with_name("migrations")
 _ENGINES: dict[str, Engine] = {}
 _MIGRATED: set[str] = set()  # URLs brought to head by this process: once is enough
@@ -99,6 +101,25 @@ class Applied:
     value: int | None = None
 
 
+@dataclass
+class _Batch:
+    """What one transaction knows while it applies events: the event ids applied (before, or in this
+    transaction), and the active rating of each capture it has looked at (None: none)."""
+
+    done: set[str]
+    active: dict[str, RatingRow | None]
+    # the prefetched captures: the session's identity map holds its objects weakly, this keeps them there
+    held: list[CaptureRow]
+    fresh: RatingRow | None = None  # the rating row the current event added
+
+
+def _nobody(_source: str) -> tuple[frozenset[str], frozenset[str]]:
+    return frozenset(), frozenset()
+
+
+_NOBODY: Allow = _nobody
+
+
 @dataclass(frozen=True)
 class Counts:
     total: int
@@ -130,40 +151,61 @@ class Store:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def _claim(self, s: Session, event_id: str, kind: str) -> bool:
-        """Record the event; False if it was applied before (the repeat is then ignored)."""
-        if s.get(ProcessedEvent, event_id) is not None:
-            return False
-        s.add(ProcessedEvent(event_id=event_id, kind=kind))
-        s.flush()
-        return True
+    # Each ``_apply_*`` works inside the caller's transaction and checks everything before it writes
+    # anything: a refusal (BadInput/NotFound) leaves the session as it found it, so one transaction can
+    # apply a whole batch of events (``apply_many``) and still refuse some of them.
 
-    def apply_capture(self, ev: Capture) -> Applied:
-        try:
-            with self.session() as s:
-                if not self._claim(s, ev.event_id, "capture"):
-                    return Applied(True, "already recorded", duplicate=True, capture_id=ev.capture_id)
-                if s.get(CaptureRow, ev.capture_id) is not None:
-                    raise BadInput(f"capture id {ev.capture_id} is already taken")
-                s.add(
-                    CaptureRow(
-                        id=ev.capture_id,
-                        event_id=ev.event_id,
-                        source=ev.source,
-                        conversation=ev.conversation,
-                        message_ref=ev.message_ref,
-                        owner=ev.owner,
-                        prompt=[m.model_dump() for m in ev.prompt],
-                        response=ev.response,
-                        model=ev.model,
-                        adapter_version=ev.adapter_version,
-                        behaviour_logprobs=ev.behaviour_logprobs,
-                        behaviour_token_ids=ev.behaviour_token_ids,
-                        created=_utc(ev.ts),
-                    )
-                )
-        except IntegrityError:  # a concurrent worker applied the same event
+    @staticmethod
+    def _claim(s: Session, event_id: str, kind: str, b: _Batch) -> None:
+        b.done.add(event_id)
+        s.add(ProcessedEvent(event_id=event_id, kind=kind))
+
+    def _active(self, s: Session, capture_id: str, b: _Batch) -> RatingRow | None:
+        if capture_id not in b.active:
+            b.active[capture_id] = s.scalars(
+                select(RatingRow).where(RatingRow.capture_id == capture_id, RatingRow.state == "active")
+            ).first()
+        return b.active[capture_id]
+
+    @staticmethod
+    def _prefetch(s: Session, events: Sequence[Capture | Rating | Undo]) -> _Batch:
+        """Three queries instead of three per event: which events were applied before, the captures
+        addressed by id (into the session's identity map, so ``s.get`` finds them without SQL), and
+        their active ratings."""
+        ids = [ev.event_id for ev in events]
+        done = set(s.scalars(select(ProcessedEvent.event_id).where(ProcessedEvent.event_id.in_(ids))))
+        targets = {ev.target for ev in events if isinstance(ev, Rating | Undo) and ev.target not in (None, "last")}
+        found = list(s.scalars(select(CaptureRow).where(CaptureRow.id.in_(targets)))) if targets else []
+        active: dict[str, RatingRow | None] = {c.id: None for c in found}
+        if active:
+            for row in s.scalars(select(RatingRow).where(RatingRow.capture_id.in_(active),
+                                                         RatingRow.state == "active")):
+                active[row.capture_id] = row
+        return _Batch(done, active, found)
+
+    def _apply_capture(self, s: Session, ev: Capture, b: _Batch) -> Applied:
+        if ev.event_id in b.done:  # applied before: the repeat is ignored
             return Applied(True, "already recorded", duplicate=True, capture_id=ev.capture_id)
+        if s.get(CaptureRow, ev.capture_id) is not None:
+            raise BadInput(f"capture id {ev.capture_id} is already taken")
+        self._claim(s, ev.event_id, "capture", b)
+        s.add(
+            CaptureRow(
+                id=ev.capture_id,
+                event_id=ev.event_id,
+                source=ev.source,
+                conversation=ev.conversation,
+                message_ref=ev.message_ref,
+                owner=ev.owner,
+                prompt=[m.model_dump() for m in ev.prompt],
+                response=ev.response,
+                model=ev.model,
+                adapter_version=ev.adapter_version,
+                behaviour_logprobs=ev.behaviour_logprobs,
+                behaviour_token_ids=ev.behaviour_token_ids,
+                created=_utc(ev.ts),
+            )
+        )
         return Applied(True, f"captured {ev.capture_id}", capture_id=ev.capture_id)
 
     def _resolve_target(
@@ -206,77 +248,120 @@ class Store:
             ).first()
         return (row[0], row[1]) if row else None
 
+    def _apply_rating(self, s: Session, ev: Rating, train_model: str, raters: frozenset[str],
+                      admins: frozenset[str], b: _Batch) -> Applied:
+        if ev.event_id in b.done:  # applied before: the repeat is ignored
+            return Applied(True, "already recorded", duplicate=True)
+        privileged = ev.actor in raters or ev.actor in admins
+        cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, privileged)
+        if not may_rate(ev.actor, cap.owner, raters, admins):
+            raise NotFound("nothing of yours to rate here")
+        current = self._active(s, cap.id, b)
+        self._claim(s, ev.event_id, "rating", b)
+        now = datetime.now(timezone.utc)
+        if current is not None and current.value == ev.value and current.comment == ev.comment:
+            if current.id is None:  # added earlier in this batch: its id comes with the flush
+                b.fresh = current
+            return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=ev.value)
+        if current is not None:
+            current.state = "replaced"
+            current.changed = now
+        row = RatingRow(
+            event_id=ev.event_id,
+            capture_id=cap.id,
+            train_model=train_model,
+            actor=ev.actor,
+            source=ev.source,
+            value=ev.value,
+            comment=ev.comment,
+            state="active",
+            adapter_version=cap.adapter_version,
+            created=now,
+            changed=now,
+        )
+        s.add(row)
+        b.active[cap.id] = row
+        b.fresh = row
+        word = "good" if ev.value > 0 else "bad"
+        verb = "re-rated" if current is not None else "rated"
+        return Applied(True, f"{verb} {word}: {_preview(cap.response)}", capture_id=cap.id, value=ev.value)
+
+    def _apply_undo(self, s: Session, ev: Undo, b: _Batch) -> Applied:
+        if ev.event_id in b.done:  # applied before: the repeat is ignored
+            return Applied(True, "already recorded", duplicate=True)
+        q = select(RatingRow).where(RatingRow.actor == ev.actor, RatingRow.state == "active")
+        if ev.target is not None:
+            cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, any_owner=True)
+            q = q.where(RatingRow.capture_id == cap.id)
+            if ev.value is not None:
+                q = q.where(RatingRow.value == ev.value)
+        row = s.scalars(q.order_by(RatingRow.created.desc(), RatingRow.id.desc()).limit(1)).first()
+        if row is None:
+            raise NotFound("nothing of yours to undo" + (" on that answer" if ev.target else ""))
+        self._claim(s, ev.event_id, "undo", b)
+        row.state = "undone"
+        b.active[row.capture_id] = None
+        row.changed = datetime.now(timezone.utc)
+        word = "good" if row.value > 0 else "bad"
+        return Applied(True, f"undid your {word} rating", capture_id=row.capture_id, rating_id=row.id,
+                       value=row.value)
+
+    def _apply(self, s: Session, ev: Capture | Rating | Undo, train_model: str, allow: Allow, b: _Batch) -> Applied:
+        if isinstance(ev, Capture):
+            return self._apply_capture(s, ev, b)
+        if isinstance(ev, Rating):
+            raters, admins = allow(ev.source)
+            return self._apply_rating(s, ev, train_model, raters, admins, b)
+        return self._apply_undo(s, ev, b)
+
+    def _apply_in(self, s: Session, events: Sequence[Capture | Rating | Undo], train_model: str, allow: Allow,
+                  refuse: bool) -> list[Applied]:
+        b = self._prefetch(s, events)
+        out: list[Applied] = []
+        new_rows: list[tuple[int, RatingRow]] = []
+        for ev in events:
+            b.fresh = None
+            try:
+                out.append(self._apply(s, ev, train_model, allow, b))
+            except (BadInput, NotFound) as exc:
+                if refuse:
+                    raise
+                out.append(Applied(False, str(exc)))
+            if b.fresh is not None:
+                new_rows.append((len(out) - 1, b.fresh))
+        s.flush()  # one INSERT per table for the whole batch; the new rows' ids are part of the answers
+        for i, row in new_rows:
+            out[i] = replace(out[i], rating_id=row.id)
+        return out
+
+    def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str,
+                   allow: Allow = _NOBODY) -> list[Applied]:
+        """Apply events in order in one transaction; a refused event is an ``ok=False`` answer and the
+        others still apply. Raises IntegrityError when another process applied one of them meanwhile
+        (then nothing of the batch is written: apply them one by one)."""
+        with self.session() as s:
+            return self._apply_in(s, events, train_model, allow, refuse=False)
+
+    def _apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", allow: Allow = _NOBODY) -> Applied:
+        """One event in its own transaction; refusals raise. A concurrent worker that applied the same
+        event first makes this a duplicate."""
+        try:
+            with self.session() as s:
+                return self._apply_in(s, [ev], train_model, allow, refuse=True)[0]
+        except IntegrityError:
+            return Applied(True, "already recorded", duplicate=True,
+                           capture_id=ev.capture_id if isinstance(ev, Capture) else None)
+
+    def apply_capture(self, ev: Capture) -> Applied:
+        return self._apply_one(ev)
+
     def apply_rating(
         self, ev: Rating, train_model: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
     ) -> Applied:
-        try:
-            with self.session() as s:
-                if not self._claim(s, ev.event_id, "rating"):
-                    return Applied(True, "already recorded", duplicate=True)
-                privileged = ev.actor in raters or ev.actor in admins
-                cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, privileged)
-                if not may_rate(ev.actor, cap.owner, raters, admins):
-                    raise NotFound("nothing of yours to rate here")
-                current = s.scalars(
-                    select(RatingRow).where(RatingRow.capture_id == cap.id, RatingRow.state == "active")
-                ).first()
-                now = datetime.now(timezone.utc)
-                if current is not None and current.value == ev.value and current.comment == ev.comment:
-                    return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id,
-                                   value=ev.value)
-                if current is not None:
-                    current.state = "replaced"
-                    current.changed = now
-                row = RatingRow(
-                    event_id=ev.event_id,
-                    capture_id=cap.id,
-                    train_model=train_model,
-                    actor=ev.actor,
-                    source=ev.source,
-                    value=ev.value,
-                    comment=ev.comment,
-                    state="active",
-                    adapter_version=cap.adapter_version,
-                    created=now,
-                    changed=now,
-                )
-                s.add(row)
-                s.flush()
-                word = "good" if ev.value > 0 else "bad"
-                verb = "re-rated" if current is not None else "rated"
-                return Applied(True, f"{verb} {word}: {_preview(cap.response)}", capture_id=cap.id,
-                               rating_id=row.id, value=ev.value)
-        except IntegrityError:
-            return Applied(True, "already recorded", duplicate=True)
+        return self._apply_one(ev, train_model, lambda _source: (raters, admins))
 
     def apply_undo(self, ev: Undo) -> Applied:
-        try:
-            with self.session() as s:
-                if not self._claim(s, ev.event_id, "undo"):
-                    return Applied(True, "already recorded", duplicate=True)
-                q = select(RatingRow).where(RatingRow.actor == ev.actor, RatingRow.state == "active")
-                if ev.target is not None:
-                    cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, any_owner=True)
-                    q = q.where(RatingRow.capture_id == cap.id)
-                    if ev.value is not None:
-                        q = q.where(RatingRow.value == ev.value)
-                row = s.scalars(q.order_by(RatingRow.created.desc(), RatingRow.id.desc()).limit(1)).first()
-                if row is None:
-                    raise NotFound("nothing of yours to undo" + (" on that answer" if ev.target else ""))
-                row.state = "undone"
-                row.changed = datetime.now(timezone.utc)
-                word = "good" if row.value > 0 else "bad"
-                return Applied(True, f"undid your {word} rating", capture_id=row.capture_id, rating_id=row.id,
-                               value=row.value)
-        except IntegrityError:
-            return Applied(True, "already recorded", duplicate=True)
-
-    def mark_processed(self, event_id: str, kind: str) -> bool:
-        try:
-            with self.session() as s:
-                return self._claim(s, event_id, kind)
-        except IntegrityError:
-            return False
+        return self._apply_one(ev)
 
     # ---- dataset export / import (shared/ratings_io.py) ------------------------------------------
 

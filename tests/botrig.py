@@ -58,7 +58,7 @@ class BotRig:
             busy = [k for k in conn.scan_iter("rq:job:*") if k.count(b":") == 2
                     and conn.hget(k, "origin") == EVENTS_QUEUE.encode()
                     and conn.hget(k, "status") in (b"queued", b"started", b"scheduled")]
-            if not busy:
+            if not busy and not self.handle.waiting_events():
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"the worker did not finish {len(busy)} job(s)")
@@ -75,7 +75,7 @@ class BotRig:
             return rows
 
     def queued(self) -> int:
-        return self.handle.events.count
+        return self.handle.waiting_events()
 
 
 class _ThreadWorker(SimpleWorker):

@@ -47,7 +47,7 @@ def test_capture_rate_undo_and_status_json_contract(queued_home):
     assert st["threshold"] == 32 and st["model"] == "smollm2-135m"
     assert st["adapter"] == {"current": None, "versions": []}
     assert st["training"]["state"] == "idle" and st["training"]["error"] is None
-    assert set(st["queue"]) == {"events", "train"} and isinstance(st["workers"], int)
+    assert set(st["queue"]) == {"events", "train", "dead_letters"} and isinstance(st["workers"], int)
     assert isinstance(st["ema"], float)
 
     assert rl("bad").exit_code == 0  # re-rate the last answer

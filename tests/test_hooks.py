@@ -132,7 +132,7 @@ def test_with_the_bridge_down_everything_is_spooled_and_lands_exactly_once(bridg
     assert run_hook("claude-code", "stop", stop_payload("a1", transcript), cfg.home).returncode == 0
     res = run_hook("claude-code", "prompt", prompt_payload("/rl bad", transcript), cfg.home)
     assert "saved and applied when `rlfleet up` starts" in json.loads(res.stdout)["reason"]
-    assert spool.pending(cfg.home) == 2 and handle.events.count == 0
+    assert spool.pending(cfg.home) == 2 and handle.waiting_events() == 0
 
     with serve_bridge(cfg, handle) as url:  # the bridge drains the spool when it starts
         _point_config_at(cfg, url)

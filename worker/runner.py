@@ -24,7 +24,7 @@ from rq.registry import StartedJobRegistry
 
 from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.models import model_slug
-from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, open_queue, train_lock_key
+from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
 from rlfleet.shared.store import Store
 
 log = logging.getLogger("rlfleet.worker")
@@ -171,7 +171,8 @@ def requeue_orphans(conn) -> int:
             requeued += 1
         except NoSuchJobError:
             pass
-    return requeued + requeue_stranded(conn, queue, busy)
+    requeued += requeue_stranded(conn, queue, busy)
+    return requeued + ensure_drain(conn)
 
 
 def requeue_stranded(conn, queue: Queue, busy: set[str] | None = None) -> int:
@@ -211,6 +212,8 @@ class _RecoveringQueue(Queue):
             _RecoveringQueue._lost_redis = False
             if n:
                 log.warning("requeued %d jobs a Redis outage left stranded", n)
+        if any(q.name == EVENTS_QUEUE for q in queues) and ensure_drain(connection):
+            log.warning("events were waiting with no drain queued (its producer or job died); queued one")
         try:
             return super().dequeue_any(queues, timeout, connection, *args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError):
@@ -235,6 +238,13 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
             from rlfleet.worker.jobs import preload_trainer
 
             preload_trainer(cfg)
+    if which in ("events", "all") and not burst:
+        from rlfleet.worker.jobs import warm_up
+
+        try:
+            warm_up()
+        except Exception as exc:  # the first job meets the same problem and says so where it is seen
+            log.warning("could not prepare the events worker (%s: %s)", type(exc).__name__, exc)
     worked = False
     try:
         while True:

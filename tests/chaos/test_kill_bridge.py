@@ -7,6 +7,7 @@ the database exactly once. Bounded in time; prints its counts."""
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import threading
 import time
@@ -15,13 +16,12 @@ import urllib.request
 import uuid
 
 from chaosrig import env_for, free_port, kill9, spawn, stop, stored_counts, tail, worker
-from rq.job import Job
-from rq.registry import FinishedJobRegistry
 
 from rlfleet.bridge.client import BridgeClient, BridgeError
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Message
-from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
+from rlfleet.shared.inbox import result_key
+from rlfleet.shared.queue import open_queue
 from rlfleet.shared.store import Store
 
 KILLS, CLIENTS, RATINGS, REDELIVERED = 8, 2, 400, 25
@@ -173,7 +173,7 @@ def test_killed_bridge_loses_and_doubles_no_acknowledged_rating(chaos_home, tmp_
 def _queued(cfg) -> int:
     handle = open_queue(cfg)
     try:
-        return handle.events.count
+        return handle.waiting_events()
     finally:
         handle.close()
 
@@ -182,8 +182,7 @@ def _repeats_absorbed(cfg) -> int:
     """Deliveries the worker recognised as repeats of an event it had applied (the store's idempotency)."""
     handle = open_queue(cfg)
     try:
-        ids = FinishedJobRegistry(EVENTS_QUEUE, connection=handle.redis).get_job_ids()
-        jobs = [j for j in Job.fetch_many(ids, connection=handle.redis) if j is not None]
-        return sum(bool((j.return_value() or {}).get("duplicate")) for j in jobs)
+        answers = [handle.redis.get(k) for k in handle.redis.scan_iter(result_key("*"))]
+        return sum(bool(json.loads(a).get("duplicate")) for a in answers if a)
     finally:
         handle.close()

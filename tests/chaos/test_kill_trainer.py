@@ -95,7 +95,7 @@ def test_killed_training_worker_resumes_and_never_serves_a_partial_adapter(chaos
         started = StartedJobRegistry(TRAIN_QUEUE, connection=handle.redis).get_job_ids(cleanup=False)
         return (f"runs {runs}; lock {handle.redis.get(train_lock_key(slug))}; {handle.train.count} train jobs "
                 f"queued, started {started}; progress {handle.redis.hgetall(progress_key(slug))}; "
-                f"{handle.events.count} events queued; {store.pending_count(slug)} ratings pending")
+                f"{handle.waiting_events()} events waiting; {store.pending_count(slug)} ratings pending")
 
     def run_after(run_id: int, states: tuple[str, ...]):
         """The latest run if it is newer than ``run_id`` and in one of ``states``."""
@@ -111,8 +111,8 @@ def test_killed_training_worker_resumes_and_never_serves_a_partial_adapter(chaos
 
     def settled() -> bool:
         run = store.latest_run(slug)
-        return (not handle.events.count and not handle.train.count and run.state not in ("queued", "running")
-                and not handle.redis.exists(train_lock_key(slug)))
+        return (not handle.waiting_events() and not handle.events.count and not handle.train.count
+                and run.state not in ("queued", "running") and not handle.redis.exists(train_lock_key(slug)))
 
     watch = CurrentWatch(registry.dir)
     watch.start()

@@ -16,6 +16,7 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
 from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 
+from rlfleet.shared import inbox
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Message, Rating
 from rlfleet.shared.queue import EVENTS_QUEUE, HANDLE_EVENT, enqueue_event, open_queue
@@ -38,7 +39,6 @@ def test_redis_restarts_lose_no_acknowledged_rating(chaos_home, own_redis, tmp_p
     proc = worker("events", env_for(cfg.home), log)
     handle = open_queue(cfg)
     acked: list[Rating] = []
-    job_of: dict[str, str] = {}
     refused: list[Rating] = []
     done = threading.Event()
 
@@ -47,7 +47,7 @@ def test_redis_restarts_lose_no_acknowledged_rating(chaos_home, own_redis, tmp_p
         try:
             for ev in events:
                 try:
-                    job_of[ev.event_id] = enqueue_event(handle, ev).id
+                    enqueue_event(handle, ev)
                     acked.append(ev)
                 except redis.RedisError:
                     refused.append(ev)  # the sender was told: it may retry, or tell its user
@@ -76,11 +76,12 @@ def test_redis_restarts_lose_no_acknowledged_rating(chaos_home, own_redis, tmp_p
         scheduled = ScheduledJobRegistry(EVENTS_QUEUE, connection=check)  # retries after a failure
         deadline = time.monotonic() + 45
         taken = IntermediateQueue(handle.events.key, connection=check)  # taken off the queue, not started
-        while (handle.events.count or started_reg.get_job_ids(cleanup=False) or scheduled.count
-               or taken.get_job_ids()):
+        while (handle.waiting_events() or handle.events.count or started_reg.get_job_ids(cleanup=False)
+               or scheduled.count or taken.get_job_ids()):
             assert time.monotonic() < deadline, (
-                f"stuck: {handle.events.count} queued, {started_reg.get_job_ids(cleanup=False)} started, "
-                f"{scheduled.count} scheduled, {taken.get_job_ids()} taken\n{tail(log)}")
+                f"stuck: {handle.waiting_events()} events waiting, {handle.events.count} jobs queued, "
+                f"{started_reg.get_job_ids(cleanup=False)} started, {scheduled.count} scheduled, "
+                f"{taken.get_job_ids()} taken\n{tail(log)}")
             assert proc.poll() is None, f"the worker died after the outages\n{tail(log)}"
             time.sleep(0.1)
         survived = proc.poll() is None
@@ -100,27 +101,20 @@ def test_redis_restarts_lose_no_acknowledged_rating(chaos_home, own_redis, tmp_p
     assert len(acked) + len(refused) == RATINGS
     assert len(acked) >= RATINGS // 4, "too few ratings went through for the test to mean much"
     lost = acked_ids - set(found)
-    assert not lost, f"lost acknowledged ratings: {_whereabouts(own_redis.url, lost, job_of)}"
+    assert not lost, f"lost acknowledged ratings: {_whereabouts(own_redis.url, lost)}"
     assert set(found) <= acked_ids | refused_ids
     assert all(n == 1 for n in found.values())  # exactly once
     said = log.read_text(errors="replace")
     assert "lost Redis" in said or "could not connect to Redis" in said, "the outages never reached the worker"
 
 
-def _whereabouts(url: str, event_ids: set[str], job_of: dict[str, str]) -> list[str]:
-    """What RQ knows about the jobs of lost ratings (for the failure message)."""
+def _whereabouts(url: str, event_ids: set[str]) -> list[str]:
+    """Where the inbox has lost ratings, and what their answers say (for the failure message)."""
     conn = redis.Redis.from_url(url)
-    out = []
-    for event_id in event_ids:
-        job_id = job_of.get(event_id)
-        try:
-            job = Job.fetch(job_id, connection=conn)
-            result = job.latest_result()
-            out.append(f"{event_id}: job {job_id} {job.get_status()} retries_left={job.retries_left} "
-                       f"{(result.exc_string or '')[-300:] if result else 'no result'}")
-        except Exception as exc:  # noqa: BLE001
-            out.append(f"{event_id}: job {job_id}: {type(exc).__name__} {exc}")
-    return out
+    places = {name: b"\n".join(conn.lrange(key, 0, -1)) for name, key in
+              (("inbox", inbox.INBOX), ("taken", inbox.TAKEN), ("dead", inbox.DEAD))}
+    return [f"{e}: in {[n for n, blob in places.items() if e.encode() in blob] or 'no list'}, "
+            f"answer {conn.get(inbox.result_key(e))!r}" for e in event_ids]
 
 
 def test_a_job_stranded_by_a_lost_dequeue_reply_runs_after_the_outage(chaos_home, own_redis, tmp_path):

@@ -1,0 +1,212 @@
+"""The events inbox: how ratings reach the worker in batches instead of one RQ job each.
+
+A producer (bot, bridge, CLI) appends the event's JSON to one Redis list and, when no drain owns the
+inbox, queues one RQ drain job (``rlfleet.worker.jobs.drain_events``). The drain moves up to a batch of
+events into a "taken" list, applies them in one database transaction, writes each event's answer
+under its own key, and empties "taken"; it keeps going until the inbox is empty and then lets go.
+
+Why: an RQ job costs about as much Redis work and Python as a hundred ratings applied in a batch, so
+one job per rating capped intake at RQ's own job rate. And one drain at a time applies one user's
+rapid events in the order they were sent.
+
+Crash safety: an event is in Redis (append-only) before the producer answers; "taken" holds what a
+drain was applying, so a drain killed mid-batch leaves its events where the next one (RQ requeues the
+killed job) applies them again, and the store's event-id idempotency makes the repeat harmless. An
+event that fails for a reason of its own (not the database's) is tried ``MAX_ATTEMPTS`` times and then
+dead-lettered with the error, answered as failed; it never blocks the events behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+INBOX = "rlfleet:inbox"  # event JSON, oldest first
+TAKEN = "rlfleet:inbox:taken"  # the batch the owning drain is applying
+OWNER = "rlfleet:inbox:drain"  # id of the drain job that owns the inbox
+ATTEMPTS = "rlfleet:inbox:attempts"  # event id -> failed attempts so far
+DEAD = "rlfleet:inbox:dead"  # {"event": ..., "error": ..., "ts": ...} of events given up on
+OWNER_TTL = 60  # a drain renews it every batch; a lost one frees the inbox after this many seconds
+RESULT_TTL = 3600
+BATCH = 256
+MAX_ATTEMPTS = 5
+DRAIN_JOB = "rlfleet.worker.jobs.drain_events"
+
+
+def new_drain_id() -> str:
+    return f"rlfleet-drain-{uuid.uuid4().hex}"
+
+
+def result_key(event_id: str) -> str:
+    return f"rlfleet:result:{event_id}"
+
+
+# Owning and taking are one step: a drain that lost the inbox (its claim expired and another took it)
+# takes nothing. What a dead drain left in TAKEN is applied again before anything new.
+_TAKE = """
+local owner = redis.call('GET', KEYS[3])
+if owner ~= ARGV[1] then
+  if owner then return false end
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3])
+else
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+local taken = redis.call('LRANGE', KEYS[2], 0, -1)
+if #taken > 0 then return taken end
+local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+if #items > 0 then
+  redis.call('LTRIM', KEYS[1], #items, -1)
+  redis.call('RPUSH', KEYS[2], unpack(items))
+end
+return items
+"""
+
+# Letting go and looking for late arrivals are one step: a producer appends before it tries to claim
+# the inbox, so an event appended after this either finds the inbox free (and queues a drain) or was
+# seen here (and this drain goes on).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('LLEN', KEYS[2]) > 0 or redis.call('LLEN', KEYS[3]) > 0 then return 1 end
+redis.call('DEL', KEYS[1])
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a producer holds after handing an event over: its answer, once a drain has applied it."""
+
+    event_id: str
+    conn: redis.Redis
+
+    @property
+    def id(self) -> str:
+        return self.event_id
+
+    def result(self) -> dict | None:
+        raw = self.conn.get(result_key(self.event_id))
+        if raw is None:
+            return None
+        result = json.loads(raw)
+        result.pop("answered_at", None)
+        return result
+
+
+def push(conn: redis.Redis, event_id: str, payload: str) -> tuple[Ticket, str | None]:
+    """Append an event; returns its ticket and, when this call claimed the inbox, the drain job id
+    the caller must queue (None: a drain already owns it and will see the event)."""
+    drain_id = new_drain_id()
+    pipe = conn.pipeline(transaction=False)
+    pipe.rpush(INBOX, payload)
+    pipe.set(OWNER, drain_id, nx=True, ex=OWNER_TTL)
+    _, claimed = pipe.execute()
+    return Ticket(event_id, conn), drain_id if claimed else None
+
+
+def take(conn: redis.Redis, drain_id: str, batch: int | None = None) -> list[bytes] | None:
+    """The next batch for drain ``drain_id`` (empty: nothing left); None if another drain owns the inbox."""
+    got = conn.eval(_TAKE, 3, INBOX, TAKEN, OWNER, drain_id, batch or BATCH, OWNER_TTL)
+    return None if got is None else list(got)
+
+
+def release(conn: redis.Redis, drain_id: str) -> bool:
+    """Let go of the inbox; False when events arrived meanwhile (the drain keeps it and goes on)."""
+    return not conn.eval(_RELEASE, 3, OWNER, INBOX, TAKEN, drain_id)
+
+
+def hand_over(conn: redis.Redis, drain_id: str) -> str | None:
+    """Pass the inbox from drain ``drain_id`` to a new drain; its id, which the caller queues (None:
+    ``drain_id`` did not own it any more)."""
+    successor = new_drain_id()
+    moved = conn.eval("if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end "
+                      "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return 1",
+                      1, OWNER, drain_id, successor, OWNER_TTL)
+    return successor if moved else None
+
+
+def answer(conn: redis.Redis, results: dict[str, dict], done_taking: bool = True) -> None:
+    """Store each event's answer (stamped with the time it became visible: after its commit) and, with
+    ``done_taking``, empty TAKEN: the batch is finished."""
+    now = time.time()
+    pipe = conn.pipeline(transaction=True)
+    for event_id, result in results.items():
+        pipe.set(result_key(event_id), json.dumps({**result, "answered_at": now}, default=str), ex=RESULT_TTL)
+    if results:
+        pipe.hdel(ATTEMPTS, *results)
+    if done_taking:
+        pipe.delete(TAKEN)
+    pipe.execute()
+
+
+def failed_attempt(conn: redis.Redis, event_id: str) -> int:
+    n = int(conn.hincrby(ATTEMPTS, event_id, 1))
+    conn.expire(ATTEMPTS, 7 * 24 * 3600)
+    return n
+
+
+def retry_later(conn: redis.Redis, payload: bytes) -> None:
+    """Put an event that failed back at the end of the inbox, behind the ones that did not."""
+    conn.rpush(INBOX, payload)
+
+
+def dead_letter(conn: redis.Redis, payload: bytes | str, error: str) -> None:
+    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+    conn.rpush(DEAD, json.dumps({"event": text, "error": error, "ts": time.time()}))
+
+
+def answered_at(conn: redis.Redis, event_ids: list[str]) -> dict[str, float]:
+    """When each answered event's answer became visible (epoch seconds); for measuring latency."""
+    pipe = conn.pipeline(transaction=False)
+    for event_id in event_ids:
+        pipe.get(result_key(event_id))
+    return {e: json.loads(raw)["answered_at"] for e, raw in zip(event_ids, pipe.execute(), strict=True) if raw}
+
+
+_REQUEUE_DEAD = """
+local n = 0
+while true do
+  local item = redis.call('LPOP', KEYS[1])
+  if not item then break end
+  local ok, rec = pcall(cjson.decode, item)
+  if ok and type(rec) == 'table' and rec['event'] then
+    redis.call('RPUSH', KEYS[2], rec['event'])
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[3])
+return n
+"""
+
+
+def requeue_dead(conn: redis.Redis) -> int:
+    """Put every set-aside event back in the inbox with fresh attempts (after the cause was fixed);
+    the caller makes sure a drain runs. Returns how many."""
+    return int(conn.eval(_REQUEUE_DEAD, 3, DEAD, INBOX, ATTEMPTS))
+
+
+def pending(conn: redis.Redis) -> int:
+    """Events handed over and not yet applied."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.llen(INBOX)
+    pipe.llen(TAKEN)
+    return sum(pipe.execute())
+
+
+def dead(conn: redis.Redis) -> list[dict]:
+    return [json.loads(x) for x in conn.lrange(DEAD, 0, -1)]
+
+
+def wait(ticket: Ticket, timeout: float) -> dict | None:
+    """The event's answer once a drain applied it; None if it is still waiting at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        result = ticket.result()
+        if result is not None or time.monotonic() >= deadline:
+            return result
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.1)

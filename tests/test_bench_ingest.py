@@ -1,0 +1,25 @@
+"""bench/ingest.py end to end, small: real worker processes, every rating stored and timed. Figures
+are for bench/RESULTS.md; nothing here asserts a speed."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from bench import ingest
+from rlfleet.shared.config import load_config
+from rlfleet.shared.schema import RatingRow
+from rlfleet.shared.store import Store
+
+
+def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypatch):
+    for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL"):  # run_case points them at its own data dir
+        monkeypatch.setenv(var, "unset-by-the-test")
+    rows = [ingest.run_case(2, 300, None, redis_url), ingest.run_case(1, 100, 200.0, redis_url)]
+    for r, n in zip(rows, (300, 100), strict=True):
+        assert r["ratings"] == n and r["answered"] == n  # every event's answer was found and timed
+        assert 0 < r["p50_ms"] <= r["p99_ms"] and r["ratings_per_s"] > 0
+    assert abs(rows[1]["sent_per_s"] - 200) < 40  # the fixed offered rate was kept
+    store = Store(load_config().db_url)  # the last case's data dir
+    with store.session() as s:
+        counts = s.execute(select(RatingRow.event_id, func.count()).group_by(RatingRow.event_id)).all()
+    assert len(counts) == 100 and all(n == 1 for _, n in counts)

@@ -1,0 +1,270 @@
+"""The events inbox and its drain (shared/inbox.py, worker/drain.py): batches apply exactly what one
+event at a time would, in order; a dead drain's batch is applied again; a broken event is set aside
+without holding up the rest; the drain hands over and lets go without stranding anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rq import Queue, SimpleWorker
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from rlfleet.shared import inbox
+from rlfleet.shared.cli import app
+from rlfleet.shared.config import load_config
+from rlfleet.shared.errors import BadInput, NotFound
+from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
+from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, ensure_drain, open_queue, wait_for
+from rlfleet.shared.schema import RatingRow
+from rlfleet.shared.store import Applied, Store
+
+# ---- the store: one transaction for a batch == one per event -----------------------------------
+
+OWNERS = ("ana", "bo")
+
+
+def _capture(i: int, owner: str) -> Capture:
+    return Capture(capture_id=f"c{i}", conversation="room", message_ref=f"m{i}", owner=owner,
+                   prompt=[Message(role="user", content=f"q{i}")], response=f"answer {i}", model="m")
+
+
+@st.composite
+def event_streams(draw) -> list:
+    """Captures, ratings (by id, message ref, or ``last``), undos, refusals and re-deliveries, mixed."""
+    events: list = []
+    n_caps = 0
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["capture", "rating", "rating", "rating", "undo", "again"]))
+        actor = draw(st.sampled_from(OWNERS))
+        target = draw(st.sampled_from(["last", "id", "ref", "nothing"]))
+        i = draw(st.integers(0, max(n_caps, 1)))
+        addr = {"last": "last", "id": f"c{i}", "ref": f"m{i}", "nothing": "c999"}[target]
+        if kind == "capture":
+            events.append(_capture(n_caps, actor))
+            n_caps += 1
+        elif kind == "rating":
+            comment = draw(st.sampled_from([None, None, "meh"]))
+            events.append(Rating(target=addr, actor=actor, conversation="room",
+                                 value=draw(st.sampled_from([1, -1])), comment=comment))
+        elif kind == "undo":
+            events.append(Undo(actor=actor, conversation="room", target=None if target == "last" else addr,
+                               value=draw(st.sampled_from([None, 1, -1]))))
+        elif events:
+            events.append(events[draw(st.integers(0, len(events) - 1))])  # delivered again
+    return events
+
+
+def _one_by_one(store: Store, events: list) -> list[Applied]:
+    out = []
+    for ev in events:
+        try:
+            if isinstance(ev, Capture):
+                out.append(store.apply_capture(ev))
+            elif isinstance(ev, Rating):
+                out.append(store.apply_rating(ev, "m"))
+            else:
+                out.append(store.apply_undo(ev))
+        except (BadInput, NotFound) as exc:
+            out.append(Applied(False, str(exc)))
+    return out
+
+
+def _ratings(store: Store) -> list[tuple]:
+    with store.session() as s:
+        return [(r.event_id, r.capture_id, r.actor, r.value, r.comment, r.state)
+                for r in s.scalars(select(RatingRow).order_by(RatingRow.id))]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=event_streams(), cut=st.integers(1, 8))
+def test_a_batch_does_exactly_what_one_event_at_a_time_does(tmp_path_factory, events, cut):
+    d = tmp_path_factory.mktemp("db")
+    alone, batched = Store(f"sqlite:///{d}/alone.db"), Store(f"sqlite:///{d}/batched.db")
+    expected = _one_by_one(alone, events)
+    got: list[Applied] = []
+    for i in range(0, len(events), cut):  # batches of every size, cut anywhere in the stream
+        got += batched.apply_many(events[i:i + cut], "m")
+    assert [(a.ok, a.message, a.duplicate, a.capture_id, a.value) for a in got] == \
+        [(a.ok, a.message, a.duplicate, a.capture_id, a.value) for a in expected]
+    assert _ratings(batched) == _ratings(alone)
+    assert [a.rating_id for a in got] == [a.rating_id for a in expected]
+
+
+# ---- the drain, through RQ ---------------------------------------------------------------------
+
+
+def _work(handle) -> None:
+    SimpleWorker([Queue(EVENTS_QUEUE, connection=handle.redis)], connection=handle.redis).work(
+        burst=True, logging_level="WARNING")
+
+
+@pytest.fixture
+def q(queued_home):
+    cfg = load_config(model="m")
+    cfg.train.threshold = 10_000
+    cfg.save()
+    handle = open_queue(cfg)
+    yield cfg, handle, Store(cfg.db_url)
+    handle.close()
+
+
+def test_one_drain_applies_a_burst_in_order_and_answers_each_event(q):
+    cfg, handle, store = q
+    cap = _capture(1, "local")
+    events = [cap, Rating(target="c1", value=1), Rating(target="c1", value=-1), Undo(target="c1"),
+              Rating(target="c1", value=1), Rating(target="c404", value=1), Command(name="status")]
+    tickets = [enqueue_event(handle, ev) for ev in events]
+    assert handle.waiting_events() == len(events) and handle.events.count == 1  # one drain job, not seven
+    _work(handle)
+    answers = [wait_for(t, 0) for t in tickets]
+    assert [a["ok"] for a in answers] == [True, True, True, True, True, False, True]
+    assert answers[2]["message"].startswith("re-rated bad") and answers[3]["message"] == "undid your bad rating"
+    assert answers[5] == {"ok": False, "message": "no captured answer with id or message ref 'c404'"}
+    assert answers[6]["status"]["ratings"]["good"] == 1  # the command saw every event sent before it
+    assert [r[3:] for r in _ratings(store)] == [(1, None, "replaced"), (-1, None, "undone"), (1, None, "active")]
+    assert handle.waiting_events() == 0 and not handle.redis.exists(inbox.OWNER)  # let go when empty
+
+
+def test_a_drain_killed_mid_batch_leaves_it_for_the_next(q):
+    cfg, handle, store = q
+    store.apply_capture(_capture(1, "local"))
+    tickets = [enqueue_event(handle, Rating(target="c1", value=v)) for v in (1, -1, 1)]
+    handle.redis.delete(*handle.redis.keys("rq:*"))  # its drain job is gone (killed, and lost)
+    assert inbox.take(handle.redis, handle.redis.get(inbox.OWNER).decode())  # ... after taking the batch
+    assert handle.redis.llen(inbox.TAKEN) == 3 and not _ratings(store)
+    assert ensure_drain(handle.redis)  # what a worker checks as it starts and between jobs
+    _work(handle)
+    assert [r[3] for r in _ratings(store)] == [1, -1, 1] and [wait_for(t, 0)["ok"] for t in tickets] == [True] * 3
+    assert handle.waiting_events() == 0
+    # the same batch applied once more (a drain killed after the commit, before emptying TAKEN) is a no-op
+    handle.redis.rpush(inbox.INBOX, *[Rating(target="c1", value=1, event_id=r[0]).model_dump_json()
+                                      for r in _ratings(store)])
+    ensure_drain(handle.redis)
+    _work(handle)
+    assert len(_ratings(store)) == 3
+
+
+def test_a_command_is_carried_out_once_even_if_its_batch_is_applied_again(q):
+    cfg, handle, store = q
+    cmd = Command(name="rollback", args={"version": "base"})
+    first = enqueue_event(handle, cmd)
+    _work(handle)
+    assert wait_for(first, 0)["message"] == "rolled back to the base model"
+    again = enqueue_event(handle, cmd)
+    _work(handle)
+    assert "already carried out" in wait_for(again, 0)["message"]
+
+
+def test_a_broken_event_is_set_aside_and_the_rest_go_on(q, monkeypatch):
+    cfg, handle, store = q
+    store.apply_capture(_capture(1, "local"))
+    store.apply_capture(_capture(2, "local"))
+    bad = Rating(target="c2", value=-1)
+    real = Store._apply_rating
+
+    def breaks_on_one(self, s, ev, *args):
+        if ev.event_id == bad.event_id:
+            raise RuntimeError("a bug on this one event")
+        return real(self, s, ev, *args)
+
+    monkeypatch.setattr(Store, "_apply_rating", breaks_on_one)
+    before, after = Rating(target="c1", value=1), Rating(target="c1", value=-1)
+    tickets = [enqueue_event(handle, ev) for ev in (before, bad, after)]
+    handle.redis.rpush(inbox.INBOX, b"\xff not an event")  # not from a producer of ours
+    _work(handle)
+    answers = [wait_for(t, 0) for t in tickets]
+    assert answers[0]["ok"] and answers[2]["ok"]
+    assert not answers[1]["ok"] and "5 times" in answers[1]["message"]
+    assert "a bug on this one event" in answers[1]["message"]
+    assert [r[3:] for r in _ratings(store)] == [(1, None, "replaced"), (-1, None, "active")]
+    aside = inbox.dead(handle.redis)
+    assert len(aside) == 2 and aside[0]["event"].endswith("not an event")  # set aside at once: unreadable
+    assert json.loads(aside[1]["event"])["event_id"] == bad.event_id and "a bug" in aside[1]["error"]
+    assert handle.waiting_events() == 0
+
+    res = CliRunner().invoke(app, ["events", "--dead", "--json"])
+    shown = json.loads(res.output)
+    assert res.exit_code == 0 and shown["set_aside"] == 2
+    assert shown["dead"][0]["type"] == "unreadable" and shown["dead"][1]["event_id"] == bad.event_id
+    assert "answer" not in res.output  # which event and why, not the user's text
+
+    monkeypatch.setattr(Store, "_apply_rating", real)  # the cause is fixed: put them back
+    res = CliRunner().invoke(app, ["events", "--retry", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["requeued"] == 2
+    _work(handle)
+    assert [r[0] for r in _ratings(store)][-1] == bad.event_id
+    assert len(inbox.dead(handle.redis)) == 1  # the unreadable entry again, and only it
+
+
+def test_a_database_outage_fails_the_drain_not_the_events(q, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    cfg, handle, store = q
+    store.apply_capture(_capture(1, "local"))
+
+    def down(*_a, **_k):
+        raise OperationalError("SELECT 1", {}, Exception("database is locked"))
+
+    real = Store.apply_many
+    monkeypatch.setattr(Store, "apply_many", down)
+    ticket = enqueue_event(handle, Rating(target="c1", value=1))
+    _work(handle)
+    assert wait_for(ticket, 0) is None and handle.redis.llen(inbox.TAKEN) == 1  # kept, for the retry
+    assert not inbox.dead(handle.redis)
+    monkeypatch.setattr(Store, "apply_many", real)  # the database is back
+    owner = handle.redis.get(inbox.OWNER).decode()
+    Queue(EVENTS_QUEUE, connection=handle.redis).enqueue_call(inbox.DRAIN_JOB, job_id=owner)  # RQ's retry
+    _work(handle)
+    assert wait_for(ticket, 0)["ok"] and len(_ratings(store)) == 1
+
+
+def test_a_long_drain_hands_over_and_nothing_is_stranded(q, monkeypatch):
+    import rlfleet.worker.jobs as jobs
+
+    cfg, handle, store = q
+    monkeypatch.setattr(jobs, "DRAIN_SECONDS", 0.0)  # hand over after every batch
+    monkeypatch.setattr(inbox, "BATCH", 7)
+    for i in range(40):
+        store.apply_capture(_capture(i, "local"))
+    tickets = [enqueue_event(handle, Rating(target=f"c{i}", value=1)) for i in range(40)]
+    _work(handle)
+    assert all(wait_for(t, 0)["ok"] for t in tickets) and len(_ratings(store)) == 40
+    assert handle.waiting_events() == 0 and not handle.redis.exists(inbox.OWNER)
+
+
+def test_an_event_that_arrives_as_the_drain_lets_go_is_not_stranded(q):
+    cfg, handle, store = q
+    conn = handle.redis
+    store.apply_capture(_capture(1, "local"))
+    owner = inbox.new_drain_id()
+    assert inbox.take(conn, owner) == []  # a drain that found the inbox empty, about to let go
+    late = enqueue_event(handle, Rating(target="c1", value=-1))  # appended meanwhile
+    assert handle.events.count == 0  # no second drain was queued for it ...
+    assert not inbox.release(conn, owner)  # ... and the owner sees it as it tries to let go, and goes on
+    Queue(EVENTS_QUEUE, connection=conn).enqueue_call(inbox.DRAIN_JOB, job_id=owner)
+    _work(handle)
+    assert wait_for(late, 0)["ok"] and handle.waiting_events() == 0
+
+
+def test_a_mixed_batch_on_each_database(db_url):
+    store = Store(db_url)
+    first = Rating(target="m0", actor="ana", conversation="room", value=1)
+    events = [_capture(0, "ana"), first, Rating(target="c0", actor="ana", conversation="room", value=-1), first,
+              Rating(target="c404", actor="ana", value=1), Rating(target="c0", actor="bo", value=1),
+              Undo(actor="ana", conversation="room"), _capture(1, "ana"),
+              Rating(target="last", actor="ana", conversation="room", value=1)]
+    got = store.apply_many(events, "m")
+    assert [(a.ok, a.duplicate) for a in got] == [(True, False), (True, False), (True, False), (True, True),
+                                                  (False, False), (False, False), (True, False), (True, False),
+                                                  (True, False)]
+    assert got[5].message == "nothing of yours to rate here"  # bo is neither the owner nor allowlisted
+    assert [r[1:] for r in _ratings(store)] == [("c0", "ana", 1, None, "replaced"), ("c0", "ana", -1, None, "undone"),
+                                                ("c1", "ana", 1, None, "active")]
+    ids = [a.rating_id for a in got]
+    assert ids[1] < ids[2] < ids[8] and ids[6] == ids[2]  # the undo names the rating it took back
+    assert store.apply_many(events, "m")[1].duplicate  # the whole batch again: nothing new
+    assert len(_ratings(store)) == 3

@@ -1,0 +1,125 @@
+"""Applying one batch of inbox events (shared/inbox.py): in order, data events in one transaction each
+run of them, commands one by one between them, and an answer for every event.
+
+An event that breaks something of its own is retried behind the others and dead-lettered after
+``inbox.MAX_ATTEMPTS``; a database that is down or locked fails the whole batch instead (the drain
+job is retried, and TAKEN keeps the batch meanwhile), so an outage never dead-letters anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+
+import redis
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+
+from rlfleet.shared import inbox
+from rlfleet.shared.errors import BadInput, RlfleetError
+from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
+from rlfleet.shared.store import Applied
+
+log = logging.getLogger("rlfleet.worker")
+DATABASE_DOWN = (OperationalError, InterfaceError)
+DataEvent = Capture | Rating | Undo
+
+
+def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
+                run_command: Callable[[object, Command], dict],
+                trigger: Callable[[object, redis.Redis], str | None]) -> dict[str, dict]:
+    """Each applied event's answer by event id. Events retried later have none yet."""
+    results: dict[str, dict] = {}
+    run: list[tuple[bytes, DataEvent]] = []
+
+    def apply_run() -> None:
+        if run:
+            results.update(_apply_run(ctx, conn, run, trigger))
+            run.clear()
+
+    for raw in items:
+        try:
+            ev = parse_event(raw)
+        except BadInput as exc:  # not from one of our producers: keep it for a person to look at
+            log.warning("dead-lettered an unreadable inbox entry: %s", exc)
+            inbox.dead_letter(conn, raw, str(exc))
+            continue
+        if isinstance(ev, Command):
+            apply_run()  # the command sees every event sent before it
+            results[ev.event_id] = _command(ctx, conn, ev, run_command)
+        else:
+            run.append((raw, ev))
+    apply_run()
+    return results
+
+
+def _command(ctx, conn: redis.Redis, cmd: Command, run_command: Callable[[object, Command], dict]) -> dict:
+    # at most once: a drain killed after running it must not roll back twice when its batch is repeated
+    if not conn.set(f"rlfleet:command:{cmd.event_id}", 1, nx=True, ex=7 * 24 * 3600):
+        return {"ok": True, "message": f"/rl {cmd.name} was already carried out", "duplicate": True}
+    try:
+        return run_command(ctx, cmd)
+    except RlfleetError as exc:  # a refusal found on the way (a version name that is not one, say)
+        return {"ok": False, "message": str(exc)}
+    except DATABASE_DOWN:
+        raise
+    except Exception as exc:
+        log.exception("command %s failed", cmd.name)
+        return {"ok": False, "message": f"the worker failed on /rl {cmd.name}: {type(exc).__name__}: {exc}"}
+
+
+def _allowlists(ctx) -> Callable[[str], tuple[frozenset[str], frozenset[str]]]:
+    cache: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+
+    def allow(source: str) -> tuple[frozenset[str], frozenset[str]]:
+        if source not in cache:
+            lists = ctx.cfg.allowlists(source)
+            cache[source] = (lists.raters, lists.admins)
+        return cache[source]
+
+    return allow
+
+
+def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
+               trigger: Callable[[object, redis.Redis], str | None]) -> dict[str, dict]:
+    allow = _allowlists(ctx)
+    try:
+        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, allow))
+    except DATABASE_DOWN:
+        raise
+    except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time
+        applied = [_apply_alone(ctx, conn, raw, ev, allow) for raw, ev in run]
+    out: dict[str, dict] = {}
+    last_new_rating = None
+    for (_, ev), a in zip(run, applied, strict=True):
+        if a is None:
+            continue  # retried later
+        if not a.ok:  # a refusal is its reason, nothing more
+            out[ev.event_id] = {"ok": False, "message": a.message}
+            continue
+        out[ev.event_id] = asdict(a)
+        if isinstance(ev, Rating):
+            out[ev.event_id]["training"] = None
+            if not a.duplicate:
+                last_new_rating = ev.event_id
+    if last_new_rating is not None:  # the threshold is checked once per batch, not once per rating
+        out[last_new_rating]["training"] = trigger(ctx, conn)
+    return out
+
+
+def _apply_alone(ctx, conn: redis.Redis, raw: bytes, ev: DataEvent, allow) -> Applied | None:
+    try:
+        return ctx.store.apply_many([ev], ctx.slug, allow)[0]
+    except IntegrityError:  # a concurrent writer applied this very event
+        return Applied(True, "already recorded", duplicate=True)
+    except DATABASE_DOWN:
+        raise
+    except Exception as exc:
+        attempts = inbox.failed_attempt(conn, ev.event_id)
+        log.exception("event %s (%s) failed, attempt %d of %d", ev.event_id, ev.type, attempts, inbox.MAX_ATTEMPTS)
+        if attempts < inbox.MAX_ATTEMPTS:
+            inbox.retry_later(conn, raw)
+            return None
+        why = f"{type(exc).__name__}: {exc}"
+        inbox.dead_letter(conn, raw, why)
+        return Applied(False, f"the worker failed on it {attempts} times and set it aside: {why}")
