@@ -1,13 +1,15 @@
 """How many ratings per second the queue and the workers take, and how long one takes to be a row.
 
-    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL] [--json]
+    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL]
+                           [--postgres ADMIN_URL] [--json] [--no-record]
 
 Through the real path: each rating is a typed event handed to the inbox on Redis (`enqueue_event`,
 as a bot or the bridge does), applied by real `rlfleet worker --queue events` processes into the
-database (SQLite in a temporary data dir, or `DATABASE_URL`). Latency is from the event's creation
-(its ``ts``) to its answer being visible, which the drain writes after the batch's commit: an upper
-bound of "to the committed row". Beside it, the ceilings: a no-op RQ job through the same workers
-(what one RQ job per rating, the earlier design, could reach at best) and raw Redis round trips.
+database (SQLite in a temporary data dir, or with `--postgres` a fresh PostgreSQL database per case).
+Latency is from the event's creation (its ``ts``) to its answer being visible, which the drain
+writes after the batch's commit: an upper bound of "to the committed row". Beside it, the ceilings:
+a no-op RQ job through the same workers (what one RQ job per rating, the earlier design, could reach
+at best) and raw Redis round trips.
 "sent /s" is how fast the one producer handed the events over. Prints a table; asserts nothing.
 
 One drain applies the inbox at a time (so one user's events keep their order), so more workers do
@@ -22,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -35,7 +40,7 @@ from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, open_queue
 from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 
-from .record import markdown_table, output_options, parser, publish
+from .record import markdown_table, output_options, parser, publish, stop_processes
 
 
 def noop() -> None:
@@ -45,16 +50,6 @@ def noop() -> None:
 def _workers(n: int, home: Path, env: dict) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", "events"], env=env,
                              stdout=subprocess.DEVNULL, stderr=open(home / "worker.log", "ab")) for _ in range(n)]
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def _wait_rows(store: Store, n: int, timeout: float) -> float:
@@ -75,11 +70,46 @@ def _latencies(conn: redis.Redis, sent: dict[str, float]) -> list[float]:
     return [(at[e] - sent[e]) * 1000 for e in ids if e in at]
 
 
-def run_case(workers: int, ratings: int, rate: float | None, redis_url: str) -> dict:
-    """One configuration in a fresh data dir; ``rate`` None = as fast as the producer can enqueue."""
+@contextmanager
+def fresh_database(postgres_admin: str | None) -> Iterator[str | None]:
+    """A new empty PostgreSQL database for one case (dropped after it), or None: SQLite in the data dir."""
+    if postgres_admin is None:
+        yield None
+        return
+    import sqlalchemy as sa
+
+    name = f"rlfleet_ingest_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(postgres_admin, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield postgres_admin.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        from rlfleet.shared import store as store_mod
+
+        for url in [u for u in store_mod._ENGINES if u.endswith(f"/{name}")]:
+            store_mod._ENGINES.pop(url).dispose()
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, postgres_admin: str | None = None) -> dict:
+    """One configuration in a fresh data dir (and a fresh PostgreSQL database with ``postgres_admin``);
+    ``rate`` None = as fast as the producer can enqueue."""
+    with fresh_database(postgres_admin) as db_url:
+        return _run_case(workers, ratings, rate, redis_url, db_url)
+
+
+def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None) -> dict:
     home = Path(tempfile.mkdtemp(prefix="rlfleet-ingest-"))
-    env = {**os.environ, "RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
-    os.environ.update({"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"})
+    where = {"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
+    if db_url:
+        where["DATABASE_URL"] = db_url
+    else:
+        os.environ.pop("DATABASE_URL", None)
+    env = {**os.environ, **where}
+    os.environ.update(where)
     cfg = load_config(home)
     cfg.train.threshold = 100_000  # no training runs in the way
     cfg.save()
@@ -107,7 +137,7 @@ def run_case(workers: int, ratings: int, rate: float | None, redis_url: str) -> 
         t_end = _wait_rows(store, ratings, timeout=max(120, ratings / 20))
         lat = _latencies(handle.redis, sent)
     finally:
-        _stop(procs)
+        stop_processes(procs, 10)
         handle.close()
     q = statistics.quantiles(lat, n=100)
     return {"workers": workers, "ratings": ratings, "offered_rate": rate or "max",
@@ -148,12 +178,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--workers", default="1,2,4", help="comma list of event-worker counts")
     ap.add_argument("--rate", type=float, default=500.0, help="the fixed offered rate for the latency row")
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/10", help="a Redis DB this may flush")
+    ap.add_argument("--postgres", metavar="ADMIN_URL", default=None,
+                    help="store in PostgreSQL instead of SQLite: a URL allowed to create and drop a database "
+                         "per case (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres)")
     output_options(ap)
     args = ap.parse_args(argv)
     rows = []
     for w in (int(x) for x in args.workers.split(",")):
-        rows.append({**run_case(w, args.ratings, None, args.redis), **ceiling(w, min(args.ratings, 2000), args.redis)})
-        rows.append(run_case(w, min(args.ratings, int(args.rate * 10)), args.rate, args.redis))
+        rows.append({**run_case(w, args.ratings, None, args.redis, args.postgres),
+                     **ceiling(w, min(args.ratings, 2000), args.redis)})
+        rows.append(run_case(w, min(args.ratings, int(args.rate * 10)), args.rate, args.redis, args.postgres))
 
     def ceil(r: dict, key: str) -> str:
         return f"{r[key]:.0f}" if key in r else ""
@@ -164,7 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         [[r["workers"], r["ratings"], r["offered_rate"], f"{r['sent_per_s']:.0f}", f"{r['ratings_per_s']:.0f}",
           f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", ceil(r, "noop_jobs_per_s"), ceil(r, "redis_ping_us")]
          for r in rows])
-    publish({"rows": rows}, table, args, "`bench.ingest`")
+    publish({"rows": rows, "database": "postgresql" if args.postgres else "sqlite"}, table, args,
+            f"`bench.ingest` · {'PostgreSQL' if args.postgres else 'SQLite'}")
     return rows
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -72,3 +73,17 @@ def publish(figures: dict, text: str, args: argparse.Namespace, title: str) -> N
     print(json.dumps(figures) if args.json else text)
     if not args.no_record:
         append(title, text)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace: float = 15.0) -> None:
+    """SIGTERM every worker a benchmark started (so they finish the job in hand), then SIGKILL the ones
+    still running after ``grace`` seconds."""
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .record import output_options, parser, publish
+from .record import output_options, parser, publish, stop_processes
 
 TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "owls", "silk", "bees"]
 FORMS = ["Tell me about {} in two sentences.", "What is {} good for?", "Give me one fact about {}."]
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.shared.queue import enqueue_event, open_queue, progress_key
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.store import Store
+    from rlfleet.worker.jobs import ratings_until_run
 
     from .record import markdown_table
 
@@ -115,13 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         sent = 0
         for r in range(args.runs):
-            # The threshold counts pending ratings, and a run's held-out slice stays pending (it trains
-            # the next run): after the first run fewer than `threshold` new ratings start one.
-            need = max(1, args.threshold - store.pending_count(slug))
-            last = store.latest_run(slug)
-            if last is not None and last.state in ("failed", "rejected") and last.started is not None:
-                # after a refused run the next waits for half a threshold of new ratings (worker/jobs.py)
-                need = max(need, max(1, args.threshold // 2) - store.pending_count(slug, since=last.started))
+            # The worker's own rule: a run's held-out slice stays pending (it trains the next run), so
+            # after the first run fewer than `threshold` new ratings start one; after a refused run,
+            # half a threshold of new ones.
+            need = max(1, ratings_until_run(store, slug, args.threshold))
             ratings = [Rating(target=f"c{i}", value=1 if i % 2 == 0 else -1) for i in range(sent, sent + need)]
             sent += need
             for ev in ratings[:-1]:
@@ -159,13 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             })
             console.print(f"run {r + 1}: {outcome} after {total:.1f} s")
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         if args.redis:
             handle.redis.flushdb()
         handle.close()

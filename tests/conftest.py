@@ -89,6 +89,14 @@ def _pg_available() -> bool:
         return False
 
 
+@pytest.fixture
+def pg_admin_url() -> str:
+    """A PostgreSQL URL allowed to create databases (the test is skipped when none answers)."""
+    if not _pg_available():
+        pytest.skip(f"no PostgreSQL answers at {PG_ADMIN_URL}")
+    return PG_ADMIN_URL
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":

@@ -23,3 +23,17 @@ def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypat
     with store.session() as s:
         counts = s.execute(select(RatingRow.event_id, func.count()).group_by(RatingRow.event_id)).all()
     assert len(counts) == 100 and all(n == 1 for _, n in counts)
+
+
+def test_the_postgres_leg_uses_a_fresh_database_and_drops_it(queued_home, redis_url, pg_admin_url, monkeypatch):
+    import sqlalchemy as sa
+
+    for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL", "DATABASE_URL"):
+        monkeypatch.setenv(var, "unset-by-the-test")
+    row = ingest.run_case(1, 200, None, redis_url, pg_admin_url)
+    assert row["answered"] == 200 and row["ratings_per_s"] > 0
+    admin = sa.create_engine(pg_admin_url)
+    with admin.connect() as c:
+        left = c.execute(sa.text("SELECT datname FROM pg_database WHERE datname LIKE 'rlfleet_ingest_%'")).all()
+    admin.dispose()
+    assert left == []

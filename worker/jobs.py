@@ -68,6 +68,8 @@ def _redis() -> redis.Redis:
 
 
 def handle_event(payload: str) -> dict:
+    """One event as its own RQ job: how events travelled before the inbox (shared/inbox.py). Kept so
+    jobs queued by an earlier version still apply after an upgrade; new events go through the drain."""
     ctx = context()
     try:
         event = parse_event(payload)
@@ -191,26 +193,27 @@ def fail_interrupted(store: Store, slug: str, run_id: int, why: str) -> None:
     store.fail_run(run_id, error)
 
 
-def _waiting_after_failure(ctx: Context) -> bool:
-    """After a failed or rejected run its ratings are still pending: retrying on every new rating
-    would train on nearly the same data again and again. Wait for half a threshold of new ones.
-    An interrupted run is retried at once (nothing was wrong with its data), unless the last few all
-    were: a run that kills its worker every time (the OOM killer, say) would otherwise loop forever."""
-    last = ctx.store.latest_run(ctx.slug)
-    if last is None or last.state not in ("failed", "rejected") or last.started is None:
-        return False
-    if was_interrupted(last) and interrupted_streak(ctx.store, ctx.slug) < INTERRUPTED_IN_A_ROW:
-        return False
-    return ctx.store.pending_count(ctx.slug, since=last.started) < max(1, ctx.cfg.train.threshold // 2)
+def ratings_until_run(store: Store, slug: str, threshold: int) -> int:
+    """How many more new ratings start the next training run by themselves (0: the next rating does).
+
+    Pending ratings reach the threshold. After a failed or rejected run its ratings are still pending:
+    retrying on every new rating would train on nearly the same data again and again, so it also
+    waits for half a threshold of new ones. An interrupted run is retried at once (nothing was wrong
+    with its data), unless the last few all were: a run that kills its worker every time (the OOM
+    killer, say) would otherwise loop forever."""
+    need = threshold - store.pending_count(slug)
+    last = store.latest_run(slug)
+    if (last is not None and last.state in ("failed", "rejected") and last.started is not None
+            and not (was_interrupted(last) and interrupted_streak(store, slug) < INTERRUPTED_IN_A_ROW)):
+        need = max(need, max(1, threshold // 2) - store.pending_count(slug, since=last.started))
+    return max(0, need)
 
 
 def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str | None:
     """Queue one training run when pending ratings reach the threshold; never two for one model."""
+    if not force and ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold):
+        return None
     pending = ctx.store.pending_count(ctx.slug)
-    if not force and pending < ctx.cfg.train.threshold:
-        return None
-    if not force and _waiting_after_failure(ctx):
-        return None
     if force and not ctx.store.pending_ratings(ctx.slug, 1):
         return "nothing to train on: no pending ratings"
     key = train_lock_key(ctx.slug)

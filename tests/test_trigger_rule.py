@@ -1,0 +1,36 @@
+"""When the next training run starts by itself (worker/jobs.ratings_until_run): the rule the worker
+applies and bench/time_to_adapter plans with."""
+
+from __future__ import annotations
+
+from rlfleet.shared.events import Capture, Message, Rating
+from rlfleet.shared.store import Store
+from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW, ratings_until_run
+
+
+def _rate(store: Store, n: int, start: int) -> None:
+    caps = [Capture(capture_id=f"c{i}", prompt=[Message(role="user", content="q")], response="a", model="m")
+            for i in range(start, start + n)]
+    store.apply_many(caps, "m")
+    store.apply_many([Rating(target=c.capture_id, value=1) for c in caps], "m")
+
+
+def test_threshold_then_half_a_threshold_after_a_refusal_and_at_once_after_an_interruption(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/db.sqlite")
+    assert ratings_until_run(store, "m", 8) == 8
+    _rate(store, 5, 0)
+    assert ratings_until_run(store, "m", 8) == 3
+    _rate(store, 3, 5)
+    assert ratings_until_run(store, "m", 8) == 0
+    run = store.create_run("m")
+    store.start_run(run, None)
+    store.fail_run(run, "rejected by the gate", state="rejected")  # its 8 ratings stay pending
+    assert ratings_until_run(store, "m", 8) == 4  # half a threshold of new ones
+    _rate(store, 4, 8)
+    assert ratings_until_run(store, "m", 8) == 0
+    for i in range(INTERRUPTED_IN_A_ROW):
+        run = store.create_run("m")
+        store.start_run(run, None)
+        store.fail_run(run, "interrupted: the training worker stopped during the run")
+        expected = 0 if i + 1 < INTERRUPTED_IN_A_ROW else 4  # retried at once, until the streak is long
+        assert ratings_until_run(store, "m", 8) == expected, i
