@@ -744,7 +744,7 @@ def events(
         _emit(report, True)
         return
     out.print(f"{report['waiting']} events waiting, {report['set_aside']} set aside"
-                  + (f"; {requeued} put back in the queue" if retry else ""), markup=False)
+              + (f"; {requeued} put back in the queue" if retry else ""), markup=False)
     for d in report.get("dead", []):
         out.print(f"  {d['when']}  {d['type']} {d['event_id']} from {d['actor']}: {d['error']}", markup=False)
 

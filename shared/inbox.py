@@ -45,6 +45,11 @@ def result_key(event_id: str) -> str:
     return f"rlfleet:result:{event_id}"
 
 
+def command_key(event_id: str) -> str:
+    """Set when a drain runs a command: a repeated batch must not run it twice."""
+    return f"rlfleet:command:{event_id}"
+
+
 # Owning and taking are one step: a drain that lost the inbox (its claim expired and another took it)
 # takes nothing. What a dead drain left in TAKEN is applied again before anything new.
 _TAKE = """
@@ -82,10 +87,6 @@ class Ticket:
 
     event_id: str
     conn: redis.Redis
-
-    @property
-    def id(self) -> str:
-        return self.event_id
 
     def result(self) -> dict | None:
         raw = self.conn.get(result_key(self.event_id))
@@ -128,17 +129,16 @@ def hand_over(conn: redis.Redis, drain_id: str) -> str | None:
     return successor if moved else None
 
 
-def answer(conn: redis.Redis, results: dict[str, dict], done_taking: bool = True) -> None:
-    """Store each event's answer (stamped with the time it became visible: after its commit) and, with
-    ``done_taking``, empty TAKEN: the batch is finished."""
+def answer(conn: redis.Redis, results: dict[str, dict]) -> None:
+    """Store each event's answer (stamped with the time it became visible: after its commit) and empty
+    TAKEN: the batch is finished."""
     now = time.time()
     pipe = conn.pipeline(transaction=True)
     for event_id, result in results.items():
         pipe.set(result_key(event_id), json.dumps({**result, "answered_at": now}, default=str), ex=RESULT_TTL)
     if results:
         pipe.hdel(ATTEMPTS, *results)
-    if done_taking:
-        pipe.delete(TAKEN)
+    pipe.delete(TAKEN)
     pipe.execute()
 
 

@@ -126,6 +126,16 @@ def queue_drain(conn: redis.Redis, drain_id: str) -> Job:
     )
 
 
+def job_is_over(conn: redis.Redis, job_id: str) -> bool:
+    """Whether RQ job ``job_id`` will not run (again): gone, finished, failed for good, stopped or
+    canceled. Queued, started, scheduled and deferred jobs are not over."""
+    try:
+        status = Job.fetch(job_id, connection=conn).get_status()
+    except NoSuchJobError:
+        return True
+    return status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED)
+
+
 def ensure_drain(conn: redis.Redis) -> bool:
     """Queue a drain when events wait with nobody to apply them: the producer that claimed the inbox
     died before queueing its drain, or the drain job failed for good (its retries spent while the
@@ -134,11 +144,7 @@ def ensure_drain(conn: redis.Redis) -> bool:
         return False
     owner = conn.get(inbox.OWNER)
     if owner is not None:
-        try:
-            status = Job.fetch(owner.decode(), connection=conn).get_status()
-        except NoSuchJobError:
-            status = None
-        if status not in (None, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED):
+        if not job_is_over(conn, owner.decode()):
             return False  # queued, running, or waiting for its retry
         # compare-and-delete: a drain that took over meanwhile keeps the inbox
         conn.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",

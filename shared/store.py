@@ -114,10 +114,8 @@ class _Batch:
 
 
 def _nobody(_source: str) -> tuple[frozenset[str], frozenset[str]]:
+    """No allowlisted raters or admins: only owners rate their own answers."""
     return frozenset(), frozenset()
-
-
-_NOBODY: Allow = _nobody
 
 
 @dataclass(frozen=True)
@@ -335,33 +333,34 @@ class Store:
         return out
 
     def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str,
-                   allow: Allow = _NOBODY) -> list[Applied]:
+                   allow: Allow = _nobody) -> list[Applied]:
         """Apply events in order in one transaction; a refused event is an ``ok=False`` answer and the
         others still apply. Raises IntegrityError when another process applied one of them meanwhile
         (then nothing of the batch is written: apply them one by one)."""
         with self.session() as s:
             return self._apply_in(s, events, train_model, allow, refuse=False)
 
-    def _apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", allow: Allow = _NOBODY) -> Applied:
-        """One event in its own transaction; refusals raise. A concurrent worker that applied the same
-        event first makes this a duplicate."""
+    def apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", allow: Allow = _nobody,
+                  refuse: bool = True) -> Applied:
+        """One event in its own transaction; refusals raise (or, without ``refuse``, are ``ok=False``
+        answers). A concurrent worker that applied the same event first makes this a duplicate."""
         try:
             with self.session() as s:
-                return self._apply_in(s, [ev], train_model, allow, refuse=True)[0]
+                return self._apply_in(s, [ev], train_model, allow, refuse=refuse)[0]
         except IntegrityError:
             return Applied(True, "already recorded", duplicate=True,
                            capture_id=ev.capture_id if isinstance(ev, Capture) else None)
 
     def apply_capture(self, ev: Capture) -> Applied:
-        return self._apply_one(ev)
+        return self.apply_one(ev)
 
     def apply_rating(
         self, ev: Rating, train_model: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
     ) -> Applied:
-        return self._apply_one(ev, train_model, lambda _source: (raters, admins))
+        return self.apply_one(ev, train_model, lambda _source: (raters, admins))
 
     def apply_undo(self, ev: Undo) -> Applied:
-        return self._apply_one(ev)
+        return self.apply_one(ev)
 
     # ---- dataset export / import (shared/ratings_io.py) ------------------------------------------
 

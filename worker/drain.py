@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import redis
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from rlfleet.shared import inbox
 from rlfleet.shared.errors import BadInput, RlfleetError
@@ -55,7 +55,7 @@ def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
 
 def _command(ctx, conn: redis.Redis, cmd: Command, run_command: Callable[[object, Command], dict]) -> dict:
     # at most once: a drain killed after running it must not roll back twice when its batch is repeated
-    if not conn.set(f"rlfleet:command:{cmd.event_id}", 1, nx=True, ex=7 * 24 * 3600):
+    if not conn.set(inbox.command_key(cmd.event_id), 1, nx=True, ex=7 * 24 * 3600):
         return {"ok": True, "message": f"/rl {cmd.name} was already carried out", "duplicate": True}
     try:
         return run_command(ctx, cmd)
@@ -109,9 +109,7 @@ def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
 
 def _apply_alone(ctx, conn: redis.Redis, raw: bytes, ev: DataEvent, allow) -> Applied | None:
     try:
-        return ctx.store.apply_many([ev], ctx.slug, allow)[0]
-    except IntegrityError:  # a concurrent writer applied this very event
-        return Applied(True, "already recorded", duplicate=True)
+        return ctx.store.apply_one(ev, ctx.slug, allow, refuse=False)
     except DATABASE_DOWN:
         raise
     except Exception as exc:

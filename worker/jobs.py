@@ -16,15 +16,22 @@ from pathlib import Path
 
 import redis
 from rq import Queue, get_current_job
-from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
 
 from rlfleet.shared.config import Config, load_config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import may_command
-from rlfleet.shared.queue import EVENTS_QUEUE, PUSH_JOB, TRAIN_JOB, TRAIN_QUEUE, progress_key, push_key, train_lock_key
+from rlfleet.shared.queue import (
+    EVENTS_QUEUE,
+    PUSH_JOB,
+    TRAIN_JOB,
+    TRAIN_QUEUE,
+    job_is_over,
+    progress_key,
+    push_key,
+    train_lock_key,
+)
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.schema import TrainRun
 from rlfleet.shared.status import build_status, publish_snapshot
@@ -133,10 +140,9 @@ def drain_events() -> dict:
                 break
             continue
         results = apply_batch(ctx, conn, items, run_command, maybe_trigger)
-        last_work = time.monotonic()
         inbox.answer(conn, results)
         applied += len(results)
-        now = time.monotonic()
+        now = last_work = time.monotonic()
         if now - started > DRAIN_SECONDS:
             successor = inbox.hand_over(conn, me)
             if successor:
@@ -150,16 +156,6 @@ def drain_events() -> dict:
 
 
 # ---- training trigger ---------------------------------------------------------------------------
-
-
-def _lock_is_stale(conn: redis.Redis, job_id: bytes | None) -> bool:
-    if not job_id:
-        return True
-    try:
-        job = Job.fetch(job_id.decode(), connection=conn)
-    except NoSuchJobError:
-        return True
-    return job.get_status() in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, JobStatus.FINISHED)
 
 
 INTERRUPTED_IN_A_ROW = 3
@@ -221,7 +217,8 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     # must not block training for a day (no job id to check it against); the job's id then holds it.
     if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
         holder = conn.get(key)
-        if holder == b"claiming" or not _lock_is_stale(conn, holder):
+        # (None: it expired just now, so nobody holds it)
+        if holder == b"claiming" or (holder is not None and not job_is_over(conn, holder.decode())):
             return "a training run is already queued or running"
         conn.delete(key)  # the worker holding it died: take over
         if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):

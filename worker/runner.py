@@ -171,8 +171,7 @@ def requeue_orphans(conn) -> int:
             requeued += 1
         except NoSuchJobError:
             pass
-    requeued += requeue_stranded(conn, queue, busy)
-    return requeued + ensure_drain(conn)
+    return requeued + requeue_stranded(conn, queue, busy)
 
 
 def requeue_stranded(conn, queue: Queue, busy: set[str] | None = None) -> int:
@@ -238,13 +237,13 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
             from rlfleet.worker.jobs import preload_trainer
 
             preload_trainer(cfg)
-    if which in ("events", "all") and not burst:
-        from rlfleet.worker.jobs import warm_up
+        if which in ("events", "all"):
+            from rlfleet.worker.jobs import warm_up
 
-        try:
-            warm_up()
-        except Exception as exc:  # the first job meets the same problem and says so where it is seen
-            log.warning("could not prepare the events worker (%s: %s)", type(exc).__name__, exc)
+            try:
+                warm_up()
+            except Exception as exc:  # the first job meets the same problem and says so where it is seen
+                log.warning("could not prepare the events worker (%s: %s)", type(exc).__name__, exc)
     worked = False
     try:
         while True:
