@@ -77,6 +77,13 @@ def _events_worker_alive(handle: QueueHandle) -> bool:
     return any(EVENTS_QUEUE in w.queue_names() for w in Worker.all(connection=handle.redis))
 
 
+def _work_if_nobody_does(handle: QueueHandle, cfg: Config) -> None:
+    if not _events_worker_alive(handle):
+        from rlfleet.worker.runner import run_worker
+
+        run_worker(cfg, "events", burst=True, handle=handle)
+
+
 def dispatch(handle: QueueHandle, cfg: Config, event: Any, timeout: float = 15.0) -> dict:
     """Enqueue an event and return what the worker made of it.
 
@@ -84,10 +91,7 @@ def dispatch(handle: QueueHandle, cfg: Config, event: Any, timeout: float = 15.0
     work on their own; the event is in Redis (append-only) before anything else happens.
     """
     ticket = enqueue_event(handle, event)
-    if not _events_worker_alive(handle):
-        from rlfleet.worker.runner import run_worker
-
-        run_worker(cfg, "events", burst=True, handle=handle)
+    _work_if_nobody_does(handle, cfg)
     result = wait_for(ticket, timeout)
     if result is None:
         return {"ok": True, "message": "queued; a worker will apply it shortly", "queued": True}
@@ -736,6 +740,7 @@ def events(
         requeued = inbox.requeue_dead(q.redis) if retry else 0
         if requeued:
             ensure_drain(q.redis)
+            _work_if_nobody_does(q, cfg)  # as `rlfleet good` does: applied now, not when a worker starts
         aside = inbox.dead(q.redis)
         report = {"ok": True, "waiting": q.waiting_events(), "set_aside": len(aside), "requeued": requeued}
         if dead:

@@ -11,7 +11,7 @@ from rq import Queue, Worker
 
 from . import inbox
 from .config import Config
-from .queue import EVENTS_QUEUE, TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
+from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
 from .store import Store
 
@@ -71,7 +71,7 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
     workers = 0
     if conn is not None:
         queue = {
-            "events": inbox.pending(conn) + Queue(EVENTS_QUEUE, connection=conn).count,
+            "events": inbox.pending(conn),  # not the drain job itself: one waiting rating is 1, not 2
             "train": Queue(TRAIN_QUEUE, connection=conn).count,
             "dead_letters": conn.llen(inbox.DEAD),
         }
