@@ -18,7 +18,16 @@ from typing import Literal
 from pydantic import ValidationError
 
 from rlfleet.shared.config import BotSettings, Config
-from rlfleet.shared.events import Capture, Command, Message, Platform, Rating, Undo, describe_validation_error
+from rlfleet.shared.events import (
+    Capture,
+    Command,
+    Message,
+    Platform,
+    Rating,
+    Undo,
+    describe_validation_error,
+    well_formed,
+)
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import may_command, may_rate
 from rlfleet.shared.posted import Posted, PostedMessages
@@ -81,10 +90,12 @@ class BotCore:
 
     def prompt(self, context: list[tuple[bool, str]], text: str) -> list[dict]:
         """Chat messages for the responder: the last `context_messages` of the thread (``(by_bot, text)``,
-        oldest first) and the new message."""
+        oldest first) and the new message. A lone surrogate becomes U+FFFD here, not a capture that
+        fails after the answer is out."""
         keep = context[-self.settings.context_messages:] if self.settings.context_messages else []
-        msgs = [{"role": "assistant" if by_bot else "user", "content": t} for by_bot, t in keep if t.strip()]
-        return [*msgs, {"role": "user", "content": text}]
+        msgs = [{"role": "assistant" if by_bot else "user", "content": well_formed(t)} for by_bot, t in keep
+                if t.strip()]
+        return [*msgs, {"role": "user", "content": well_formed(text)}]
 
     async def answer(self, messages: list[dict]) -> Completion:
         return await self.responder.complete(messages)
@@ -105,8 +116,8 @@ class BotCore:
             conversation=conversation,
             message_ref=message_ref,
             owner=owner,
-            prompt=[Message(role=m["role"], content=m["content"]) for m in messages],
-            response=completion.text,
+            prompt=[Message(role=m["role"], content=well_formed(m["content"])) for m in messages],
+            response=well_formed(completion.text),  # a server may split a character's surrogates too
             model=self.cfg.model if completion.ours else completion.model,
             adapter_version=completion.adapter_version,
             behaviour_logprobs=completion.logprobs,

@@ -45,11 +45,20 @@ def _tolerant(parsers: dict[str, Callable[[Any], None]]) -> None:
     for name, parse in list(parsers.items()):
         def guarded(data: Any, _name: str = name, _parse: Callable[[Any], None] = parse) -> None:
             try:
+                _readable(_name, data)
                 _parse(data)
             except Exception as exc:
                 log.warning("dropped a %s gateway event discord.py could not read (%s)", _name,
                             exc.__class__.__name__)
         parsers[name] = guarded
+
+
+def _readable(name: str, data: Any) -> None:
+    """What discord.py parses without complaint but cannot use later: an interaction whose token is not
+    a string failed only when the handler answered it (inside discord.py's request, a crash in the
+    handler's log)."""
+    if name == "INTERACTION_CREATE" and not (isinstance(data, dict) and isinstance(data.get("token"), str)):
+        raise TypeError("interaction token is not a string")
 
 
 def _sender(interaction: discord.Interaction) -> tuple[str | None, bool]:

@@ -120,17 +120,29 @@ class _AuthConfig:
         self.APP_TENANTID = s.tenant_id or ""
 
 
-def _missing(activity: Activity) -> str | None:
-    """The first field every Bot Framework activity carries and this one lacks. Without a recipient the
-    handler's mention stripping raised, without a conversation the reply did: the turn failed after
-    a 201, so the sender never learnt why."""
+MAX_ID_CHARS = 1024  # a connector's conversation and activity ids run to a couple of hundred
+
+
+def _malformed(activity: Activity) -> str | None:
+    """Why no Bot Framework connector would send this activity, or None. Without a recipient the
+    handler's mention stripping raised, without a conversation the reply did; the reply names the
+    conversation in its ``x-ms-conversation-id`` header, which takes only printable ASCII with no
+    surrounding spaces, and both ids
+    in its URL, which a server refuses past a few kB. Each of those turns failed after a 201, so the
+    sender never learnt why."""
     if not isinstance(activity, Activity) or not activity.type:
-        return "type"
+        return "no type"
+    conversation = activity.conversation.id if activity.conversation else None
     for name, value in (("serviceUrl", activity.service_url), ("from", activity.from_property),
-                        ("recipient", activity.recipient),
-                        ("conversation.id", activity.conversation.id if activity.conversation else None)):
+                        ("recipient", activity.recipient), ("conversation.id", conversation)):
         if not value:
-            return name
+            return f"no {name}"
+    if not (isinstance(conversation, str) and conversation.isascii() and conversation.isprintable()
+            and conversation == conversation.strip()):
+        return "conversation.id is not printable ASCII without surrounding spaces"
+    for name, value in (("conversation.id", conversation), ("id", activity.id)):
+        if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+            return f"{name} is over {MAX_ID_CHARS:,} characters"
     return None
 
 
@@ -172,9 +184,9 @@ def web_app(core: BotCore, settings: TeamsSettings, password: str | None) -> web
             activity = Activity().deserialize(await request.json())
         except ValueError:
             return web.json_response({"error": "malformed activity"}, status=400)
-        missing = _missing(activity)
-        if missing:
-            return web.json_response({"error": f"malformed activity: no {missing}"}, status=400)
+        why = _malformed(activity)
+        if why:
+            return web.json_response({"error": f"malformed activity: {why}"}, status=400)
         try:
             response = await adapter.process(request, bot)
         except PermissionError:

@@ -36,6 +36,16 @@ def _uuid() -> str:
     return str(uuid.uuid4())
 
 
+def well_formed(text: str) -> str:
+    """``text`` with each lone surrogate as U+FFFD. A platform's JSON may carry an escape like
+    "\\ud800" that decodes to one; such text can be neither stored nor sent on as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _check_text(value: str, what: str, limit: int = MAX_TEXT_CHARS) -> str:
     if "\x00" in value:
         raise ValueError(f"{what} contains a NUL byte")
@@ -151,10 +161,19 @@ def parse_event(raw: str | bytes | dict) -> Capture | Rating | Undo | Command:
         raise BadInput(describe_validation_error(exc)) from None
 
 
+def _field_name(part: object, limit: int = 40) -> str:
+    """One part of an error's location as a short printable token: a field name the sender made up may
+    hold a newline or run for pages, and the error is one line."""
+    text = str(part)
+    if text.isprintable() and len(text) <= limit:
+        return text
+    return ascii(text[:limit]) + ("…" if len(text) > limit else "")
+
+
 def describe_validation_error(exc: ValidationError, prefix: str = "invalid event") -> str:
     first = exc.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ()))
-    msg = first.get("msg", "invalid")
+    where = ".".join(_field_name(p) for p in first.get("loc", ()))
+    msg = " ".join(first.get("msg", "invalid").split())
     msg = msg.removeprefix("Value error, ")
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return f"{prefix}: {where}: {msg}{more}" if where else f"{prefix}: {msg}{more}"

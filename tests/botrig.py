@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
 from botfakes import FakeOpenAI
@@ -130,3 +130,23 @@ async def bot_rig(platform: str, **settings: Any):
 
 def run(coro) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@contextmanager
+def held(rig: AbstractAsyncContextManager) -> Iterator[tuple[Any, Callable[[Awaitable], Any]]]:
+    """Enter ``rig`` on an event loop of its own and keep it open across many synchronous steps (the
+    cases of a hypothesis test): yields the rig and ``step(coro)``, which runs one coroutine on that loop.
+    Between steps the loop is idle and the bot's own tasks wait; they carry on in the next step."""
+    loop = asyncio.new_event_loop()
+    stack = AsyncExitStack()
+
+    def step(coro: Awaitable) -> Any:
+        return loop.run_until_complete(asyncio.wait_for(coro, 60))
+
+    try:
+        yield step(stack.enter_async_context(rig)), step
+    finally:
+        try:
+            step(stack.aclose())
+        finally:
+            loop.close()

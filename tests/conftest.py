@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository root: bench
 
 PG_ADMIN_URL = os.environ.get("RLFLEET_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_BASE = os.environ.get("RLFLEET_TEST_REDIS", "redis://127.0.0.1:6379")
-TEST_DB = 13  # a DB number of our own on the shared server, flushed per test
+# A DB number of our own on the shared server, flushed per test: two runs side by side need two numbers.
+TEST_DB = int(os.environ.get("RLFLEET_TEST_REDIS_DB", "13"))
 
 
 def _redis_up(url: str) -> bool:

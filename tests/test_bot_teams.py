@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -143,3 +145,51 @@ def test_auth_on_with_an_app_id_and_bad_bodies_change_nothing(queued_home):
             await asyncio.sleep(0.1)
             assert r.queued() == 0 and not r.connector.calls
     run(go())
+
+
+def test_a_question_with_a_lone_surrogate_is_answered_captured_and_rateable(queued_home, caplog):
+    """JSON may escape half a character ("\\ud800"); it decodes to a lone surrogate, which no store or
+    UTF-8 body takes. Before: the answer went out, then the capture raised inside the turn (unrateable)."""
+    async def go():
+        async with rig(queued_home) as r:
+            act = r.activity(OWNER, type="message", text="TEXT")
+            body = json.dumps(act).replace('"TEXT"', '"what is \\ud800 this"')
+            async with r.http.post(r.url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status in (200, 201), await resp.text()
+            assert await r.said(1) == "answer to: what is \ufffd this"
+            await r.drain()
+            (cap,) = r.base.captures()
+            assert cap.prompt[-1]["content"] == "what is \ufffd this" and cap.response.endswith("\ufffd this")
+            await r.react(OWNER, "reply-1", "like")
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "active")]
+    with caplog.at_level(logging.WARNING):
+        run(go())
+    assert not [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
+
+
+def test_ids_no_reply_can_carry_are_a_400(queued_home, caplog):
+    """The reply names the conversation in its x-ms-conversation-id header and both ids in its URL: an
+    id with an emoji, a newline or an escape code, or one 77 kB long, failed the turn after a 201 (found
+    by the nightly fuzz). A connector's ids are short printable ASCII; anything else is refused up front,
+    and a plain id still works."""
+    async def go():
+        async with rig(queued_home) as r:
+            for conv in ["🙃", "a\nb", "\x1b[31m", "x\x00", " Yv_i."]:
+                act = r.activity(STRANGER, type="message", text="/rl dance", conversation={"id": conv})
+                async with r.http.post(r.url, json=act) as resp:
+                    assert resp.status == 400
+                    assert (await resp.json())["error"] == ("malformed activity: conversation.id is not printable "
+                                                            "ASCII without surrounding spaces")
+            for field, long in (("conversation", {"id": "[" * 77_768}), ("id", "x" * 5000)):
+                async with r.http.post(r.url, json={**r.activity(STRANGER, type="message", text="/rl dance"),
+                                                    field: long}) as resp:
+                    assert resp.status == 400 and "is over 1,024 characters" in (await resp.json())["error"]
+            await asyncio.sleep(0.1)
+            assert not r.connector.calls and r.queued() == 0
+            plain = {"id": "19:abc@thread.skype;messageid=1"}
+            r.send(r.activity(STRANGER, type="message", text="/rl dance", conversation=plain))
+            assert "unknown command 'dance'" in await r.said(1)
+    with caplog.at_level(logging.WARNING):
+        run(go())
+    assert not [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]

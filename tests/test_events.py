@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlfleet.shared.errors import BadInput
-from rlfleet.shared.events import Capture, Rating, parse_event
+from rlfleet.shared.events import Capture, Rating, parse_event, well_formed
 
 
 def _capture(**kw):
@@ -38,6 +38,9 @@ def test_rating_value_must_be_plus_or_minus_one():
         (_capture(response="\ud800"), "UTF-8"),  # a lone surrogate from a bad decode
         (json.dumps(_capture(response="\ud800")).encode(), "invalid"),
         (json.dumps({"type": "command", "name": "format-disk"}).encode(), "name"),
+        # a made-up field name is shown escaped and cut short (the nightly fuzz sent {"\n": null})
+        (json.dumps({"type": "undo", "\n": None}).encode(), "'\\n': extra inputs"),
+        (json.dumps({"type": "undo", "x" * 5000: None}).encode(), "'" + "x" * 40 + "'…: extra inputs"),
     ],
 )
 def test_bad_input_is_one_clear_line(payload, fragment):
@@ -50,3 +53,10 @@ def test_bad_input_is_one_clear_line(payload, fragment):
 def test_event_id_is_unique_per_event():
     a, b = Rating(value=1), Rating(value=1)
     assert a.event_id != b.event_id
+
+
+def test_well_formed_replaces_lone_surrogates_and_keeps_the_rest():
+    assert well_formed("a\ud800b\udcff") == "a\ufffdb\ufffd"
+    assert well_formed(json.loads('"\\ud83d\\ude00 ok"')) == "\U0001f600 ok"  # an escaped pair is one character
+    assert well_formed("plain é 🙃") == "plain é 🙃"
+    Capture(**{**_capture(), "response": well_formed("x\ud83d")})  # what it returns is storable

@@ -1,8 +1,10 @@
 """What the hostile-input tests share: how many cases to run, the values they are made of, and the scan
 for secrets in replies and log lines.
 
-CI runs the default counts; ``RLFLEET_FUZZ_EXAMPLES=10000`` is the nightly mode (the platform tests,
-which start a whole bot per case, run a fiftieth of that).
+CI runs the default counts; ``RLFLEET_FUZZ_EXAMPLES=10000`` is the nightly mode. A platform test starts
+one bot and holds it open for all its cases (botrig.held), as the bot runs for months in a team; each
+case sends a batch of ``BATCH`` payloads, and the payloads add up to the count. Every test tallies what
+it really sent, and the run ends with the tally per surface (tests/fuzz/conftest.py).
 """
 
 from __future__ import annotations
@@ -11,18 +13,47 @@ import logging
 import os
 from collections.abc import Iterable
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "150"))
 SECRET = "f" * 16 + "SECRET-VALUE-0123456789"
+BATCH = 12  # payloads per case in the platform tests (more and hypothesis cannot generate them in its budget)
+SENT: dict[str, list[int]] = {}  # surface -> [cases run, payloads sent]
 
 
-def fuzz(divisor: int = 1, minimum: int = 2) -> settings:
-    """``EXAMPLES // divisor`` cases (at least ``minimum``), reproducible, no per-case deadline."""
-    return settings(max_examples=max(minimum, EXAMPLES // divisor), deadline=None, derandomize=True,
+def fuzz(divisor: int = 1, minimum: int = 2, cases: int | None = None) -> settings:
+    """``cases`` or ``EXAMPLES // divisor`` cases (at least ``minimum``), reproducible, no per-case deadline."""
+    count = EXAMPLES // divisor if cases is None else cases
+    return settings(max_examples=max(minimum, count), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large])
+
+
+def batched() -> settings:
+    """The platform tests' settings: enough cases of ``BATCH`` payloads to send ``EXAMPLES`` in all, and
+    no shrinking: the bot is held across cases, so once one case breaks it the next fail too, and only
+    the first failure, as generated, says what did it."""
+    return settings(fuzz(cases=-(-EXAMPLES // BATCH)), phases=[Phase.explicit, Phase.generate])
+
+
+def held_case(step, caplog, surface: str, batch: list, send, calls: list) -> list:
+    """One case on a held bot: ``send(batch)`` run by ``step`` with only this case's log records kept
+    (at DEBUG) and counted for ``surface``; returns the requests the bot made meanwhile (``calls`` is the
+    fake platform's record of them)."""
+    caplog.clear()
+    seen = len(calls)
+    with caplog.at_level(logging.DEBUG):
+        step(send(batch))
+    tally(surface, len(batch))
+    return calls[seen:]
+
+
+def tally(surface: str, payloads: int) -> None:
+    """Count one case of ``surface`` that sent ``payloads`` inbound payloads (tests/fuzz/conftest.py prints it)."""
+    done = SENT.setdefault(surface, [0, 0])
+    done[0] += 1
+    done[1] += payloads
 
 
 json_values = st.recursive(
@@ -32,13 +63,14 @@ json_values = st.recursive(
 )
 
 # Text people and scripts really send: control and format characters (newlines, bidi overrides, zero
-# width), combining marks, emoji, rich/console markup, format strings, path tricks, and very long runs.
+# width), combining marks, emoji, rich/console markup, format strings, path tricks, very long runs, and
+# lone surrogates (what a JSON escape of half a character decodes to).
 odd_text = st.one_of(
     st.text(max_size=60),
     st.text(st.characters(categories=["Cc", "Cf", "Zl", "Zp", "Mn", "So"]), min_size=1, max_size=20),
     st.sampled_from(["[/]", "[/x]", "[bold red]x", "\x1b[31mred", "\u202etxt", "a\u200bb", "line1\nline2", "\r\n",
                      "%s %(x)s {0} {}", "'; DROP TABLE ratings; --", "../../etc/passwd", "🙃" * 3, "NaN", "-1",
-                     "null", "{}", "C:\\x", "\t", "nul\x00byte"]),
+                     "null", "{}", "C:\\x", "\t", "nul\x00byte", "half \ud83d a pair", "\udcff"]),
     st.builds(lambda c, n: c * n, st.sampled_from(["x", "🙃", "\u0301", "[", "é"]), st.integers(300, 100_000)),
 )
 
@@ -92,25 +124,6 @@ def replace_values(value, mapping: dict):
     if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) in mapping:
         return mapping[str(value)]
     return value
-
-
-def fresh_home(monkeypatch, parent) -> object:
-    """A new, empty data dir and an empty Redis DB for one generated case: cases of one test share the
-    fixtures, but a bot remembers what it saw (delivery dedupe keys, captures) across them."""
-    import tempfile
-    from pathlib import Path
-
-    import redis
-
-    import rlfleet.worker.jobs as jobs
-
-    home = Path(tempfile.mkdtemp(prefix="case-", dir=parent))
-    monkeypatch.setenv("RLFLEET_HOME", str(home))
-    monkeypatch.setattr(jobs, "_CTX", None)
-    conn = redis.Redis.from_url(os.environ["REDIS_URL"])
-    conn.flushdb()
-    conn.close()
-    return home
 
 
 def our_crashes(records: Iterable[logging.LogRecord]) -> list[str]:

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("hypothesis")
 import typer  # noqa: E402
-from hostile import SECRET, fuzz, odd_text, secrets_in  # noqa: E402
+from hostile import SECRET, fuzz, odd_text, secrets_in, tally  # noqa: E402
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -245,7 +245,7 @@ def _state(home: Path) -> tuple:
     return files_state(home, home.parent / "agents", home.parent / "cwd"), db_state(home), queue_state()
 
 
-@fuzz(divisor=1)
+@fuzz()
 @given(argv=usage_errors())
 @example(argv=["fr\nob"])  # click's usage block and a boxed panel, not one line
 @example(argv=["good", "--target"])
@@ -257,6 +257,7 @@ def test_usage_errors_are_one_line_exit_2_and_change_nothing(cli_home, caplog, a
     assert_refused(argv, code, out, err, usage=True)
     assert _state(cli_home) == before, argv
     assert not secrets_in([SECRET, *TOKENS.values()], [out, err], caplog.records)
+    tally("CLI usage errors", 1)
 
 
 def _not(valid) -> st.SearchStrategy[str]:
@@ -298,7 +299,7 @@ bad_values = st.one_of(
 )
 
 
-@fuzz(divisor=3)
+@fuzz()
 @given(argv=bad_values)
 # What the fuzzer found, kept: rich markup in the echoed value (a MarkupError traceback), a lone surrogate
 # (pydantic's serialiser raised), config.toml rewritten before an unknown agent was refused, and a file
@@ -332,6 +333,7 @@ def test_bad_values_are_refused_before_anything_changes(queued_home, monkeypatch
     assert_refused(argv, code, out, err, usage=False)
     assert _state(home) == before, argv
     assert not secrets_in([SECRET, *TOKENS.values()], [out, err], caplog.records)
+    tally("CLI bad values", 1)
 
 
 def _entry_point() -> list[str]:

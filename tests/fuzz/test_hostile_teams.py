@@ -14,7 +14,6 @@ counts; every reply is a plain message; no secret in a reply, a request or a log
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import time
 
@@ -25,12 +24,13 @@ pytest.importorskip("botbuilder.core")
 import jwt  # noqa: E402
 from botfakes import FakeBotFrameworkKeys, in_thread  # noqa: E402
 from botframework.connector.auth import AuthenticationConstants, ChannelValidation, JwtTokenExtractor  # noqa: E402
-from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, run  # noqa: E402
+from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, held  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import rsa  # noqa: E402
 from hostile import (  # noqa: E402
+    BATCH,
     SECRET,
-    fresh_home,
-    fuzz,
+    batched,
+    held_case,
     json_values,
     mutate,
     odd_text,
@@ -54,11 +54,10 @@ actors = st.sampled_from([STRANGER, "777", "", "29:1001"]) | st.integers(0, 2**6
 actions = st.sampled_from(["good", "bad", "undo", "status", "train", "rollback", "reset", "help", "+1", ""]) | odd_text
 thumbs = st.sampled_from(["like", "1f44d_thumbsup", "1f44e_thumbsdown_3", "heart"]) | odd_text
 refs = st.sampled_from([ANSWER, ANSWER, "reply-99", ""]) | odd_text
-# Conversation ids within what an HTTP header carries: botbuilder sends the id back in the reply's
-# x-ms-conversation-id header, so an id with a newline or an emoji fails the reply inside the SDK (nothing
-# changes; a connector never sends one).
+# Conversation ids: botbuilder sends the id back in the reply's x-ms-conversation-id header, so the bot
+# refuses one outside printable ASCII with a 400 (it failed the turn after a 201 before).
 conversations = st.sampled_from(["19:elsewhere", "a:1Hk", "", "x" * 300]) | st.text(
-    st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300)
+    st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300) | odd_text
 
 
 def _sender(draw) -> dict:
@@ -133,11 +132,12 @@ def _filled(body, answer: str, connector: str):
     return replace_values(body, {ANSWER: answer, "{connector}": connector + "/"})
 
 
-def _check_replies(r, records) -> None:
-    replies = r.replies()
-    for reply in replies:
+def _check_replies(calls, records) -> None:
+    """What the bot sent the connector (``calls``) and logged (``records``): plain replies, no secret,
+    no crash of ours."""
+    for reply in [c.body for c in calls if "/activities" in c.path]:
         assert isinstance(reply.get("text"), str) and reply["text"].strip() and "Traceback" not in reply["text"], reply
-    sent = [json.dumps(c.body, ensure_ascii=False) for c in r.connector.calls]
+    sent = [json.dumps(c.body, ensure_ascii=False) for c in calls]
     assert not secrets_in([PASSWORD, SECRET], sent, records)
     assert not our_crashes(records)  # "teams turn failed": our handler raised, the adapter hid it behind a 201
 
@@ -159,38 +159,37 @@ FOUND = [_said(STRANGER, type="message", text="/rl good nul\x00byte"),
           if k != "conversation"}]
 
 
-@fuzz(divisor=50)
-@given(batch=st.lists(bodies, min_size=12, max_size=12))
-@example(batch=FOUND + [_said(STRANGER, type="messageReaction", replyToId=ANSWER,
-                              reactionsAdded=[{"type": "like"}])] * 7)
-def test_activities_from_anyone_change_nothing_and_the_bot_carries_on(queued_home, monkeypatch, caplog,
-                                                                      loopback_only, batch):
+def test_activities_from_anyone_change_nothing_and_the_bot_carries_on(queued_home, caplog, loopback_only):
     """Authentication off, as in the rig: every sender is who it says; what matters is what they may do.
-    The bot answers only in CONV here, so nothing but the owner's question gets an answer."""
-    home = fresh_home(monkeypatch, queued_home)
+    The bot answers only in CONV here, so nothing but the owner's question gets an answer. One bot takes
+    every case, as it would in a team for months: the first failing case is the one to read."""
+    with held(rig(queued_home, channels=[CONV])) as (r, step), LiveWorker(r.base.handle):
+        answer = step(r.ask(OWNER, "q1"))  # /rl replies wait for the worker's verdict
 
-    async def go():
-        async with rig(home, channels=[CONV]) as r:
-            answer = await r.ask(OWNER, "q1")
-            with LiveWorker(r.base.handle):  # /rl replies wait for the worker's verdict
-                for body in batch:
-                    async with r.http.post(r.url, data=json.dumps(_filled(body, answer, r.connector.url)),
-                                           headers={"Content-Type": "application/json"}) as resp:
-                        text = await resp.text()
-                        assert resp.status in OK | {400, 401, 413, 501}, (resp.status, text, body)
-                        assert resp.status != 501 or (isinstance(body, dict) and body.get("type") == "invoke")
-                await r.base.settle()
-                assert r.ratings() == [] and len(r.base.captures()) == 1
-                assert len(r.base.llm.calls) == 1  # nobody else was answered
-                await r.react(OWNER, answer, "like")  # and the owner still counts
-                await r.base.settle()
-                assert r.ratings() == [(OWNER, 1, "active")]
-            _check_replies(r, caplog.records)
-        assert not loopback_only, loopback_only
+        async def send(batch) -> None:
+            for body in batch:
+                async with r.http.post(r.url, data=json.dumps(_filled(body, answer, r.connector.url)),
+                                       headers={"Content-Type": "application/json"}) as resp:
+                    text = await resp.text()
+                    assert resp.status in OK | {400, 401, 413, 501}, (resp.status, text, body)
+                    assert resp.status != 501 or (isinstance(body, dict) and body.get("type") == "invoke")
+            await r.base.settle()
 
-    caplog.clear()  # the records of earlier cases are not this case's
-    with caplog.at_level(logging.DEBUG):
-        run(go())
+        @batched()
+        @given(batch=st.lists(bodies, min_size=BATCH, max_size=BATCH))
+        @example(batch=FOUND + [_said(STRANGER, type="messageReaction", replyToId=ANSWER,
+                                      reactionsAdded=[{"type": "like"}])] * 7)
+        def case(batch):
+            new = held_case(step, caplog, "Teams activities", batch, send, r.connector.calls)
+            assert r.ratings() == [] and len(r.base.captures()) == 1
+            assert len(r.base.llm.calls) == 1  # nobody else was answered
+            _check_replies(new, caplog.records)
+            assert not loopback_only, loopback_only
+
+        case()
+        step(r.react(OWNER, answer, "like"))  # and the owner still counts
+        step(r.base.settle())
+        assert r.ratings() == [(OWNER, 1, "active")]
 
 
 # ---- authentication on ---------------------------------------------------------------------------------
@@ -301,47 +300,46 @@ def forged_requests(draw) -> tuple[dict, Forged]:
     return _owner_acts(draw), draw(forged_headers())
 
 
-@fuzz(divisor=50)
-@given(batch=st.lists(forged_requests(), min_size=12, max_size=12))
-def test_forged_or_missing_authorization_is_401_and_changes_nothing(queued_home, monkeypatch, caplog, loopback_only,
-                                                                    batch):
-    home = fresh_home(monkeypatch, queued_home)
-
-    async def go(keys):
-        async with rig(home, app_id=APP_ID, password=PASSWORD) as r:
-            service_url = r.connector.url + "/"
-            r.base.core.capture(CONV, "reply-1", OWNER, [{"role": "user", "content": "q1"}],
-                                Completion(text="a1", model="m"))  # an answer the bot posted earlier
-            await r.drain()
-            statuses = []
-            for activity, forged in batch:
-                activity = _filled(activity, "reply-1", r.connector.url)
-                async with r.http.post(r.url, json=activity, headers=forged.make(service_url)) as resp:
-                    statuses.append(resp.status)
-                    assert "Traceback" not in await resp.text()
-            assert statuses == [401] * len(batch), statuses
-            await r.drain()
-            assert r.ratings() == [] and r.queued() == 0 and not r.connector.calls and len(r.base.llm.calls) == 0
-            # the same owner with a genuine token counts: the 401s were for the tokens
-            genuine = {"Authorization": "Bearer " + token(genuine_claims(service_url))}
-            react = {k: v for k, v in batch[0][0].items() if k not in ("text", "value")}
-            react = _filled({**react, "type": "messageReaction", "replyToId": ANSWER,
-                             "reactionsAdded": [{"type": "like"}]}, "reply-1", r.connector.url)
-            async with r.http.post(r.url, json=react, headers=genuine) as resp:
-                assert resp.status in OK, await resp.text()
-            await r.drain()
-            assert r.ratings() == [(OWNER, 1, "active")]
-            _check_replies(r, caplog.records)
-        assert keys.calls, "botbuilder never asked the fake for its keys: the forged tokens were not checked"
-        assert not loopback_only, loopback_only
-
+def test_forged_or_missing_authorization_is_401_and_changes_nothing(queued_home, monkeypatch, caplog, loopback_only):
     with in_thread(FakeBotFrameworkKeys(jwks=JWKS)) as keys:
-        # botbuilder caches signing keys per metadata URL for the process; a fake on a port an earlier case's
-        # fake had (the OS reuses ports: the nightly run's 200 cases met one) would never be asked
+        # botbuilder caches signing keys per metadata URL for the process: a fake on a port an earlier
+        # test's fake had (the OS reuses ports) would never be asked
         monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
         monkeypatch.setattr(ChannelValidation, "open_id_metadata_endpoint", keys.metadata_url("channel"))
         monkeypatch.setattr(AuthenticationConstants, "TO_BOT_FROM_EMULATOR_OPENID_METADATA_URL",
                             keys.metadata_url("emulator"))
-        caplog.clear()  # the records of earlier cases are not this case's
-        with caplog.at_level(logging.DEBUG):
-            run(go(keys))
+        with held(rig(queued_home, app_id=APP_ID, password=PASSWORD)) as (r, step):
+            service_url = r.connector.url + "/"
+            r.base.core.capture(CONV, "reply-1", OWNER, [{"role": "user", "content": "q1"}],
+                                Completion(text="a1", model="m"))  # an answer the bot posted earlier
+            step(r.drain())
+
+            statuses: list[int] = []
+
+            async def send(batch) -> None:
+                statuses.clear()
+                for activity, forged in batch:
+                    activity = _filled(activity, "reply-1", r.connector.url)
+                    async with r.http.post(r.url, json=activity, headers=forged.make(service_url)) as resp:
+                        statuses.append(resp.status)
+                        assert "Traceback" not in await resp.text()
+                await r.drain()
+
+            @batched()
+            @given(batch=st.lists(forged_requests(), min_size=BATCH, max_size=BATCH))
+            def case(batch):
+                held_case(step, caplog, "Teams forged tokens", batch, send, r.connector.calls)
+                assert statuses == [401] * len(batch), statuses
+                assert r.ratings() == [] and r.queued() == 0 and not r.connector.calls and not r.base.llm.calls
+                _check_replies(r.connector.calls, caplog.records)
+                assert not loopback_only, loopback_only
+
+            case()
+            # the owner with a genuine token counts: the 401s were for the tokens
+            genuine = {"Authorization": "Bearer " + token(genuine_claims(service_url))}
+            react = _filled(_said(OWNER, type="messageReaction", replyToId=ANSWER, reactionsAdded=[{"type": "like"}]),
+                            "reply-1", r.connector.url)
+            assert step(r.post(react, genuine)) in OK
+            step(r.drain())
+            assert r.ratings() == [(OWNER, 1, "active")]
+        assert keys.calls, "botbuilder never asked the fake for its keys: the forged tokens were not checked"
