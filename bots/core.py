@@ -10,10 +10,12 @@ table again when it applies an event, so a forged or stale event is refused ther
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import ValidationError
 
@@ -42,6 +44,20 @@ log = logging.getLogger(__name__)
 ADMIN_COOLDOWN_S = 30
 NOTHING_TO_RATE = "nothing of yours to rate here"
 NOT_YOURS = "only the person the bot answered (or an allowlisted rater) can rate this answer"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _well_formed_args(method: F) -> F:
+    """Every str argument through `well_formed`. An id or text from a platform's JSON may hold a lone
+    surrogate, which no Redis key and no event takes (a reaction whose message id had one crashed the
+    turn); doing it where the platform hands over keeps the ids compared later alike."""
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(well_formed(a) if isinstance(a, str) else a for a in args)
+        kwargs = {k: well_formed(v) if isinstance(v, str) else v for k, v in kwargs.items()}
+        return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -100,10 +116,12 @@ class BotCore:
     async def answer(self, messages: list[dict]) -> Completion:
         return await self.responder.complete(messages)
 
+    @_well_formed_args
     def seen(self, key: str, ttl_s: int = 3600) -> bool:
         """True when this platform delivery was handled already (platforms retry slow deliveries)."""
         return not self.handle.redis.set(f"rlfleet:seen:{self.source}:{key}", 1, nx=True, ex=ttl_s)
 
+    @_well_formed_args
     def capture(
         self, conversation: str, message_ref: str, owner: str, prompt: list[dict], completion: Completion
     ) -> Capture:
@@ -129,6 +147,7 @@ class BotCore:
 
     # ---- /rl ---------------------------------------------------------------------------------------
 
+    @_well_formed_args
     async def command(
         self, actor: str | None, conversation: str, text: str, *, is_bot: bool = False, target: str | None = None
     ) -> Reply | None:
@@ -192,6 +211,7 @@ class BotCore:
             return None
         return posted
 
+    @_well_formed_args
     async def reaction(
         self,
         actor: str | None,
@@ -218,6 +238,7 @@ class BotCore:
         enqueue_event(self.handle, ev)
         return True
 
+    @_well_formed_args
     async def button(
         self, actor: str | None, conversation: str, message_ref: str, value: Literal[1, -1], *, is_bot: bool = False
     ) -> Reply | None:

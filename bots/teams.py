@@ -96,6 +96,8 @@ class TeamsBot(ActivityHandler):
     async def _reactions(self, reactions: list[MessageReaction], turn: TurnContext, added: bool) -> None:
         act = turn.activity
         for r in reactions or ():
+            if not isinstance(r, MessageReaction):  # a null in the list deserializes as None
+                continue
             value = reaction_value(r.type)
             if value is None:
                 continue

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
+from .events import well_formed
 from .store import Store
 
 
@@ -27,7 +28,7 @@ def _key(source: str) -> str:
 
 
 def _field(conversation: str, message_ref: str) -> str:
-    return f"{conversation}\n{message_ref}"
+    return well_formed(f"{conversation}\n{message_ref}")  # a lone surrogate is no Redis key
 
 
 class PostedMessages:

@@ -193,3 +193,32 @@ def test_ids_no_reply_can_carry_are_a_400(queued_home, caplog):
     with caplog.at_level(logging.WARNING):
         run(go())
     assert not [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
+
+
+def test_ids_with_lone_surrogates_neither_crash_nor_lose_the_owner(queued_home, caplog):
+    """Ids carry lone surrogates too: a reaction to a message id with one crashed the turn in the Redis
+    lookup (found by the nightly fuzz). A user whose id has one still owns, and can rate, their answer."""
+    odd = "29:half \\ud83d a pair"  # as the JSON escape a sender writes
+
+    def raw(activity: dict) -> str:
+        return json.dumps(activity).replace('"ODD"', f'"{odd}"')
+
+    async def go():
+        async with rig(queued_home) as r:
+            like = {"type": "messageReaction", "reactionsAdded": [{"type": "like"}]}
+            for activity in (r.activity(OWNER, replyToId="ODD", **like),
+                             {**r.activity(OWNER, type="message", text="a question"), "from": {"id": "ODD"}}):
+                async with r.http.post(r.url, data=raw(activity), headers={"Content-Type": "application/json"}) as resp:
+                    assert resp.status in (200, 201), await resp.text()
+            assert await r.said(1) == "answer to: a question"
+            await r.drain()
+            (cap,) = r.base.captures()
+            assert cap.owner == "29:half \ufffd a pair"
+            react = {**r.activity(OWNER, replyToId="reply-1", **like), "from": {"id": "ODD"}}
+            async with r.http.post(r.url, data=raw(react), headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status in (200, 201)
+            await r.drain()
+            assert r.ratings() == [("29:half \ufffd a pair", 1, "active")]
+    with caplog.at_level(logging.WARNING):
+        run(go())
+    assert not [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]

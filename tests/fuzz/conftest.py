@@ -1,9 +1,17 @@
 """The hostile-input run ends with what it really sent per surface (hostile.tally): the figure a
-nightly report quotes, counted, not worked out from the settings."""
+nightly report quotes, counted, not worked out from the settings. The nightly mode's tests run for
+minutes each, so their time limit grows with the count."""
 
 from __future__ import annotations
 
+import pytest
 from hostile import EXAMPLES, SENT
+
+
+def pytest_collection_modifyitems(items) -> None:
+    if EXAMPLES > 300:
+        for item in items:
+            item.add_marker(pytest.mark.timeout(EXAMPLES // 10 + 300))  # 1,300 s at 10,000
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

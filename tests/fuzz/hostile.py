@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "300"))
 SECRET = "f" * 16 + "SECRET-VALUE-0123456789"
 BATCH = 12  # payloads per case in the platform tests (more and hypothesis cannot generate them in its budget)
 SENT: dict[str, list[int]] = {}  # surface -> [cases run, payloads sent]

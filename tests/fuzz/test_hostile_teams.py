@@ -156,7 +156,12 @@ FOUND = [_said(STRANGER, type="message", text="/rl good nul\x00byte"),
          _said("u" * 300, type="message", text="/rl undo"),
          {k: v for k, v in _said(STRANGER, type="message", text="/rl status").items() if k != "recipient"},
          {k: v for k, v in _said(STRANGER, type="message", value={"rl": 1}, replyToId=ANSWER).items()
-          if k != "conversation"}]
+          if k != "conversation"},
+         # and in nightly mode: ids no reply can carry, a lone surrogate in a message id, a null reaction
+         _said(STRANGER, "🙃", type="message", text="/rl dance"), _said(STRANGER, "[" * 77_768, type="message",
+                                                                      text="/rl dance"),
+         _said(STRANGER, type="messageReaction", replyToId="half \ud83d a pair", reactionsAdded=[{"type": "like"}]),
+         _said(STRANGER, type="messageReaction", replyToId=ANSWER, reactionsRemoved=[None])]
 
 
 def test_activities_from_anyone_change_nothing_and_the_bot_carries_on(queued_home, caplog, loopback_only):
@@ -178,7 +183,7 @@ def test_activities_from_anyone_change_nothing_and_the_bot_carries_on(queued_hom
         @batched()
         @given(batch=st.lists(bodies, min_size=BATCH, max_size=BATCH))
         @example(batch=FOUND + [_said(STRANGER, type="messageReaction", replyToId=ANSWER,
-                                      reactionsAdded=[{"type": "like"}])] * 7)
+                                      reactionsAdded=[{"type": "like"}])] * 3)
         def case(batch):
             new = held_case(step, caplog, "Teams activities", batch, send, r.connector.calls)
             assert r.ratings() == [] and len(r.base.captures()) == 1
