@@ -129,9 +129,8 @@ def _malformed(activity: Activity) -> str | None:
     """Why no Bot Framework connector would send this activity, or None. Without a recipient the
     handler's mention stripping raised, without a conversation the reply did; the reply names the
     conversation in its ``x-ms-conversation-id`` header, which takes only printable ASCII with no
-    surrounding spaces, and both ids
-    in its URL, which a server refuses past a few kB. Each of those turns failed after a 201, so the
-    sender never learnt why."""
+    surrounding spaces, and both ids in its URL, which a server refuses past a few kB. Each of those
+    turns failed after a 201, so the sender never learnt why."""
     if not isinstance(activity, Activity) or not activity.type:
         return "no type"
     conversation = activity.conversation.id if activity.conversation else None

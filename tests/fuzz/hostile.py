@@ -22,10 +22,9 @@ BATCH = 12  # payloads per case in the platform tests (more and hypothesis canno
 SENT: dict[str, list[int]] = {}  # surface -> [cases run, payloads sent]
 
 
-def fuzz(divisor: int = 1, minimum: int = 2, cases: int | None = None) -> settings:
-    """``cases`` or ``EXAMPLES // divisor`` cases (at least ``minimum``), reproducible, no per-case deadline."""
-    count = EXAMPLES // divisor if cases is None else cases
-    return settings(max_examples=max(minimum, count), deadline=None, derandomize=True,
+def fuzz(cases: int = EXAMPLES) -> settings:
+    """``cases`` cases (at least 2), reproducible, no per-case deadline."""
+    return settings(max_examples=max(2, cases), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large])
 

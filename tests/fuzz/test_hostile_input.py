@@ -16,7 +16,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -170,32 +170,24 @@ slack_events = st.fixed_dictionaries({
              "channel": json_values, "ts": json_values, "subtype": json_values, "bot_id": json_values})
 
 
-@contextmanager
-def _slack_bot(home):
-    """One Slack bot behind bolt's real HTTP app for every case of a test: (rig, url, session, step)."""
+def test_slack_payloads_change_nothing_they_should_not(queued_home):
+    """Signed events of every listened-to type from other bots and from anyone, and `/rl` with any text
+    from someone who never got an answer: nothing is answered, captured or rated."""
     from test_bot_slack import rig
 
     from rlfleet.bots.slack import http_app
+    from rlfleet.shared.schema import CaptureRow, RatingRow
+    from rlfleet.shared.store import Store
     from rlfleet.shared.webserver import listening
 
     @asynccontextmanager
     async def served():
-        async with rig(home) as r, listening(http_app(r.app), "127.0.0.1", 0) as port:
+        async with rig(queued_home) as r, listening(http_app(r.app), "127.0.0.1", 0) as port:
             async with aiohttp.ClientSession() as http:
                 yield r, f"http://127.0.0.1:{port}/slack/events", http
 
-    with held(served()) as ((r, url, http), step):
-        yield r, url, http, step
-
-
-def test_slack_payloads_change_nothing_they_should_not(queued_home):
-    """Signed events of every listened-to type from other bots and from anyone, and `/rl` with any text
-    from someone who never got an answer: nothing is answered, captured or rated."""
-    from rlfleet.shared.schema import CaptureRow, RatingRow
-    from rlfleet.shared.store import Store
-
     ids = itertools.count()
-    with _slack_bot(queued_home) as (r, url, http, step):
+    with held(served()) as ((r, url, http), step):
 
         async def send(events, texts) -> None:
             for event in events:
