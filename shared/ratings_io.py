@@ -3,8 +3,9 @@
 One line per rating, in the conversational prompt / completion / label shape TRL's KTOTrainer reads
 (``label`` true for good), plus the comment and an ``rlfleet`` object with the provenance needed to
 rebuild the very rows (ids, event ids, who, where, when, which adapter answered, the behaviour
-log-probs). Import is idempotent (event ids), validates every line, and reports what it skipped and
-why; training bookkeeping (which run consumed a rating) stays local and is not exported.
+log-probs). Import restores what is not in the store now and skips what is (a second import adds
+nothing), validates every line, and reports what it skipped and why; training bookkeeping (which
+run consumed a rating) stays local and is not exported.
 """
 
 from __future__ import annotations

@@ -376,33 +376,22 @@ class Store:
 
     def import_example(self, ex) -> str | None:
         """Insert one exported rating (and its capture, if new) as it was; None when imported, else why
-        it was skipped. Idempotent: the event ids say what is already here."""
+        it was skipped.
+
+        What is here now decides, not which event ids were ever applied: a rating purged by ``reset
+        --purge-ratings`` left its event id behind, and a backup must still bring it back. An active
+        rating undone here since the export is active again (unless the answer has another active
+        rating); one that is here as the file has it is skipped, so a second import adds nothing."""
         p = ex.rlfleet
         try:
             with self.session() as s:
-                if s.get(ProcessedEvent, p.rating_event_id) is not None:
-                    raise _Skip("already imported")
-                cap = s.get(CaptureRow, p.capture_id)
-                if cap is None:
-                    if s.get(ProcessedEvent, p.capture_event_id) is not None:
-                        raise _Skip("capture event id already used by another answer")
-                    s.add(ProcessedEvent(event_id=p.capture_event_id, kind="capture"))
-                    cap = CaptureRow(
-                        id=p.capture_id, event_id=p.capture_event_id, source=p.capture_source,
-                        conversation=p.conversation, message_ref=p.message_ref, owner=p.owner,
-                        prompt=[m.model_dump() for m in ex.prompt], response=ex.response, model=p.model,
-                        adapter_version=p.adapter_version, behaviour_logprobs=p.behaviour_logprobs,
-                        behaviour_token_ids=p.behaviour_token_ids, created=_utc(p.captured_at),
-                    )
-                    s.add(cap)
-                    s.flush()
-                elif cap.response != ex.response or cap.event_id != p.capture_event_id:
-                    raise _Skip("capture id already used by another answer")
-                if p.state == "active" and s.scalar(
-                    select(RatingRow.id).where(RatingRow.capture_id == cap.id, RatingRow.state == "active")
-                ) is not None:
+                row = s.scalars(select(RatingRow).where(RatingRow.event_id == p.rating_event_id)).first()
+                if row is not None:
+                    return self._restore(s, row, p)
+                cap = self._import_capture(s, ex)
+                if p.state == "active" and self._has_active(s, cap.id):
                     raise _Skip("that answer already has an active rating here")
-                s.add(ProcessedEvent(event_id=p.rating_event_id, kind="rating"))
+                self._remember(s, p.rating_event_id, "rating")
                 s.add(RatingRow(
                     event_id=p.rating_event_id, capture_id=cap.id, train_model=p.train_model, actor=p.actor,
                     source=p.source, value=p.value, comment=ex.comment, state=p.state,
@@ -413,6 +402,51 @@ class Store:
         except IntegrityError:  # a concurrent import of the same line
             return "already imported"
         return None
+
+    def _restore(self, s: Session, row: RatingRow, p) -> str | None:
+        """The exported rating whose row is here: bring back an active one undone or replaced since
+        the export, else skip it."""
+        if p.state != "active" or row.state == "active" or row.state == p.state:
+            raise _Skip("already imported")
+        if self._has_active(s, row.capture_id):
+            raise _Skip("that answer was rated again here since the export")
+        if row.retract_run_id is not None:  # its training was taken back: it trains again, as a new rating
+            row.run_id = row.retract_run_id = row.advantage = None
+        row.state, row.changed = "active", _utc(p.changed_at)
+        return None
+
+    def _import_capture(self, s: Session, ex) -> CaptureRow:
+        p = ex.rlfleet
+        cap = s.get(CaptureRow, p.capture_id)
+        if cap is not None:
+            if cap.response != ex.response or cap.event_id != p.capture_event_id:
+                raise _Skip("capture id already used by another answer")
+            return cap
+        if s.scalar(select(CaptureRow.id).where(CaptureRow.event_id == p.capture_event_id)) is not None:
+            raise _Skip("capture event id already used by another answer")
+        self._remember(s, p.capture_event_id, "capture")
+        cap = CaptureRow(
+            id=p.capture_id, event_id=p.capture_event_id, source=p.capture_source,
+            conversation=p.conversation, message_ref=p.message_ref, owner=p.owner,
+            prompt=[m.model_dump() for m in ex.prompt], response=ex.response, model=p.model,
+            adapter_version=p.adapter_version, behaviour_logprobs=p.behaviour_logprobs,
+            behaviour_token_ids=p.behaviour_token_ids, created=_utc(p.captured_at),
+        )
+        s.add(cap)
+        s.flush()
+        return cap
+
+    @staticmethod
+    def _has_active(s: Session, capture_id: str) -> bool:
+        return s.scalar(select(RatingRow.id).where(RatingRow.capture_id == capture_id,
+                                                   RatingRow.state == "active")) is not None
+
+    @staticmethod
+    def _remember(s: Session, event_id: str, kind: str) -> None:
+        """The idempotency record of an imported row: a re-delivered live event stays a no-op. It may be
+        here already (the row was purged, the record kept)."""
+        if s.get(ProcessedEvent, event_id) is None:
+            s.add(ProcessedEvent(event_id=event_id, kind=kind))
 
     # ---- training data ------------------------------------------------------------------------
 

@@ -101,6 +101,124 @@ def test_import_counts_bad_lines_and_changes_nothing_for_them(home, tmp_path, mo
         rl("import", "ratings", tmp_path / "nope.jsonl")
 
 
+def _status_ratings() -> dict:
+    res = rl("status", "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)["ratings"]
+
+
+def _import(path) -> dict:
+    res = rl("import", "ratings", path, "--json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_a_backup_restores_into_the_data_dir_it_came_from(queued_home, tmp_path, db_url, monkeypatch):
+    """export -> undo / reset --purge-ratings / reset -> import, as a user runs them: whatever the backup
+    holds and is not here now comes back, and a second import adds nothing."""
+    monkeypatch.setenv("DATABASE_URL", db_url)
+    for i, word in enumerate(["good", "bad", "good"]):
+        assert rl("capture", "--prompt", f"question {i}", "--response", f"answer {i}",
+                  "--message-ref", f"m-{i}").exit_code == 0
+        assert rl(word, "--target", f"m-{i}").exit_code == 0
+    backup = tmp_path / "backup.jsonl"
+    assert "wrote 3 ratings" in rl("export", "ratings", backup).output
+    rows_before = _norm(_rows(Store(db_url)))
+
+    assert rl("undo").exit_code == 0  # the last rating, taken back after the backup
+    assert _status_ratings()["total"] == 2
+    assert _import(backup)["imported"] == 1
+    assert _status_ratings() == {"total": 3, "good": 2, "bad": 1, "pending": 3}
+
+    assert rl("reset", "--purge-ratings", "--yes").exit_code == 0
+    assert _status_ratings()["total"] == 0
+    report = _import(backup)
+    assert report["imported"] == 3 and report["skipped"] == {}, report
+    assert _status_ratings() == {"total": 3, "good": 2, "bad": 1, "pending": 3}
+    assert _norm(_rows(Store(db_url))) == rows_before
+
+    again = _import(backup)
+    assert again["imported"] == 0 and again["skipped"] == {"already imported": 3}
+
+    assert rl("reset", "--yes").exit_code == 0  # ratings kept: nothing to restore
+    assert _import(backup)["skipped"] == {"already imported": 3}
+    assert _status_ratings()["total"] == 3
+
+
+def test_an_answer_rated_again_after_the_backup_keeps_its_new_rating(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    store = _rated_store(f"sqlite:///{home / 'rlfleet.db'}")
+    backup = tmp_path / "backup.jsonl"
+    assert "wrote 2 ratings" in rl("export", "ratings", backup).output
+    store.apply_rating(Rating(source="slack", actor="U1", target="cap-0", value=-1), "tiny")  # was good
+    assert _import(backup)["skipped"] == {"already imported": 1,
+                                          "that answer was rated again here since the export": 1}
+    active = {c.id: r.value for r, c in store.rated_pairs()}
+    assert active == {"cap-0": -1, "cap-1": -1}
+
+
+def test_a_rating_whose_training_was_taken_back_trains_again_when_restored(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    store = _rated_store(f"sqlite:///{home / 'rlfleet.db'}")
+    backup = tmp_path / "backup.jsonl"
+    rl("export", "ratings", backup)
+    pending = store.pending_ratings("tiny", 10)
+    first = store.create_run("tiny")
+    store.finish_run(first, model="tiny", version="v0001", parent=None, metrics={},
+                     advantages={r.id: 1.0 for r, _ in pending}, retracted=[], new_ema=0.0, promote=True)
+    store.apply_undo(Undo(source="slack", actor="U1", target="cap-0"))
+    second = store.create_run("tiny")  # trains the retraction of cap-0's rating
+    store.finish_run(second, model="tiny", version="v0002", parent="v0001", metrics={}, advantages={},
+                     retracted=[r.id for r, _ in store.pending_ratings("tiny", 10)], new_ema=0.0, promote=True)
+    assert store.pending_count("tiny") == 0
+    assert _import(backup)["imported"] == 1
+    assert [c.id for _, c in store.pending_ratings("tiny", 10)] == ["cap-0"]
+
+
+def test_import_into_a_postgresql_database_restored_from_a_dump(home, tmp_path, pg_admin_url, monkeypatch):
+    """The dump was taken after a purge: its processed-events table still names every purged rating."""
+    import shutil
+    import subprocess
+    import uuid
+
+    import sqlalchemy as sa
+
+    if not (shutil.which("pg_dump") and shutil.which("pg_restore")):
+        pytest.skip("pg_dump / pg_restore are not installed")
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    admin = sa.create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    names = [f"rlfleet_t_{uuid.uuid4().hex[:10]}" for _ in range(2)]
+    urls = [pg_admin_url.rsplit("/", 1)[0] + f"/{n}" for n in names]
+    with admin.connect() as c:
+        for n in names:
+            c.execute(sa.text(f'CREATE DATABASE "{n}"'))
+    try:
+        store = _rated_store(urls[0])
+        monkeypatch.setenv("DATABASE_URL", urls[0])
+        backup = tmp_path / "backup.jsonl"
+        assert "wrote 2 ratings" in rl("export", "ratings", backup).output
+        store.reset("tiny", purge_ratings=True)
+        plain = [u.replace("postgresql+psycopg://", "postgresql://") for u in urls]
+        dump = subprocess.run(["pg_dump", "-Fc", plain[0]], capture_output=True, check=True, timeout=60).stdout
+        subprocess.run(["pg_restore", "--no-owner", "-d", plain[1]], input=dump, check=True, timeout=60)
+        monkeypatch.setenv("DATABASE_URL", urls[1])
+        assert _import(backup)["imported"] == 2
+        assert len(Store(urls[1]).rated_pairs()) == 2
+        assert _import(backup)["skipped"] == {"already imported": 2}
+    finally:
+        from rlfleet.shared import store as store_mod
+
+        for u in urls:
+            store_mod._MIGRATED.discard(u)
+            eng = store_mod._ENGINES.pop(u, None)
+            if eng is not None:
+                eng.dispose()
+        with admin.connect() as c:
+            for n in names:
+                c.execute(sa.text(f'DROP DATABASE IF EXISTS "{n}" WITH (FORCE)'))
+        admin.dispose()
+
+
 def test_ratings_as_a_datasets_folder(home, tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
