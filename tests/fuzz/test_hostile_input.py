@@ -18,17 +18,18 @@ import urllib.error
 import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hostile import BATCH, SECRET, batched, fuzz, json_values, tally  # noqa: E402
+from hostile import BATCH, SECRET, batched, fuzz, json_values, mutate, replace_values, tally  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from botrig import held  # noqa: E402
+from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, held  # noqa: E402
 from test_bridge import running  # noqa: E402
 
 from rlfleet.bots.commands import parse_rl, reaction_value  # noqa: E402
@@ -163,21 +164,47 @@ def test_commands_and_reactions_parse_anything(text, name):
 
 # ---- the platforms: signed but hostile payloads through the SDKs' own dispatch --------------------------
 
+GROUP = -100123  # test_bot_telegram's group chat
+ANSWER_MESSAGE = "{answer message}"  # the whole Telegram message of that answer
+ANSWER = "{answer}"  # stands for the owner's captured answer, known once the bot has given it
+# Whoever may rate (the owner, the allowlisted rater and admin) never appears in a hostile payload.
+NOBODY_ALLOWED = {OWNER: STRANGER, RATER: STRANGER, ADMIN: STRANGER}
+strangers = st.sampled_from([STRANGER, "U-someone", "UBOT", "", "0"]) | st.text(max_size=12)
+thumbs = st.sampled_from(["+1", "-1", "+1::skin-tone-3", "thumbsup", "thumbsdown", "👍"]) | st.text(max_size=20)
+rl_texts = (st.sampled_from(["good", "bad", "undo", "status", "train", "rollback", "reset", "help"])
+            | st.text(max_size=80)).flatmap(
+    lambda t: st.sampled_from([t, f"{t} {ANSWER}", f"good {ANSWER} {t}", f"bad {t}"]))
+
 slack_events = st.fixed_dictionaries({
     "type": st.sampled_from(["reaction_added", "reaction_removed", "message", "app_mention", "team_join"]),
-}, optional={"user": st.text(max_size=12) | st.none(), "reaction": st.text(max_size=20) | st.sampled_from(["+1", "-1"]),
-             "item": st.dictionaries(st.sampled_from(["type", "channel", "ts"]), json_values, max_size=3),
+}, optional={"user": strangers | st.none(), "reaction": thumbs,
+             "item": st.dictionaries(st.sampled_from(["type", "channel", "ts"]), json_values, max_size=3)
+             | st.fixed_dictionaries({"type": st.just("message"), "channel": st.sampled_from(["C1", "C2"]),
+                                      "ts": st.just(ANSWER) | st.text(max_size=20)}),
              "channel": json_values, "ts": json_values, "subtype": json_values, "bot_id": json_values})
 
 
+@st.composite
+def slack_press(draw) -> dict:
+    """A 👍/👎 button press under the owner's answer (or another message), by someone else."""
+    from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION
+
+    action = draw(st.sampled_from([GOOD_ACTION, BAD_ACTION, "rl_other"]) | st.text(max_size=10))
+    payload = {"type": "block_actions", "user": {"id": draw(strangers)}, "team": {"id": "T1"}, "api_app_id": "A1",
+               "channel": {"id": "C1"}, "message": {"ts": draw(st.just(ANSWER) | st.text(max_size=20)), "text": "x"},
+               "container": {"type": "message"}, "trigger_id": "t", "response_url": "{respond}",
+               "actions": [{"action_id": action, "block_id": "rl_rate", "type": "button",
+                            "value": draw(st.sampled_from(["1", "-1", "0"])), "action_ts": "1"}]}
+    return mutate(draw, payload, draw(st.sampled_from([0, 0, 10, 40])))
+
+
 def test_slack_payloads_change_nothing_they_should_not(queued_home):
-    """Signed events of every listened-to type from other bots and from anyone, and `/rl` with any text
-    from someone who never got an answer: nothing is answered, captured or rated."""
+    """The owner has a captured answer; signed events of every listened-to type, reactions and button
+    presses on that answer, and `/rl` with any text, all from anyone but the owner (and the allowlisted):
+    nothing else is answered, captured or rated, and afterwards the owner's 👍 still counts."""
     from test_bot_slack import rig
 
     from rlfleet.bots.slack import http_app
-    from rlfleet.shared.schema import CaptureRow, RatingRow
-    from rlfleet.shared.store import Store
     from rlfleet.shared.webserver import listening
 
     @asynccontextmanager
@@ -187,32 +214,75 @@ def test_slack_payloads_change_nothing_they_should_not(queued_home):
                 yield r, f"http://127.0.0.1:{port}/slack/events", http
 
     ids = itertools.count()
-    with held(served()) as ((r, url, http), step):
+    with held(served()) as ((r, url, http), step), LiveWorker(r.handle):
+        answer = step(r.mention(OWNER, "q1"))
+        mapping = {ANSWER: answer, "{respond}": f"{r.slack.url}/respond/fuzz"}
 
-        async def send(events, texts) -> None:
+        async def post(body: str, content_type: str) -> None:
+            async with http.post(url, data=body, headers=r.signed(body, content_type).headers) as resp:
+                assert resp.status in (200, 400, 404), await resp.text()
+
+        async def send(batch) -> None:
+            events, presses, texts = batch
             for event in events:
                 if event["type"] in ("message", "app_mention"):
                     event["bot_id"] = "B-other"  # another bot talking: never answered, never captured
-                body = json.dumps({"type": "event_callback", "team_id": "T1", "event_id": f"Ev{next(ids)}",
-                                   "event": event})
-                async with http.post(url, data=body, headers=r.signed(body, "application/json").headers) as resp:
-                    assert resp.status in (200, 400, 404), await resp.text()
+                event = replace_values(replace_values(event, NOBODY_ALLOWED), mapping)
+                await post(json.dumps({"type": "event_callback", "team_id": "T1", "event_id": f"Ev{next(ids)}",
+                                       "event": event}), "application/json")
+            for press in presses:
+                press = replace_values(replace_values(press, NOBODY_ALLOWED), mapping)
+                await post(urlencode({"payload": json.dumps(press)}), "application/x-www-form-urlencoded")
             for text in texts:
-                assert (await r.command("U-someone", text)).status == 200
+                who = replace_values(draw_stranger(text), NOBODY_ALLOWED)
+                assert (await r.command(who, text.replace(ANSWER, answer))).status == 200
             await asyncio.sleep(0.05)
+            await r.base.settle()
 
         @batched()
-        @given(events=st.lists(slack_events, min_size=BATCH - 4, max_size=BATCH - 4),
-               texts=st.lists(st.text(max_size=80), min_size=4, max_size=4))
-        def case(events, texts):
-            step(send(events, texts))
-            tally("Slack events and commands", len(events) + len(texts))
-            r.base.work()
-            with Store(r.cfg.db_url).session() as s:
-                assert s.query(CaptureRow).count() == 0 and s.query(RatingRow).count() == 0
-            assert not r.llm.calls  # nobody got an answer
+        @given(events=st.lists(slack_events, min_size=BATCH - 6, max_size=BATCH - 6),
+               presses=st.lists(slack_press(), min_size=2, max_size=2),
+               texts=st.lists(rl_texts, min_size=4, max_size=4))
+        def case(events, presses, texts):
+            step(send((events, presses, texts)))
+            tally("Slack events, buttons and commands", len(events) + len(presses) + len(texts))
+            assert r.ratings() == [] and len(r.base.captures()) == 1
+            assert len(r.llm.calls) == 1  # nobody else got an answer
 
         case()
+        step(r.reaction(OWNER, answer, "+1"))
+        step(r.base.settle())
+        assert r.ratings() == [(OWNER, 1, "active")]
+
+
+def draw_stranger(text: str) -> str:
+    """Someone who may not rate, picked by the text so a case stays reproducible."""
+    return ["U-someone", STRANGER, "UBOT", "0"][len(text) % 4]
+
+
+@st.composite
+def telegram_hostile(draw) -> dict:
+    """A reaction, a button press or `/rl` on the owner's answer, from someone else, then mutated."""
+    user = draw(st.sampled_from([int(STRANGER), 777, 999, 0]) | st.integers(-2**40, 2**40))
+    sender = {"id": user, "is_bot": draw(st.booleans()), "first_name": "x"}
+    chat = {"id": draw(st.sampled_from([GROUP, GROUP, user])), "type": "supergroup"}
+    kind = draw(st.sampled_from(["reaction", "press", "command"]))
+    if kind == "reaction":
+        emoji = st.sampled_from(["👍", "👎", "🔥"]).map(lambda e: {"type": "emoji", "emoji": e})
+        update = {"message_reaction": {"chat": chat, "message_id": draw(st.just(ANSWER) | st.integers()), "date": 0,
+                                       "user": sender, "old_reaction": draw(st.lists(emoji, max_size=2)),
+                                       "new_reaction": draw(st.lists(emoji, max_size=2))}}
+    elif kind == "press":
+        update = {"callback_query": {"id": "cb", "chat_instance": "ci", "from": sender, "message": ANSWER_MESSAGE,
+                                     "data": draw(st.sampled_from(["rl:1", "rl:-1", "rl:0", "x"]))}}
+    else:
+        text = "/rl " + draw(rl_texts)
+        message = {"message_id": draw(st.integers(1, 10**6)), "date": 0, "text": text, "chat": chat, "from": sender,
+                   "entities": [{"type": "bot_command", "offset": 0, "length": 3}]}
+        if draw(st.booleans()):
+            message["reply_to_message"] = ANSWER_MESSAGE
+        update = {"message": message}
+    return mutate(draw, update, draw(st.sampled_from([0, 0, 10, 40])))
 
 
 telegram_updates = st.dictionaries(
@@ -224,7 +294,9 @@ telegram_updates = st.dictionaries(
 
 
 def test_telegram_webhook_takes_any_body_without_harm(queued_home):
-    from test_bot_telegram import rig
+    """The owner has a captured answer; any update body, and reactions, button presses and `/rl` on that
+    answer from anyone but the owner: no rating and no other capture, and afterwards the owner's 👍 counts."""
+    from test_bot_telegram import OWNER_ID, rig
 
     from rlfleet.bots.telegram import webhook_app
     from rlfleet.shared.webserver import listening
@@ -240,22 +312,35 @@ def test_telegram_webhook_takes_any_body_without_harm(queued_home):
             finally:
                 await r.app.stop()
 
-    with held(served()) as ((r, url, http), step):
+    ids = itertools.count(10**6)
+    allowed = {k: int(v) for k, v in NOBODY_ALLOWED.items()}
+    with held(served()) as ((r, url, http), step), LiveWorker(r.base.handle):
+        answer = step(r.ask(OWNER_ID, "q1"))
+        mapping = {ANSWER: answer["message_id"], ANSWER_MESSAGE: answer}
 
         async def send(updates) -> None:
             for update in updates:
+                update = replace_values(replace_values(update, allowed), mapping)
+                if isinstance(update, dict) and "update_id" not in update:
+                    update["update_id"] = next(ids)
                 async with http.post(url, json=update, headers={"X-Telegram-Bot-Api-Secret-Token": "s3cret"}) as resp:
                     assert resp.status in (200, 400)
             await asyncio.sleep(0.05)  # the application's update queue
+            await r.base.settle()
 
         @batched()
-        @given(updates=st.lists(telegram_updates, min_size=BATCH, max_size=BATCH))
-        def case(updates):
-            step(send(updates))
-            tally("Telegram webhook updates", len(updates))
+        @given(updates=st.lists(telegram_updates, min_size=BATCH // 2, max_size=BATCH // 2),
+               hostile=st.lists(telegram_hostile(), min_size=BATCH // 2, max_size=BATCH // 2))
+        def case(updates, hostile):
+            step(send(updates + hostile))
+            tally("Telegram webhook updates", len(updates) + len(hostile))
             r.errors.clear()  # PTB reports what it could not parse to the error handler: not a crash of ours
-            assert r.queued() == 0 and r.ratings() == []
+            assert r.ratings() == [] and len(r.base.captures()) == 1
 
         case()
         step(asyncio.sleep(0.3))  # anything the last updates set going
-        assert r.queued() == 0 and r.ratings() == []
+        step(r.base.settle())
+        assert r.ratings() == [] and len(r.base.captures()) == 1
+        step(r.react(OWNER_ID, answer, [], ["👍"]))
+        step(r.base.until(r.ratings, "the owner's rating"))
+        assert r.ratings() == [(OWNER, 1, "active")]
