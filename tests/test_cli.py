@@ -84,6 +84,28 @@ def test_unreachable_redis_is_a_clear_error(home, monkeypatch):
     assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("bad", ["/dev/null/x", ""])
+@pytest.mark.parametrize("cmd", ["status", "good"])
+def test_a_home_that_cannot_be_a_data_dir_is_one_line_error_and_writes_nothing(home, tmp_path, monkeypatch, bad, cmd):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # an empty --home once meant "."
+    res = rl_main("--home", bad, cmd)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_a_new_home_is_made_by_commands_that_write_and_said_once(queued_home, tmp_path):
+    new = tmp_path / "typo-home"
+    res = rl_main("--home", str(new), "status")  # only reads: nothing to show, nothing made
+    assert res.returncode == 2 and f"no data dir at {new}" in res.stderr and not new.exists()
+    res = rl_main("--home", str(new), "undo")
+    assert f"new data dir created at {new}" in res.stderr and new.is_dir()
+    res = rl_main("--home", str(new), "undo")
+    assert "new data dir" not in res.stderr
+
+
 def test_missing_model_path_is_a_clear_error(home):
     res = rl_main("init", "--yes", "--model", "/no/such/model")
     assert res.returncode == 6 and "does not exist" in res.stderr
