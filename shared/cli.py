@@ -105,9 +105,9 @@ def _config(read_only: bool = False, **overrides: Any) -> Config:
 
 
 def _events_worker_alive(handle: QueueHandle) -> bool:
-    from rq import Worker
+    from .workers import serving
 
-    return any(EVENTS_QUEUE in w.queue_names() for w in Worker.all(connection=handle.redis))
+    return serving(handle.redis, EVENTS_QUEUE)
 
 
 def _work_if_nobody_does(handle: QueueHandle, cfg: Config) -> None:
@@ -555,11 +555,10 @@ def train(
 
 
 def _train_worker_alive(handle: QueueHandle) -> bool:
-    from rq import Worker
-
     from .queue import TRAIN_QUEUE
+    from .workers import serving
 
-    return any(TRAIN_QUEUE in w.queue_names() for w in Worker.all(connection=handle.redis))
+    return serving(handle.redis, TRAIN_QUEUE)
 
 
 def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool) -> dict:

@@ -106,6 +106,25 @@ def test_a_new_home_is_made_by_commands_that_write_and_said_once(queued_home, tm
     assert "new data dir" not in res.stderr
 
 
+def test_workers_that_died_without_tidying_up_do_not_count(queued_home, redis_url, rconn):
+    from rq import Worker
+
+    from rlfleet.shared.workers import forget_dead_workers
+
+    # a real RQ registration whose process ended without its teardown, as after a SIGKILL
+    code = ("import os, sys; from redis import Redis; from rq import Queue, SimpleWorker; "
+            "c = Redis.from_url(sys.argv[1]); "
+            "SimpleWorker([Queue('rlfleet:events', connection=c)], connection=c).register_birth(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, redis_url], check=True, timeout=60)
+    assert len(Worker.all(connection=rconn)) == 1  # RQ still lists it
+    assert status_json()["workers"] == 0
+    rl("capture", "--prompt", "q", "--response", "a", "--message-ref", "m-1")
+    res = rl("good", "--target", "m-1")  # applied here, not left waiting for the dead worker
+    assert res.exit_code == 0 and "queued" not in res.output, res.output
+    assert status_json()["ratings"]["total"] == 1
+    assert forget_dead_workers(rconn) == 1 and Worker.all(connection=rconn) == []
+
+
 def test_missing_model_path_is_a_clear_error(home):
     res = rl_main("init", "--yes", "--model", "/no/such/model")
     assert res.returncode == 6 and "does not exist" in res.stderr

@@ -26,6 +26,7 @@ from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
 from rlfleet.shared.store import Store
+from rlfleet.shared.workers import forget_dead_workers, live_workers
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -121,30 +122,10 @@ def _bury(conn, job: Job, why: str) -> None:
         pipe.execute()
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _busy_jobs(conn) -> set[str]:
-    """Ids of the jobs live workers are running. A worker on this machine whose process is gone is
-    dead, whatever its registration (which outlives a SIGKILLed worker) says."""
-    import socket
-
-    from rq import Worker
-
-    here = socket.gethostname()
+    """Ids of the jobs live workers are running."""
     busy = set()
-    for w in Worker.all(connection=conn):
-        if w.hostname == here and not _pid_alive(w.pid):
-            continue
+    for w in live_workers(conn):
         current = w.get_current_job_id()
         if current:
             busy.add(current)
@@ -249,6 +230,8 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
         while True:
             worker = None
             try:
+                if not burst and forget_dead_workers(handle.redis):
+                    log.warning("forgot the registrations of workers that died without tidying up")
                 if which in ("train", "all") and not burst:
                     for note in recover(cfg, handle):
                         log.warning(note)
