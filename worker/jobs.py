@@ -27,6 +27,7 @@ from rlfleet.shared.queue import (
     PUSH_JOB,
     TRAIN_JOB,
     TRAIN_QUEUE,
+    TRAINING_BUSY,
     job_is_over,
     progress_key,
     push_key,
@@ -219,10 +220,10 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
         if holder == b"claiming" or (holder is not None and not job_is_over(conn, holder.decode())):
-            return "a training run is already queued or running"
+            return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
         if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
-            return "a training run is already queued or running"
+            return TRAINING_BUSY
     run_id = ctx.store.create_run(ctx.slug)
     job_id = f"rlfleet-train-{ctx.slug}-{run_id}"
     conn.set(key, job_id.encode(), ex=LOCK_TTL)
