@@ -41,7 +41,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       and training is queued again if the ratings are still there (so it resumes by itself);
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted
+    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted, was_stopped
 
     notes: list[str] = []
     reconcile(cfg)
@@ -68,7 +68,8 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
         notes.append("released the training lock of a dead worker")
         released = True
     if released:
-        msg = maybe_trigger(context(), conn)
+        # a run the user stopped runs again as it was asked for, even one started below the threshold
+        msg = maybe_trigger(context(), conn, force=run is not None and was_stopped(run))
         if msg:
             notes.append(msg)
     return notes
