@@ -942,6 +942,28 @@ def _serves_locally(cfg: Config) -> bool:
     return urlparse(cfg.responder.url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
+def not_started(cfg: Config, bots: tuple[str, ...], serve: bool) -> dict[str, str]:
+    """What `up` could run but does not, and how to make it."""
+    skipped = {}
+    if not bots:
+        skipped["bots"] = "none enabled: `rlfleet init --bot slack` (or discord, telegram, teams)"
+    if not serve:
+        skipped["serve"] = ("only for the bots, and none is enabled" if not bots else
+                            f"the bots answer with {cfg.responder.url}, not this machine (responder.url)")
+    return skipped
+
+
+def children_panel(workers: Any, skipped: dict[str, str]) -> Table:
+    """Every child `up` runs with its state and log, then what it does not run and why."""
+    t = Table(show_header=False, box=None, pad_edge=False)
+    for name, line in workers.lines().items():
+        colour = "green" if line == "running" else "yellow" if line.startswith("restarted") else "red"
+        t.add_row(name, f"[{colour}]{escape(line)}[/] [dim](log: {escape(str(workers.log_path(name)))})[/]")
+    for name, why in skipped.items():
+        t.add_row(name, f"[dim]not started: {escape(why)}[/]")
+    return t
+
+
 @app.command()
 def up(
     threshold: Annotated[int | None, typer.Option(help="Ratings that start a training run.")] = None,
@@ -956,21 +978,19 @@ def up(
     from rlfleet.worker.runner import BackgroundWorkers
 
     cfg = _config(threshold=threshold)
+    if write_secret(cfg.secret_path):  # a data dir made by `chat` has none yet, and the bridge needs it
+        err.print(f"made secret file {escape(str(cfg.secret_path))} (mode 0600) for the bridge")
+    bots = tuple(enabled_bots(cfg))
+    serve = bool(bots) and _serves_locally(cfg)
     with _queue(cfg) as q:
-        bots = tuple(enabled_bots(cfg))
-        workers = BackgroundWorkers(cfg, bots=bots, serve=bool(bots) and _serves_locally(cfg),
-                                    bridge=cfg.secret_path.exists())
+        workers = BackgroundWorkers(cfg, bots=bots, serve=serve, bridge=True)
         workers.start()
         try:
             with Live(console=out, refresh_per_second=2, transient=False) as live:
                 while True:
-                    st = status_dict(cfg, q)
                     grid = Table.grid()
-                    grid.add_row(render_status(st))
-                    for name, line in workers.state().items():
-                        colour = "yellow" if line.startswith("restarted") else "red"
-                        where = escape(str(workers.log_path(name)))
-                        grid.add_row(f"[{colour}]{name}: {escape(line)} (log: {where})[/]")
+                    grid.add_row(render_status(status_dict(cfg, q)))
+                    grid.add_row(children_panel(workers, not_started(cfg, bots, serve)))
                     grid.add_row("[dim]Ctrl-C to stop[/]")
                     live.update(grid)
                     time.sleep(1.0)

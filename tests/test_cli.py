@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -194,6 +195,39 @@ def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir
         if proc.poll() is None:
             proc.kill()
     assert not EmbeddedRedis.running(home)  # released, not orphaned
+
+
+def test_up_on_a_data_dir_made_by_chat_starts_the_bridge_and_lists_every_child(home, tiny_model_dir, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config()
+    cfg.bridge.port = port
+    cfg.save()  # no secret file: what `chat` leaves (only `init` wrote one)
+    proc = subprocess.Popen(MAIN + ["up"], env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, "rlfleet up did not start the bridge"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0 and status_json()["workers"] == 2:
+                    break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        panel, said = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"made secret file {cfg.secret_path} (mode 0600)" in said
+    assert stat.S_IMODE(cfg.secret_path.stat().st_mode) == 0o600
+    for child in ("events", "train", "bridge"):
+        assert re.search(rf"^{child} +running \(log: ", panel, re.M), panel
+    assert re.search(r"^bots +not started: none enabled: `rlfleet init --bot slack`", panel, re.M), panel
+    assert re.search(r"^serve +not started: only for the bots", panel, re.M), panel
 
 
 def test_a_killed_up_leaves_no_orphans(home, tiny_model_dir, monkeypatch):

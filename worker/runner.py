@@ -475,8 +475,8 @@ class BackgroundWorkers:
                     restarted.append(name)
         return restarted
 
-    def state(self) -> dict[str, str]:
-        """One line per child that is not simply running, for ``up``'s panel."""
+    def lines(self) -> dict[str, str]:
+        """Every child's state in a few words, for ``up``'s panel."""
         out = {}
         for name, child in self.children.items():
             code = child.proc.poll()
@@ -486,7 +486,13 @@ class BackgroundWorkers:
                 out[name] = f"exited (code {code}), restarting"
             elif child.restarts:
                 out[name] = f"restarted {child.restarts}x"
+            else:
+                out[name] = "running"
         return out
+
+    def state(self) -> dict[str, str]:
+        """The children that are not simply running."""
+        return {name: line for name, line in self.lines().items() if line != "running"}
 
     def alive(self) -> dict[str, bool]:
         return {name: c.proc.poll() is None for name, c in self.children.items()}
