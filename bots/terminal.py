@@ -263,7 +263,23 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
         console.print()
     finally:
         if workers:
-            with console.status("stopping workers…"):
-                workers.stop()
+            _stop_workers(workers, cfg, ref.slug)
         handle.close()
         console.print("[dim]bye[/]")
+
+
+def _stop_workers(workers, cfg: Config, slug: str) -> None:
+    """Stop the workers; a training run they leave unfinished is said to run again, not lost."""
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.jobs import was_interrupted
+
+    store = Store(cfg.db_url)
+    before = store.latest_run(slug)
+    with console.status("stopping workers…"):
+        workers.stop()
+    if before is None or before.state not in ("queued", "running"):
+        return
+    run = store.get_run(before.id)
+    if run is not None and (run.state == "queued" or was_interrupted(run)):
+        console.print(f"[yellow]training run {run.id} {'stopped' if run.state == 'failed' else 'waits'}; it runs "
+                      "the next time `rlfleet chat` or `rlfleet up` starts[/]")

@@ -62,10 +62,12 @@ class TrainingNews:
                 "; now answering with it"
         if run.state == "stale":
             return f"✗ {run.version} set aside: a reset happened while it trained"
+        from rlfleet.worker.jobs import was_interrupted
+
         if run.state == "rejected":
             what = f"{run.version} rejected"
         else:
-            what = f"training run {run.id} " + ("stopped" if (run.error or "").startswith("interrupted") else "failed")
+            what = f"training run {run.id} " + ("stopped" if was_interrupted(run) else "failed")
         return f"✗ {what}: {run.error or 'see rlfleet status'}; {self._next()}"
 
     def _next(self) -> str:

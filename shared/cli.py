@@ -311,7 +311,7 @@ def uninstall(
     """Remove exactly rlfleet's hooks from a coding agent's settings (other hooks stay as they are)."""
     from rlfleet.bridge.agents import uninstall as remove
 
-    cfg = _config(read_only=True)
+    cfg = load_config()  # the data dir may be gone already: the hooks still come out
     for name in agent:
         a, changed = remove(name, cfg.home)
         out.print(f"{name}: {'removed our hooks from' if changed else 'no rlfleet hooks in'} {a.path}")

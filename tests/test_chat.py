@@ -56,6 +56,35 @@ def test_training_news_reaches_the_prompt_live_and_keeps_what_was_typed(queued_h
         child.close()
 
 
+def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(queued_home, tiny_model_dir,
+                                                                            monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.train.steps = 10_000  # still training when the user leaves
+    cfg.train.max_tokens = 96
+    cfg.save()
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    for i in range(4):
+        store.apply_capture(Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")],
+                                    response=f"answer {i}", model="external"))
+        store.apply_rating(Rating(target=f"c{i}", value=1 if i % 2 else -1), slug)
+    child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat"], os.environ.copy())
+    try:
+        child.expect("you> ", timeout=120)
+        child.send("/rl train\r")
+        child.expect("training v0001: training step", timeout=180)
+        child.send("/quit\r")
+        child.expect("training run 1 stopped; it runs the next time `rlfleet chat` or `rlfleet up` starts",
+                     timeout=60)
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.close()
+    log = (cfg.home / "logs" / "worker-train.log").read_text()
+    assert "Traceback" not in log and "stopped during training run 1" in log, log
+    assert store.get_run(1).error.startswith("interrupted: stopped on request")
+
+
 def test_a_rejected_run_says_why_and_when_the_next_one_comes(home):
     cfg = load_config()
     store, slug = Store(cfg.db_url), "m"
