@@ -119,6 +119,9 @@ def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, screen: Sc
     console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
         f"adapter {active}" if active else "base model (no adapter yet)"))
     console.print(f"[dim]{HELP}[/]")
+    last = news.store.latest_run(slug)
+    if last is not None and last.state in ("failed", "rejected"):  # how the last run went is news too
+        console.print(f"[yellow]{escape(news.ended_message(last))}[/]")
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_training, args=(news, screen, stop), name="chat-training-news",
                                daemon=True)

@@ -31,24 +31,28 @@ def test_training_news_reaches_the_prompt_live_and_keeps_what_was_typed(queued_h
     cfg = load_config()
     slug = model_slug(cfg.model)
     store = Store(cfg.db_url)
+    earlier = store.create_run(slug)
+    store.start_run(earlier, None)
+    _finish(store, slug, earlier, promote=False, reason="held-out margin fell from +0.100 to -0.200")
     child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat", "--no-worker"], os.environ.copy())
     try:
+        child.expect("✗ v0001 rejected: held-out margin fell from +0.100 to -0.200; ratings stay pending", timeout=120)
         child.expect("you> ", timeout=120)
         child.send("/ne")  # half a command typed, no Enter
         run_id = store.create_run(slug)
         rconn.set(train_lock_key(slug), f"rlfleet-train-{slug}-{run_id}")
         store.start_run(run_id, None)
         rconn.hset(progress_key(slug), mapping={"phase": "training", "step": 3, "total": 8, "tokens_per_s": 0,
-                                                "version": "v0001"})
-        child.expect("training v0001: training step 3/8", timeout=SEEN)
+                                                "version": "v0002"})
+        child.expect("training v0002: training step 3/8", timeout=SEEN)
         child.expect("you> /ne", timeout=SEEN)  # the typed text, drawn again under the news
         rconn.hset(progress_key(slug), "step", 5)
-        child.expect("training v0001: training step 5/8", timeout=SEEN)
+        child.expect("training v0002: training step 5/8", timeout=SEEN)
         child.send("w\r")
         child.expect("new conversation", timeout=SEEN)  # the chat got "/new": the text was kept
         _finish(store, slug, run_id, promote=True)
         rconn.delete(train_lock_key(slug), progress_key(slug))
-        child.expect("✓ v0001 promoted: held-out margin -0.250 → +0.500 on 12 ratings; now answering with it",
+        child.expect("✓ v0002 promoted: held-out margin -0.250 → +0.500 on 12 ratings; now answering with it",
                            timeout=SEEN)
         child.send("/quit\r")
         assert child.wait(timeout=60) == 0
