@@ -94,15 +94,20 @@ def fresh_database(postgres_admin: str | None) -> Iterator[str | None]:
         admin.dispose()
 
 
-def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, postgres_admin: str | None = None) -> dict:
+def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, postgres_admin: str | None = None,
+             home: Path | None = None) -> dict:
     """One configuration in a fresh data dir (and a fresh PostgreSQL database with ``postgres_admin``);
-    ``rate`` None = as fast as the producer can enqueue."""
+    ``rate`` None = as fast as the producer can enqueue. Without ``home`` the data dir is a temporary
+    folder, removed at the end."""
     with fresh_database(postgres_admin) as db_url:
-        return _run_case(workers, ratings, rate, redis_url, db_url)
+        if home is not None:
+            return _run_case(workers, ratings, rate, redis_url, db_url, home)
+        with tempfile.TemporaryDirectory(prefix="rlfleet-ingest-", ignore_cleanup_errors=True) as tmp:
+            return _run_case(workers, ratings, rate, redis_url, db_url, Path(tmp))
 
 
-def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None) -> dict:
-    home = Path(tempfile.mkdtemp(prefix="rlfleet-ingest-"))
+def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None,
+              home: Path) -> dict:
     where = {"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
     if db_url:
         where["DATABASE_URL"] = db_url

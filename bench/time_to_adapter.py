@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from rich.console import Console
 
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory(prefix="rlfleet-tta-", ignore_cleanup_errors=True) as tmp:
+        return _measure(args, Path(tmp), console)
+
+
+def _measure(args, home: Path, console) -> dict:
     from rlfleet.shared.config import load_config
     from rlfleet.shared.events import Capture, Message, Rating
     from rlfleet.shared.models import model_slug
@@ -82,8 +88,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     from .record import markdown_table
 
-    console = Console(stderr=True)
-    home = Path(tempfile.mkdtemp(prefix="rlfleet-tta-"))
     # Without --redis: the embedded server of a fresh data dir, as a new user gets it.
     chosen = {"RLFLEET_HOME": str(home), "RLFLEET_MODEL": args.model}
     if args.redis:

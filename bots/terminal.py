@@ -6,6 +6,8 @@ Like every adapter it only translates: the worker decides what a rating does.
 
 from __future__ import annotations
 
+import sys
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -19,6 +21,12 @@ from rlfleet.shared.models import resolve_model
 from rlfleet.shared.queue import QueueHandle, open_queue
 
 from .commands import parse_rl
+from .training_news import TrainingNews
+
+try:  # line editing, and the typed text a line from the background is drawn above
+    import readline
+except ImportError:  # not on every platform: lines are then printed as they come
+    readline = None
 
 HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
 HELP = escape(
@@ -32,31 +40,67 @@ console = Console(highlight=False, soft_wrap=True)
 class ChatState:
     conversation: str
     history: list[dict]
+    screen: Screen
+    news: TrainingNews
     last_capture: str | None = None
-    last_progress: str | None = None
 
 
-def _read(prompt: str) -> str | None:
-    try:
-        return input(prompt)
-    except EOFError:
-        return None
+class Screen:
+    """Where the chat writes. Lines that arrive while the user types (training news) go above the prompt,
+    and what was typed so far is drawn again under them: readline keeps the text, so the line the user
+    sends is the one they typed. The progress line is replaced in place while it is the last line."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live and readline is not None  # a terminal: redraw the prompt; else plain lines
+        self._lock = threading.Lock()
+        self._prompt: str | None = None
+        self._progress: str | None = None  # the progress line right above the prompt, if any
+        self._said: str | None = None  # the last progress line shown (not live: printed once per change)
+
+    def read(self, prompt: str) -> str | None:
+        with self._lock:
+            self._prompt, self._progress = prompt, None
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+        finally:
+            with self._lock:
+                self._prompt = None
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            self._above_prompt(text, replace=self._progress is not None)
+            self._progress = None
+
+    def progress(self, line: str | None) -> None:
+        with self._lock:
+            if line is None or self._prompt is None or line in (self._progress, None if self.live else self._said):
+                return
+            self._above_prompt(f"[cyan]⟳ {escape(line)}[/]", replace=self._progress is not None)
+            self._progress = self._said = line
+
+    def _above_prompt(self, text: str, replace: bool) -> None:
+        if not self.live or self._prompt is None:
+            console.print(text)
+            return
+        typed = readline.get_line_buffer()
+        sys.stdout.write("\r\x1b[2K" + ("\x1b[1A\x1b[2K" if replace else ""))
+        sys.stdout.flush()
+        console.print(text)
+        sys.stdout.write(self._prompt + typed)
+        sys.stdout.flush()
 
 
-def _progress_line(cfg: Config, handle: QueueHandle, slug: str) -> str | None:
-    from rlfleet.shared.status import training_state
-    from rlfleet.shared.store import Store
-
-    tr = training_state(Store(cfg.db_url), handle.redis, slug)
-    p = tr.get("progress")
-    if tr["state"] == "running" and p:
-        rate = f" · {p['tokens_per_s']:.0f} tok/s" if p["tokens_per_s"] else ""
-        return f"training {p.get('version') or ''}: {p['phase']} step {p['step']}/{p['total']}{rate}"
-    if tr["state"] == "queued":
-        return "training queued"
-    if tr["state"] == "failed" and tr.get("error"):
-        return f"last training run did not go live: {tr['error']}"
-    return None
+def _watch_training(news: TrainingNews, screen: Screen, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        try:
+            update = news.poll()
+        except Exception:  # noqa: BLE001 - Redis or the database away for a moment: the chat goes on
+            continue
+        for msg in update.ended:
+            screen.say(f"[{'green' if msg.startswith('✓') else 'yellow'}]{escape(msg)}[/]")
+        screen.progress(update.progress)
 
 
 def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
@@ -65,18 +109,34 @@ def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
     return dispatch(handle, cfg, event)
 
 
-def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
-    state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[])
+def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, screen: Screen | None = None) -> None:
+    from rlfleet.shared.store import Store
+
+    screen = screen or Screen(live=sys.stdin.isatty() and sys.stdout.isatty())
+    news = TrainingNews(Store(cfg.db_url), handle.redis, slug, cfg.train.threshold)
+    state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[], screen=screen, news=news)
     active = responder.active_version
     console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
         f"adapter {active}" if active else "base model (no adapter yet)"))
     console.print(f"[dim]{HELP}[/]")
+    last = news.store.latest_run(slug)
+    if last is not None and last.state in ("failed", "rejected"):  # how the last run went is news too
+        console.print(f"[yellow]{escape(news.ended_message(last))}[/]")
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_training, args=(news, screen, stop), name="chat-training-news",
+                               daemon=True)
+    watcher.start()
+    try:
+        _converse(cfg, handle, responder, state)
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+
+
+def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> None:
+    screen = state.screen
     while True:
-        line = _progress_line(cfg, handle, slug)
-        if line and line != state.last_progress:
-            console.print(f"[cyan]⟳ {line}[/]")
-        state.last_progress = line
-        text = _read("you> ")
+        text = screen.read("you> ")
         if text is None or text.strip() in ("/quit", "/exit", "/q"):
             break
         text = text.strip()
@@ -122,14 +182,14 @@ def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str) -> None:
 def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
     comment: str | None = None
     while True:
-        key = _read("[1] good  [2] bad  [c] comment  [enter] skip > ")
+        key = state.screen.read("[1] good  [2] bad  [c] comment  [enter] skip > ")
         if key is None:
             return
         key = key.strip().lower()
         if key == "":
             return
         if key == "c":
-            comment = _read("comment> ") or None
+            comment = state.screen.read("comment> ") or None
             continue
         if key in ("1", "2", "g", "b", "good", "bad"):
             value = 1 if key in ("1", "g", "good") else -1
@@ -145,15 +205,16 @@ def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: int, commen
         return
     result = _dispatch(handle, cfg, Rating(target=target, value=value, comment=comment,
                                            conversation=state.conversation))
-    _say(result)
+    _say(result, state)
 
 
-def _say(result: dict) -> None:
+def _say(result: dict, state: ChatState) -> None:
     if result.get("ok"):
         msg = result.get("message", "ok")
         console.print(f"[dim]{escape(msg)}[/]")
-        if result.get("training"):
-            console.print(f"[cyan]⟳ {result['training']}[/]")
+        note = state.news.about_trigger(result.get("training"))
+        if note:
+            console.print(f"[cyan]⟳ {escape(note)}[/]")
     else:
         console.print(f"[red]{escape(str(result.get('message', 'failed')))}[/]")
 
@@ -163,14 +224,14 @@ def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> N
     if cmd.verb in ("good", "bad"):
         _rate(state, cfg, handle, 1 if cmd.verb == "good" else -1, cmd.arg, state.last_capture)
     elif cmd.verb == "undo":
-        _say(_dispatch(handle, cfg, Undo()))
+        _say(_dispatch(handle, cfg, Undo()), state)
     elif cmd.verb == "status":
         from rlfleet.shared.cli import render_status, status_dict
 
         console.print(render_status(status_dict(cfg, handle)))
     elif cmd.admin:
         args = {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {}
-        _say(_dispatch(handle, cfg, Command(name=cmd.verb, args=args)))
+        _say(_dispatch(handle, cfg, Command(name=cmd.verb, args=args)), state)
     else:
         if cmd.unknown:
             console.print(f"[yellow]unknown command {escape(cmd.unknown)!r}[/]")
@@ -205,7 +266,23 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
         console.print()
     finally:
         if workers:
-            with console.status("stopping workers…"):
-                workers.stop()
+            _stop_workers(workers, cfg, ref.slug)
         handle.close()
         console.print("[dim]bye[/]")
+
+
+def _stop_workers(workers, cfg: Config, slug: str) -> None:
+    """Stop the workers; a training run they leave unfinished is said to run again, not lost."""
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.jobs import was_interrupted
+
+    store = Store(cfg.db_url)
+    before = store.latest_run(slug)
+    with console.status("stopping workers…"):
+        workers.stop()
+    if before is None or before.state not in ("queued", "running"):
+        return
+    run = store.get_run(before.id)
+    if run is not None and (run.state == "queued" or was_interrupted(run)):
+        console.print(f"[yellow]training run {run.id} {'stopped' if run.state == 'failed' else 'waits'}; it runs "
+                      "the next time `rlfleet chat` or `rlfleet up` starts[/]")

@@ -24,7 +24,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 
-from .config import Config, load_config
+from .config import Config, data_dir, load_config
 from .errors import BadInput, RlfleetError
 from .events import PLATFORMS, Capture, Command, Message, Rating, Undo, describe_validation_error
 from .queue import EVENTS_QUEUE, QueueHandle, enqueue_event, open_queue, wait_for
@@ -53,14 +53,46 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for
 @app.callback()
 def _root(
     home: Annotated[
-        Path | None, typer.Option("--home", help="Data dir (default: $RLFLEET_HOME or ~/.rlfleet).")
+        str | None, typer.Option("--home", help="Data dir (default: $RLFLEET_HOME or ~/.rlfleet).")
     ] = None,
 ) -> None:
     if home is not None:
-        os.environ["RLFLEET_HOME"] = str(home.expanduser().resolve())
+        # A str, not a Path: Path("") is ".", and an empty --home would quietly use the current folder.
+        if not home.strip():
+            raise BadInput("--home is empty: give the data dir's path, or leave --home out for ~/.rlfleet")
+        os.environ["RLFLEET_HOME"] = str(Path(home).expanduser().resolve())
+    check_home(data_dir())
 
 
-def _config(**overrides: Any) -> Config:
+def check_home(path: Path) -> None:
+    """Refuse a data dir path that can never be one (a file, or a file on the way to it)."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise BadInput(f"data dir {path} is a file, not a folder: pick another --home")
+        ancestor = next(p for p in path.parents if p.exists())
+    except OSError as exc:  # a name too long for the file system, say
+        raise BadInput(f"cannot use {path} as the data dir: {exc.strerror}") from None
+    if not ancestor.is_dir():
+        raise BadInput(f"cannot make data dir {path}: {ancestor} is a file, not a folder")
+
+
+def open_home(path: Path, read_only: bool) -> None:
+    """The data dir for a command. Commands that write make a missing one and say so (a misspelt
+    --home would otherwise quietly start an empty one); commands that only read refuse it instead of
+    leaving an empty data dir behind."""
+    if path.is_dir():
+        return
+    if read_only:
+        raise BadInput(f"no data dir at {path}: `rlfleet chat` or `rlfleet init` makes one "
+                       "(or check --home / $RLFLEET_HOME for a typo)")
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise BadInput(f"cannot make data dir {path}: {exc.strerror}") from None
+    err.print(f"new data dir created at {escape(str(path))}")
+
+
+def _config(read_only: bool = False, **overrides: Any) -> Config:
     # Flags travel as env vars so the workers this process starts (or runs inline) see the same values.
     if overrides.get("threshold") is not None:
         os.environ["RLFLEET_THRESHOLD"] = str(overrides["threshold"])
@@ -68,13 +100,14 @@ def _config(**overrides: Any) -> Config:
         os.environ["RLFLEET_MODEL"] = str(overrides["model"])
     if overrides.get("preset"):
         os.environ["RLFLEET_PRESET"] = str(overrides["preset"])
+    open_home(data_dir(), read_only)
     return load_config()
 
 
 def _events_worker_alive(handle: QueueHandle) -> bool:
-    from rq import Worker
+    from .workers import serving
 
-    return any(EVENTS_QUEUE in w.queue_names() for w in Worker.all(connection=handle.redis))
+    return serving(handle.redis, EVENTS_QUEUE)
 
 
 def _work_if_nobody_does(handle: QueueHandle, cfg: Config) -> None:
@@ -212,7 +245,7 @@ def init(
              "and /rl good typed in it rates them.")] = None,
 ) -> None:
     """Write config.toml and the secret file in the data dir, and check the model loads."""
-    cfg = load_config()
+    cfg = _config()
     if agent:
         from rlfleet.bridge.agents import agent as known_agent
 
@@ -278,7 +311,7 @@ def uninstall(
     """Remove exactly rlfleet's hooks from a coding agent's settings (other hooks stay as they are)."""
     from rlfleet.bridge.agents import uninstall as remove
 
-    cfg = _config()
+    cfg = load_config()  # the data dir may be gone already: the hooks still come out
     for name in agent:
         a, changed = remove(name, cfg.home)
         out.print(f"{name}: {'removed our hooks from' if changed else 'no rlfleet hooks in'} {a.path}")
@@ -492,7 +525,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 @app.command()
 def status(as_json: JsonOpt = False) -> None:
     """Ratings, baseline, adapter versions, training state, queue and workers."""
-    cfg = _config()
+    cfg = _config(read_only=True)
     with _queue(cfg) as q:
         st = status_dict(cfg, q)
     if as_json:
@@ -522,11 +555,10 @@ def train(
 
 
 def _train_worker_alive(handle: QueueHandle) -> bool:
-    from rq import Worker
-
     from .queue import TRAIN_QUEUE
+    from .workers import serving
 
-    return any(TRAIN_QUEUE in w.queue_names() for w in Worker.all(connection=handle.redis))
+    return serving(handle.redis, TRAIN_QUEUE)
 
 
 def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool) -> dict:
@@ -651,7 +683,7 @@ def export_adapter_cmd(dest: Annotated[Path, typer.Argument(help="New folder to 
     """A plain peft folder (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained."""
     from .export import export_adapter
 
-    path, v = export_adapter(_config(), dest, version)
+    path, v = export_adapter(_config(read_only=True), dest, version)
     _emit({"ok": True, "message": f"wrote adapter {v} to {path}", "path": str(path), "version": v}, as_json)
 
 
@@ -661,7 +693,7 @@ def export_merged_cmd(dest: Annotated[Path, typer.Argument(help="New folder to w
     """The base model with the adapter merged in (safetensors + tokenizer), for transformers and friends."""
     from .export import export_merged
 
-    cfg = _config()
+    cfg = _config(read_only=True)
     with err.status(f"merging {version or 'the served adapter'} into {cfg.model}…"):
         path, v = export_merged(cfg, dest, version)
     _emit({"ok": True, "message": f"wrote {cfg.model} + {v} merged to {path}", "path": str(path), "version": v},
@@ -683,7 +715,7 @@ def export_ratings_cmd(
 
     if fmt not in ("jsonl", "datasets"):
         raise BadInput(f"unknown --format {fmt!r}: use jsonl or datasets")
-    cfg = _config()
+    cfg = _config(read_only=True)
     pairs = Store(cfg.db_url).rated_pairs(model_slug(cfg.model), all_states=all_states)
     examples = [to_example(r, c) for r, c in pairs]
     n = write_jsonl(examples, dest) if fmt == "jsonl" else write_dataset(examples, dest)
@@ -735,7 +767,7 @@ def events(
     from . import inbox
     from .queue import ensure_drain
 
-    cfg = _config()
+    cfg = _config(read_only=True)
     with _queue(cfg) as q:
         requeued = inbox.requeue_dead(q.redis) if retry else 0
         if requeued:
@@ -769,7 +801,7 @@ def _dead_line(d: dict) -> dict:
 @app.command()
 def history(as_json: JsonOpt = False) -> None:
     """Every adapter version: ratings used, held-out margin before/after, KL, accepted tokens, verdict."""
-    cfg = _config()
+    cfg = _config(read_only=True)
     with _queue(cfg) as q:
         st = status_dict(cfg, q)
     versions = st["adapter"]["versions"]
@@ -910,6 +942,28 @@ def _serves_locally(cfg: Config) -> bool:
     return urlparse(cfg.responder.url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
+def not_started(cfg: Config, bots: tuple[str, ...], serve: bool) -> dict[str, str]:
+    """What `up` could run but does not, and how to make it."""
+    skipped = {}
+    if not bots:
+        skipped["bots"] = "none enabled: `rlfleet init --bot slack` (or discord, telegram, teams)"
+    if not serve:
+        skipped["serve"] = ("only for the bots, and none is enabled" if not bots else
+                            f"the bots answer with {cfg.responder.url}, not this machine (responder.url)")
+    return skipped
+
+
+def children_panel(workers: Any, skipped: dict[str, str]) -> Table:
+    """Every child `up` runs with its state and log, then what it does not run and why."""
+    t = Table(show_header=False, box=None, pad_edge=False)
+    for name, line in workers.lines().items():
+        colour = "green" if line == "running" else "yellow" if line.startswith("restarted") else "red"
+        t.add_row(name, f"[{colour}]{escape(line)}[/] [dim](log: {escape(str(workers.log_path(name)))})[/]")
+    for name, why in skipped.items():
+        t.add_row(name, f"[dim]not started: {escape(why)}[/]")
+    return t
+
+
 @app.command()
 def up(
     threshold: Annotated[int | None, typer.Option(help="Ratings that start a training run.")] = None,
@@ -924,21 +978,19 @@ def up(
     from rlfleet.worker.runner import BackgroundWorkers
 
     cfg = _config(threshold=threshold)
+    if write_secret(cfg.secret_path):  # a data dir made by `chat` has none yet, and the bridge needs it
+        err.print(f"made secret file {escape(str(cfg.secret_path))} (mode 0600) for the bridge")
+    bots = tuple(enabled_bots(cfg))
+    serve = bool(bots) and _serves_locally(cfg)
     with _queue(cfg) as q:
-        bots = tuple(enabled_bots(cfg))
-        workers = BackgroundWorkers(cfg, bots=bots, serve=bool(bots) and _serves_locally(cfg),
-                                    bridge=cfg.secret_path.exists())
+        workers = BackgroundWorkers(cfg, bots=bots, serve=serve, bridge=True)
         workers.start()
         try:
             with Live(console=out, refresh_per_second=2, transient=False) as live:
                 while True:
-                    st = status_dict(cfg, q)
                     grid = Table.grid()
-                    grid.add_row(render_status(st))
-                    for name, line in workers.state().items():
-                        colour = "yellow" if line.startswith("restarted") else "red"
-                        where = escape(str(workers.log_path(name)))
-                        grid.add_row(f"[{colour}]{name}: {escape(line)} (log: {where})[/]")
+                    grid.add_row(render_status(status_dict(cfg, q)))
+                    grid.add_row(children_panel(workers, not_started(cfg, bots, serve)))
                     grid.add_row("[dim]Ctrl-C to stop[/]")
                     live.update(grid)
                     time.sleep(1.0)

@@ -70,7 +70,7 @@ def _start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name may hold spaces
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -180,7 +180,7 @@ class EmbeddedRedis:
             if lease_host != host:
                 continue  # cannot check another host's pids; keep it
             pid = int(field.decode().split(":")[0])
-            if not _pid_alive(pid) or (started and _start_time(pid) not in ("", started)):
+            if not pid_alive(pid) or (started and _start_time(pid) not in ("", started)):
                 conn.hdel(LEASES, field)
 
     # -- the server ---------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class EmbeddedRedis:
 
     def _ready(self) -> bool:
         pid = self._server_pid()
-        if pid is not None and not _pid_alive(pid):
+        if pid is not None and not pid_alive(pid):
             # The log's last line says why, e.g. "Bad file format reading the append only file".
             why = "no log"
             with contextlib.suppress(OSError, IndexError):
@@ -226,9 +226,9 @@ class EmbeddedRedis:
         # Nothing answers. If the pidfile names a live redis-server anyway (its socket file was
         # deleted, e.g. by a /tmp cleaner), stop it first: two servers on one AOF would corrupt it.
         old = self._server_pid()
-        if old is not None and _pid_alive(old) and self._is_redis(old):
+        if old is not None and pid_alive(old) and self._is_redis(old):
             os.kill(old, signal.SIGTERM)  # redis shuts down cleanly, fsyncing the AOF
-            self._wait(lambda: not _pid_alive(old), STOP_TIMEOUT, "the unreachable old redis-server to exit")
+            self._wait(lambda: not pid_alive(old), STOP_TIMEOUT, "the unreachable old redis-server to exit")
         self.pidfile.unlink(missing_ok=True)  # stale (a crash): it would read as "exited while starting"
         if self.socket_path.parent != self.dir:
             self.socket_path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -271,7 +271,7 @@ class EmbeddedRedis:
         conn.shutdown()  # fsyncs the AOF; the ConnectionError it ends with is caught by redis-py
         conn.close()
         self._wait(
-            lambda: not _pid_alive(pid) and not self.socket_path.exists(),
+            lambda: not pid_alive(pid) and not self.socket_path.exists(),
             STOP_TIMEOUT,
             f"redis-server (pid {pid}) to exit after SHUTDOWN (see {self.logfile})",
         )

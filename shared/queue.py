@@ -40,6 +40,9 @@ def train_lock_key(slug: str) -> str:
     return f"rlfleet:train:lock:{slug}"
 
 
+TRAINING_BUSY = "a training run is already queued or running"  # the trigger's answer while one is
+
+
 def status_key(slug: str) -> str:
     return f"rlfleet:status:{slug}"
 

@@ -7,13 +7,14 @@ import json
 from datetime import datetime, timezone
 
 import redis
-from rq import Queue, Worker
+from rq import Queue
 
 from . import inbox
 from .config import Config
 from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
 from .store import Store
+from .workers import live_workers
 
 
 def _iso(dt: datetime | None) -> str | None:
@@ -75,7 +76,7 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
             "train": Queue(TRAIN_QUEUE, connection=conn).count,
             "dead_letters": conn.llen(inbox.DEAD),
         }
-        workers = len(Worker.all(connection=conn))
+        workers = len(live_workers(conn))  # not the registrations of dead ones
     return {
         "model": cfg.model,
         "model_slug": slug,

@@ -7,7 +7,9 @@ any order. PostgreSQL legs are skipped with a visible reason only when no server
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +70,16 @@ def home(tmp_path, monkeypatch) -> Path:
 
     monkeypatch.setattr(jobs, "_CTX", None)
     return h
+
+
+@pytest.fixture
+def private_tempdir(monkeypatch) -> Iterator[Path]:
+    """tempfile's folder for this test alone, to check that the code under test removes what it puts
+    there (short: an embedded Redis keeps its socket under it)."""
+    folder = Path(tempfile.mkdtemp(prefix="rlt-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 
 
-def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypatch):
+def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypatch, tmp_path, private_tempdir):
     for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL"):  # run_case points them at its own data dir
         monkeypatch.setenv(var, "unset-by-the-test")
-    rows = [ingest.run_case(2, 300, None, redis_url), ingest.run_case(1, 100, 200.0, redis_url)]
+    rows = [ingest.run_case(2, 300, None, redis_url), ingest.run_case(1, 100, 200.0, redis_url, home=tmp_path / "kept")]
+    assert list(private_tempdir.glob("rlfleet-*")) == []  # the temporary data dir went with its case
     for r, n in zip(rows, (300, 100), strict=True):
         assert r["ratings"] == n and r["answered"] == n  # every event's answer was found and timed
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["ratings_per_s"] > 0

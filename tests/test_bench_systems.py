@@ -51,7 +51,7 @@ def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
     assert train_gpu.peak_tflops("a card nobody listed") is None
 
 
-def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch):
+def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, private_tempdir):
     monkeypatch.delenv("REDIS_URL", raising=False)  # the embedded server, as a new user gets it
     # Two runs: the first run's held-out ratings stay pending, so fewer new ones start the second (the
     # benchmark used to wait for a run that had started before its clock did).
@@ -63,6 +63,7 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch):
         assert run["version"] == f"v000{n}" and run["steps"] and math.isfinite(run["seconds"])
         assert run["ratings_used"] >= 1
         assert "training" in run["phases"]  # the progress record was seen mid-run
+    assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
 
 
 def test_record_appends_a_dated_block_with_the_command(tmp_path, monkeypatch):

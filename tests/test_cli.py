@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -84,6 +85,47 @@ def test_unreachable_redis_is_a_clear_error(home, monkeypatch):
     assert "cannot reach Redis" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("bad", ["/dev/null/x", ""])
+@pytest.mark.parametrize("cmd", ["status", "good"])
+def test_a_home_that_cannot_be_a_data_dir_is_one_line_error_and_writes_nothing(home, tmp_path, monkeypatch, bad, cmd):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # an empty --home once meant "."
+    res = rl_main("--home", bad, cmd)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_a_new_home_is_made_by_commands_that_write_and_said_once(queued_home, tmp_path):
+    new = tmp_path / "typo-home"
+    res = rl_main("--home", str(new), "status")  # only reads: nothing to show, nothing made
+    assert res.returncode == 2 and f"no data dir at {new}" in res.stderr and not new.exists()
+    res = rl_main("--home", str(new), "undo")
+    assert f"new data dir created at {new}" in res.stderr and new.is_dir()
+    res = rl_main("--home", str(new), "undo")
+    assert "new data dir" not in res.stderr
+
+
+def test_workers_that_died_without_tidying_up_do_not_count(queued_home, redis_url, rconn):
+    from rq import Worker
+
+    from rlfleet.shared.workers import forget_dead_workers
+
+    # a real RQ registration whose process ended without its teardown, as after a SIGKILL
+    code = ("import os, sys; from redis import Redis; from rq import Queue, SimpleWorker; "
+            "c = Redis.from_url(sys.argv[1]); "
+            "SimpleWorker([Queue('rlfleet:events', connection=c)], connection=c).register_birth(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, redis_url], check=True, timeout=60)
+    assert len(Worker.all(connection=rconn)) == 1  # RQ still lists it
+    assert status_json()["workers"] == 0
+    rl("capture", "--prompt", "q", "--response", "a", "--message-ref", "m-1")
+    res = rl("good", "--target", "m-1")  # applied here, not left waiting for the dead worker
+    assert res.exit_code == 0 and "queued" not in res.output, res.output
+    assert status_json()["ratings"]["total"] == 1
+    assert forget_dead_workers(rconn) == 1 and Worker.all(connection=rconn) == []
+
+
 def test_missing_model_path_is_a_clear_error(home):
     res = rl_main("init", "--yes", "--model", "/no/such/model")
     assert res.returncode == 6 and "does not exist" in res.stderr
@@ -153,6 +195,39 @@ def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir
         if proc.poll() is None:
             proc.kill()
     assert not EmbeddedRedis.running(home)  # released, not orphaned
+
+
+def test_up_on_a_data_dir_made_by_chat_starts_the_bridge_and_lists_every_child(home, tiny_model_dir, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config()
+    cfg.bridge.port = port
+    cfg.save()  # no secret file: what `chat` leaves (only `init` wrote one)
+    proc = subprocess.Popen(MAIN + ["up"], env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, "rlfleet up did not start the bridge"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0 and status_json()["workers"] == 2:
+                    break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        panel, said = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"made secret file {cfg.secret_path} (mode 0600)" in said
+    assert stat.S_IMODE(cfg.secret_path.stat().st_mode) == 0o600
+    for child in ("events", "train", "bridge"):
+        assert re.search(rf"^{child} +running \(log: ", panel, re.M), panel
+    assert re.search(r"^bots +not started: none enabled: `rlfleet init --bot slack`", panel, re.M), panel
+    assert re.search(r"^serve +not started: only for the bots", panel, re.M), panel
 
 
 def test_a_killed_up_leaves_no_orphans(home, tiny_model_dir, monkeypatch):

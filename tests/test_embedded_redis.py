@@ -54,7 +54,7 @@ def embedded(tmp_path):
             pass  # the kill below still runs
     for emb in made:
         pid = emb._server_pid()
-        if pid and er._pid_alive(pid) and EmbeddedRedis._is_redis(pid):
+        if pid and er.pid_alive(pid) and EmbeddedRedis._is_redis(pid):
             os.kill(pid, signal.SIGKILL)
         if emb.socket_path.parent != emb.dir:
             emb.socket_path.unlink(missing_ok=True)
@@ -106,7 +106,7 @@ def test_data_survives_a_full_stop_and_start(tmp_path, embedded):
 
     emb.release()  # the only lease: SHUTDOWN, which fsyncs the AOF
     assert not EmbeddedRedis.running(tmp_path)
-    assert not er._pid_alive(first)
+    assert not er.pid_alive(first)
     assert not emb.socket_path.exists()
     assert (tmp_path / "redis" / "appendonly.aof").stat().st_size > 0
 
@@ -148,7 +148,7 @@ def test_processes_share_one_server_and_the_last_one_out_stops_it(tmp_path, embe
     holder.communicate("go\n", timeout=10)  # `up` exits: the last lease, so the server stops
     assert holder.returncode == 0
     assert not EmbeddedRedis.running(tmp_path)
-    assert not er._pid_alive(pid)
+    assert not er.pid_alive(pid)
 
 
 def test_stale_leases_do_not_keep_the_server_alive(tmp_path, embedded, children):
@@ -165,7 +165,7 @@ def test_stale_leases_do_not_keep_the_server_alive(tmp_path, embedded, children)
 
     emb.release()
     assert not EmbeddedRedis.running(tmp_path)
-    assert not er._pid_alive(pid)
+    assert not er.pid_alive(pid)
 
 
 def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
@@ -181,7 +181,7 @@ def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
     )
     pid = server_pid(conn)
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not er._pid_alive(pid))
+    wait_until(lambda: not er.pid_alive(pid))
     assert emb.socket_path.exists() and emb.pidfile.exists()  # what a crash leaves behind
     assert not EmbeddedRedis.running(tmp_path)
 
@@ -217,7 +217,7 @@ def test_racing_starters_start_one_server(tmp_path, embedded):
         for p in procs:
             p.communicate("go\n", timeout=10)
         assert not EmbeddedRedis.running(tmp_path)  # each left; the last one out stopped it
-        assert not er._pid_alive(pids.pop())
+        assert not er.pid_alive(pids.pop())
     finally:
         for p in procs:
             p.kill()
@@ -232,7 +232,7 @@ def test_a_server_whose_socket_vanished_is_replaced_not_doubled(tmp_path, embedd
     emb.socket_path.unlink()  # e.g. a /tmp cleaner: the server runs on, unreachable
 
     conn2 = embedded().acquire()
-    assert not er._pid_alive(old)  # stopped (SIGTERM, clean) before a new one opened the AOF
+    assert not er.pid_alive(old)  # stopped (SIGTERM, clean) before a new one opened the AOF
     assert server_pid(conn2) != old
     assert conn2.get("k") == b"v"
 

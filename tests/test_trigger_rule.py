@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlfleet.shared.events import Capture, Message, Rating
 from rlfleet.shared.store import Store
-from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW, ratings_until_run
+from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW, STOPPED_ON_REQUEST, fail_interrupted, ratings_until_run
 
 
 def _rate(store: Store, n: int, start: int) -> None:
@@ -34,3 +34,23 @@ def test_threshold_then_half_a_threshold_after_a_refusal_and_at_once_after_an_in
         store.fail_run(run, "interrupted: the training worker stopped during the run")
         expected = 0 if i + 1 < INTERRUPTED_IN_A_ROW else 4  # retried at once, until the streak is long
         assert ratings_until_run(store, "m", 8) == expected, i
+
+
+def test_a_users_stops_never_count_toward_the_interrupted_streak(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/db.sqlite")
+    _rate(store, 8, 0)
+
+    def interrupted(why: str) -> str:
+        run = store.create_run("m")
+        store.start_run(run, None)
+        fail_interrupted(store, "m", run, why)
+        return store.get_run(run).error
+
+    for _ in range(INTERRUPTED_IN_A_ROW + 1):  # more stops in a row than crashes are allowed
+        said = interrupted(f"{STOPPED_ON_REQUEST}; it runs again on the next start")
+        assert "not retried" not in said
+        assert ratings_until_run(store, "m", 8) == 0  # runs again at once
+    for i in range(INTERRUPTED_IN_A_ROW):  # the crashes around them still make a streak
+        said = interrupted("the training worker stopped during the run")
+        interrupted(f"{STOPPED_ON_REQUEST}; it runs again on the next start")
+        assert ("3 runs in a row: not retried" in said) == (i + 1 == INTERRUPTED_IN_A_ROW), (i, said)

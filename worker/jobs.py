@@ -27,6 +27,7 @@ from rlfleet.shared.queue import (
     PUSH_JOB,
     TRAIN_JOB,
     TRAIN_QUEUE,
+    TRAINING_BUSY,
     job_is_over,
     progress_key,
     push_key,
@@ -161,17 +162,25 @@ def drain_events() -> dict:
 INTERRUPTED_IN_A_ROW = 3
 
 
+STOPPED_ON_REQUEST = "stopped on request"  # the user stopped the worker (Ctrl-C, /quit, `up` ended)
+
+
 def was_interrupted(run: TrainRun) -> bool:
-    """A run that failed for a reason outside its data (its worker died, Redis went away)."""
+    """A run that failed for a reason outside its data (its worker died, Redis went away, it was stopped)."""
     return run.state == "failed" and (run.error or "").startswith("interrupted")
+
+
+def was_stopped(run: TrainRun) -> bool:
+    return was_interrupted(run) and (run.error or "").startswith(f"interrupted: {STOPPED_ON_REQUEST}")
 
 
 def interrupted_streak(store: Store, slug: str, before: int | None = None) -> int:
     """How many of the model's latest runs (older than run ``before``) in a row were interrupted: their
-    worker died or lost Redis."""
+    worker died or lost Redis. A run the user stopped says nothing about the run: it neither counts nor
+    breaks the streak."""
     streak = 0
-    for run in store.recent_runs(slug, INTERRUPTED_IN_A_ROW + 1):
-        if before is not None and run.id >= before:
+    for run in store.recent_runs(slug, 4 * INTERRUPTED_IN_A_ROW):
+        if (before is not None and run.id >= before) or was_stopped(run):
             continue
         if not was_interrupted(run):
             break
@@ -182,7 +191,7 @@ def interrupted_streak(store: Store, slug: str, before: int | None = None) -> in
 def fail_interrupted(store: Store, slug: str, run_id: int, why: str) -> None:
     """Mark a run interrupted (retried at once); the last of a streak says it will not be, and why."""
     error = f"interrupted: {why}"
-    in_a_row = interrupted_streak(store, slug, before=run_id) + 1
+    in_a_row = 0 if why.startswith(STOPPED_ON_REQUEST) else interrupted_streak(store, slug, before=run_id) + 1
     if in_a_row >= INTERRUPTED_IN_A_ROW:
         error += (f" ({in_a_row} runs in a row: not retried until half a threshold of new ratings, or "
                   "`rlfleet train`; out of memory? see the training worker's log)")
@@ -219,10 +228,10 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
         if holder == b"claiming" or (holder is not None and not job_is_over(conn, holder.decode())):
-            return "a training run is already queued or running"
+            return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
         if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
-            return "a training run is already queued or running"
+            return TRAINING_BUSY
     run_id = ctx.store.create_run(ctx.slug)
     job_id = f"rlfleet-train-{ctx.slug}-{run_id}"
     conn.set(key, job_id.encode(), ex=LOCK_TTL)
@@ -293,7 +302,14 @@ def train(run_id: int, slug: str) -> dict:
             msg = f"{type(exc).__name__}: {msg}"
         ctx.store.fail_run(run_id, msg)
         return {"ok": False, "message": f"training run {run_id} failed: {msg}"}
-    except BaseException:  # stopped mid-run (Ctrl-C, shutdown): say so, keep CURRENT, re-raise
+    except SystemExit:
+        # RQ's stop on a second SIGTERM/Ctrl-C (its first waits for the job): a user's stop, not a fault.
+        # Returning (not raising) ends the job quietly: RQ would log the exception with its whole
+        # traceback. The worker then sees its stop request and exits; the next start runs it again.
+        fail_interrupted(ctx.store, ctx.slug, run_id, f"{STOPPED_ON_REQUEST}; it runs again on the next start")
+        log.warning("stopped during training run %s; it runs again on the next start", run_id)
+        return {"ok": False, "message": f"training run {run_id} stopped"}
+    except BaseException:  # stopped mid-run another way (KeyboardInterrupt, say): say so, keep CURRENT, re-raise
         fail_interrupted(ctx.store, ctx.slug, run_id, "the training worker stopped during the run")
         raise
     finally:

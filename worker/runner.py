@@ -26,6 +26,7 @@ from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
 from rlfleet.shared.store import Store
+from rlfleet.shared.workers import forget_dead_workers, live_workers
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -40,7 +41,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       and training is queued again if the ratings are still there (so it resumes by itself);
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted
+    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted, was_stopped
 
     notes: list[str] = []
     reconcile(cfg)
@@ -67,7 +68,8 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
         notes.append("released the training lock of a dead worker")
         released = True
     if released:
-        msg = maybe_trigger(context(), conn)
+        # a run the user stopped runs again as it was asked for, even one started below the threshold
+        msg = maybe_trigger(context(), conn, force=run is not None and was_stopped(run))
         if msg:
             notes.append(msg)
     return notes
@@ -121,30 +123,10 @@ def _bury(conn, job: Job, why: str) -> None:
         pipe.execute()
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _busy_jobs(conn) -> set[str]:
-    """Ids of the jobs live workers are running. A worker on this machine whose process is gone is
-    dead, whatever its registration (which outlives a SIGKILLed worker) says."""
-    import socket
-
-    from rq import Worker
-
-    here = socket.gethostname()
+    """Ids of the jobs live workers are running."""
     busy = set()
-    for w in Worker.all(connection=conn):
-        if w.hostname == here and not _pid_alive(w.pid):
-            continue
+    for w in live_workers(conn):
         current = w.get_current_job_id()
         if current:
             busy.add(current)
@@ -249,6 +231,8 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
         while True:
             worker = None
             try:
+                if not burst and forget_dead_workers(handle.redis):
+                    log.warning("forgot the registrations of workers that died without tidying up")
                 if which in ("train", "all") and not burst:
                     for note in recover(cfg, handle):
                         log.warning(note)
@@ -491,8 +475,8 @@ class BackgroundWorkers:
                     restarted.append(name)
         return restarted
 
-    def state(self) -> dict[str, str]:
-        """One line per child that is not simply running, for ``up``'s panel."""
+    def lines(self) -> dict[str, str]:
+        """Every child's state in a few words, for ``up``'s panel."""
         out = {}
         for name, child in self.children.items():
             code = child.proc.poll()
@@ -502,7 +486,13 @@ class BackgroundWorkers:
                 out[name] = f"exited (code {code}), restarting"
             elif child.restarts:
                 out[name] = f"restarted {child.restarts}x"
+            else:
+                out[name] = "running"
         return out
+
+    def state(self) -> dict[str, str]:
+        """The children that are not simply running."""
+        return {name: line for name, line in self.lines().items() if line != "running"}
 
     def alive(self) -> dict[str, bool]:
         return {name: c.proc.poll() is None for name, c in self.children.items()}

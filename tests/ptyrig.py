@@ -1,0 +1,65 @@
+"""A program on a real pseudo-terminal, as a person runs it: keys go in, the screen's bytes come out,
+and ``expect`` waits (bounded) for text to appear. The standard library's ``pty`` only: pexpect is not
+a dependency."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import termios
+import time
+from fcntl import ioctl
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+
+
+class PtySession:
+    def __init__(self, argv: list[str], env: dict, rows: int = 30, cols: int = 200) -> None:
+        self.master, slave = os.openpty()
+        ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.proc = subprocess.Popen(argv, env={**env, "TERM": "xterm"}, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True, close_fds=True)
+        os.close(slave)
+        self.raw = ""  # everything the program wrote
+        self._seen = 0  # where the next expect starts looking
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if ready:
+            try:
+                self.raw += os.read(self.master, 65536).decode("utf-8", "replace")
+            except OSError:  # the program ended and closed the terminal
+                pass
+
+    def expect(self, text: str, timeout: float) -> str:
+        """Wait until ``text`` appears (ANSI codes left out) after what the last expect matched."""
+        deadline = time.monotonic() + timeout
+        while True:
+            plain = ANSI.sub("", self.raw)
+            at = plain.find(text, self._seen)
+            if at >= 0:
+                self._seen = at + len(text)
+                return plain
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not shown within {timeout} s; the screen ended with:\n"
+                                     f"{plain[-3000:]}")
+            self._read(0.2)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._read(0.2)
+        return self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        os.close(self.master)

@@ -1,0 +1,123 @@
+"""`rlfleet chat` as a person meets it, through a real pseudo-terminal: training news appears while the
+user types (without a key pressed) and what they typed stays theirs; a run's end is said at once, with
+what changed or why not and what happens next; the trigger's "already running" is said once per run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ptyrig import PtySession
+
+from rlfleet.bots.training_news import TrainingNews
+from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Message, Rating
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.queue import TRAINING_BUSY, progress_key, train_lock_key
+from rlfleet.shared.store import Store
+
+SEEN = 20  # seconds a line may take to show (the chat polls every second; the machine may be busy)
+
+
+def _finish(store: Store, slug: str, run_id: int, promote: bool, reason: str | None = None) -> None:
+    store.finish_run(run_id, model=slug, version=f"v{run_id:04d}", parent=None, advantages={}, retracted=[],
+                     new_ema=0.0, promote=promote, reason=reason,
+                     metrics={"heldout_margin_before": -0.25, "heldout_margin_after": 0.5, "ratings_used": 12})
+
+
+def test_training_news_reaches_the_prompt_live_and_keeps_what_was_typed(queued_home, tiny_model_dir, rconn,
+                                                                         monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    earlier = store.create_run(slug)
+    store.start_run(earlier, None)
+    _finish(store, slug, earlier, promote=False, reason="held-out margin fell from +0.100 to -0.200")
+    child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat", "--no-worker"], os.environ.copy())
+    try:
+        child.expect("✗ v0001 rejected: held-out margin fell from +0.100 to -0.200; ratings stay pending", timeout=120)
+        child.expect("you> ", timeout=120)
+        child.send("/ne")  # half a command typed, no Enter
+        run_id = store.create_run(slug)
+        rconn.set(train_lock_key(slug), f"rlfleet-train-{slug}-{run_id}")
+        store.start_run(run_id, None)
+        rconn.hset(progress_key(slug), mapping={"phase": "training", "step": 3, "total": 8, "tokens_per_s": 0,
+                                                "version": "v0002"})
+        child.expect("training v0002: training step 3/8", timeout=SEEN)
+        child.expect("you> /ne", timeout=SEEN)  # the typed text, drawn again under the news
+        rconn.hset(progress_key(slug), "step", 5)
+        child.expect("training v0002: training step 5/8", timeout=SEEN)
+        child.send("w\r")
+        child.expect("new conversation", timeout=SEEN)  # the chat got "/new": the text was kept
+        _finish(store, slug, run_id, promote=True)
+        rconn.delete(train_lock_key(slug), progress_key(slug))
+        child.expect("✓ v0002 promoted: held-out margin -0.250 → +0.500 on 12 ratings; now answering with it",
+                           timeout=SEEN)
+        child.send("/quit\r")
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.close()
+
+
+def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(queued_home, tiny_model_dir,
+                                                                            monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.train.steps = 10_000  # still training when the user leaves
+    cfg.train.max_tokens = 96
+    cfg.save()
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    for i in range(4):
+        store.apply_capture(Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")],
+                                    response=f"answer {i}", model="external"))
+        store.apply_rating(Rating(target=f"c{i}", value=1 if i % 2 else -1), slug)
+    child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat"], os.environ.copy())
+    try:
+        child.expect("you> ", timeout=120)
+        child.send("/rl train\r")
+        child.expect("training v0001: training step", timeout=180)
+        child.send("/quit\r")
+        child.expect("training run 1 stopped; it runs the next time `rlfleet chat` or `rlfleet up` starts",
+                     timeout=60)
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.close()
+    log = (cfg.home / "logs" / "worker-train.log").read_text()
+    assert "Traceback" not in log and "stopped during training run 1" in log, log
+    assert store.get_run(1).error.startswith("interrupted: stopped on request")
+
+
+def test_a_rejected_run_says_why_and_when_the_next_one_comes(home):
+    cfg = load_config()
+    store, slug = Store(cfg.db_url), "m"
+    cfg.train.threshold = 8
+    for i in range(6):
+        store.apply_capture(Capture(capture_id=f"c{i}", prompt=[Message(role="user", content="q")],
+                                    response="a", model="m"))
+        store.apply_rating(Rating(target=f"c{i}", value=1), slug)
+    news = TrainingNews(store, None, slug, cfg.train.threshold)
+    assert news.poll().ended == []
+    run_id = store.create_run(slug)
+    store.start_run(run_id, None)
+    assert news.poll().ended == []  # running: nothing ended yet
+    _finish(store, slug, run_id, promote=False, reason="held-out margin fell from +0.100 to -0.200")
+    (said,) = news.poll().ended
+    assert said == ("✗ v0001 rejected: held-out margin fell from +0.100 to -0.200; "
+                    "ratings stay pending, next run after 4 more")  # half a threshold of new ones
+    assert news.poll().ended == []  # said once
+    assert TrainingNews(store, None, slug, 8).poll().ended == []  # a chat started later: old news
+
+
+def test_already_running_is_said_once_per_run(home):
+    store, slug = Store(load_config().db_url), "m"
+    news = TrainingNews(store, None, slug, 8)
+    first = store.create_run(slug)
+    assert news.about_trigger(TRAINING_BUSY) == TRAINING_BUSY
+    assert news.about_trigger(TRAINING_BUSY) is None
+    assert news.about_trigger("training run 2 queued on 8 ratings") == "training run 2 queued on 8 ratings"
+    _finish(store, slug, first, promote=True)
+    store.create_run(slug)
+    assert news.about_trigger(TRAINING_BUSY) == TRAINING_BUSY  # a new run: said again, once
+    assert news.about_trigger(TRAINING_BUSY) is None
