@@ -1,0 +1,357 @@
+"""Every platform bot, started the way `rlfleet bot X` starts it (the platform module's ``run``), outlives
+its platform: down at start, dropping the connection mid-stream, answering 5xx. Each time the bot's task
+is still running afterwards, the next rating lands in the store, and the health `rlfleet status` reads
+says connected / retrying since when / the last error. Fake platforms on 127.0.0.1, the real SDKs, a
+real Redis and the real worker; backoff kept short through the bots' retry settings."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from datetime import datetime
+from typing import Any
+
+import discord
+import pytest
+from botfakes import DROP, FakeDiscord, FakeServer, FakeSlack, FakeTeamsConnector, FakeTelegram, free_port
+from botrig import OWNER, BotRig, bot_rig, run
+from rich.console import Console
+
+from rlfleet.bots import discord as discord_bot
+from rlfleet.bots import slack as slack_bot
+from rlfleet.bots import teams as teams_bot
+from rlfleet.bots import telegram as telegram_bot
+from rlfleet.shared.bothealth import BotHealth, bots_status, read
+from rlfleet.shared.cli import render_status, status_dict
+
+FAST = {"retry_min_s": 0.05, "retry_max_s": 0.2}
+TOKENS = {"DISCORD_BOT_TOKEN": "TEST.DISCORD.TOKEN", "SLACK_BOT_TOKEN": "xoxb-test-token",
+          "SLACK_APP_TOKEN": "xapp-test-token", "TELEGRAM_BOT_TOKEN": "123:TESTTOKEN"}
+
+
+class Outage:
+    """One platform bot under test: its fake platform (not listening until :meth:`up`), the bot's real
+    ``run`` as a task, and one exchange that ends in a rating."""
+
+    platform = ""
+
+    def __init__(self, base: BotRig, fake: FakeServer) -> None:
+        self.base, self.fake = base, fake
+        self.port = free_port()
+        self.fake.url = f"http://127.0.0.1:{self.port}"
+        self.task: asyncio.Task | None = None
+        self._n = itertools.count(1)
+
+    def configure(self, settings: Any) -> None:
+        settings.api_base = self.fake.url
+
+    def start_bot(self) -> None:
+        self.configure(self.base.cfg.bots.get(self.platform))
+        module = {"discord": discord_bot, "slack": slack_bot, "telegram": telegram_bot, "teams": teams_bot}
+        self.task = asyncio.create_task(module[self.platform].run(self.base.core, self.base.cfg, **self.opts()))
+
+    def opts(self) -> dict:
+        return {}
+
+    async def up(self) -> None:
+        await self.fake.start(self.port)
+
+    def alive(self) -> bool:
+        assert self.task is not None
+        if self.task.done():
+            raise AssertionError(f"the {self.platform} bot stopped: {self.task.exception()!r}")
+        return True
+
+    def health(self) -> BotHealth | None:
+        return read(self.base.handle.redis, self.platform)
+
+    async def state(self, state: str, after: datetime | None = None, timeout: float = 20.0) -> BotHealth:
+        """Wait until the published health is ``state`` (entered after ``after``), the bot alive all along."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.alive()
+            h = self.health()
+            if h is not None and h.state == state and (after is None or h.since > after):
+                return h
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the {self.platform} bot is not {state}: {h}")
+            await asyncio.sleep(0.05)
+
+    async def reconnected(self, drop: Callable[[], Awaitable[None]]) -> BotHealth:
+        before = (await self.state("connected")).since
+        await drop()
+        return await self.state("connected", after=before)
+
+    async def rated(self) -> None:
+        """Ask, get an answer, thumb it up: one more rating in the store."""
+        n = len(self.base.ratings())
+        await self.exchange()
+        await self.base.until(lambda: len(self.base.ratings()) > n, f"a rating through {self.platform}")
+        self.alive()
+
+    async def exchange(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def drop(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self.task, 10)
+        await self.fake.stop()
+
+
+class DiscordOutage(Outage):
+    platform = "discord"
+    fake: FakeDiscord
+
+    def configure(self, settings: Any) -> None:
+        settings.api_base = f"{self.fake.url}/api/v10"  # the gateway must follow it: no DEFAULT_GATEWAY set here
+
+    async def exchange(self) -> None:
+        mid = str(100 + next(self._n))
+        before = len(self.fake.of("/messages"))
+        bot = {"id": "999", "username": "rlfleet", "discriminator": "0", "global_name": None, "avatar": None,
+               "bot": True}
+        user = {"id": OWNER, "username": "o", "discriminator": "0", "global_name": None, "avatar": None}
+        await self.fake.dispatch("MESSAGE_CREATE", self.fake.message(mid, user, "<@999> hello", mentions=[bot]))
+        await self.fake.wait_for("/messages", before + 1)
+        answer = str(5000 + len(self.fake.of("/messages")) - 1)
+        await self.base.drain()
+        await self.fake.dispatch("MESSAGE_REACTION_ADD", {
+            "user_id": OWNER, "channel_id": self.fake.channel, "message_id": answer, "guild_id": self.fake.guild,
+            "emoji": {"id": None, "name": "👍"}, "type": 0, "burst": False,
+            "member": {"user": user, "roles": [], "joined_at": "2026-01-01T00:00:00+00:00", "deaf": False,
+                       "mute": False, "flags": 0, "permissions": "0"}})
+
+    async def drop(self) -> None:
+        """A resumable close (discord.py resumes the session), then one it does not resume (a fresh
+        client and IDENTIFY from the supervisor)."""
+        await self.fake._ws.close(code=next(self.codes))
+
+    codes = itertools.cycle((4000, 1000))
+
+
+class SlackOutage(Outage):
+    platform = "slack"
+    fake: FakeSlack
+
+    def configure(self, settings: Any) -> None:
+        settings.api_base = f"{self.fake.url}/api/"
+
+    async def envelope(self, payload: dict) -> None:
+        n = next(self._n)
+        await self.fake.socket.send_str(json.dumps({
+            "envelope_id": f"env-{n}", "type": "events_api", "accepts_response_payload": False,
+            "payload": {"type": "event_callback", "team_id": "T1", "api_app_id": "A1", "event_id": f"Ev{n}",
+                        "event_time": int(time.time()), "event": payload,
+                        "authorizations": [{"user_id": "UBOT", "is_bot": True, "team_id": "T1"}]}}))
+
+    async def exchange(self) -> None:
+        before = len(self.fake.of("chat.postMessage"))
+        await self.envelope({"type": "app_mention", "user": OWNER, "text": "<@UBOT> hello", "channel": "C1",
+                             "ts": f"1699999999.{next(self._n):06d}"})
+        posts = await self.fake.wait_for("chat.postMessage", before + 1)
+        await self.base.drain()
+        await self.envelope({"type": "reaction_added", "user": OWNER, "reaction": "+1",
+                             "item": {"type": "message", "channel": "C1", "ts": f"1700000000.{len(posts):06d}"},
+                             "item_user": "UBOT", "event_ts": str(time.time())})
+
+    async def drop(self) -> None:
+        await self.fake.socket.close()
+
+
+class TelegramOutage(Outage):
+    platform = "telegram"
+    fake: FakeTelegram
+    chat = int(OWNER)
+
+    async def exchange(self) -> None:
+        before = len(self.fake.of("sendMessage"))
+        user = {"id": self.chat, "is_bot": False, "first_name": "o"}
+        chat = {"id": self.chat, "type": "private"}
+        self.fake.updates.append({"update_id": next(self._n), "message": {
+            "message_id": next(self._n), "date": int(time.time()), "text": "hello", "chat": chat, "from": user}})
+        sent = await self.fake.wait_for("sendMessage", before + 1, timeout=20)
+        await self.base.drain()
+        self.fake.updates.append({"update_id": next(self._n), "message_reaction": {
+            "chat": chat, "message_id": 1000 + len(sent) - 1, "date": int(time.time()), "user": user,
+            "old_reaction": [], "new_reaction": [{"type": "emoji", "emoji": "👍"}]}})
+
+    async def drop(self) -> None:
+        self.fake.fail(1, DROP, "/getUpdates")
+
+
+class TeamsOutage(Outage):
+    """Teams calls the bot: the platform that goes away is the connector its replies go to."""
+
+    platform = "teams"
+    fake: FakeTeamsConnector
+
+    def __init__(self, base: BotRig, fake: FakeServer) -> None:
+        super().__init__(base, fake)
+        self.bot_port = free_port()
+
+    def configure(self, settings: Any) -> None:
+        pass
+
+    def opts(self) -> dict:
+        return {"host": "127.0.0.1", "port": self.bot_port}
+
+    async def post(self, **fields: Any) -> None:
+        import aiohttp
+
+        activity = {"id": f"in-{next(self._n)}", "channelId": "msteams", "serviceUrl": self.fake.url + "/",
+                    "from": {"id": f"29:{OWNER}", "name": "o", "aadObjectId": OWNER},
+                    "recipient": {"id": "28:bot", "name": "rlfleet"},
+                    "conversation": {"id": "19:chat", "conversationType": "personal"}, **fields}
+        deadline = time.monotonic() + 10
+        while True:  # the bot's endpoint may still be binding
+            try:
+                async with aiohttp.ClientSession() as http, \
+                        http.post(f"http://127.0.0.1:{self.bot_port}/api/messages", json=activity) as resp:
+                    assert resp.status < 400, resp.status
+                    return
+            except aiohttp.ClientConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    def replies(self) -> list[dict]:
+        return [c.body for c in self.fake.calls if "/activities" in c.path]
+
+    async def ask(self) -> None:
+        await self.post(type="message", text="hello")
+
+    async def exchange(self) -> None:
+        before = len(self.replies())
+        await self.ask()
+        await self.base.until(lambda: len(self.replies()) > before, "the answer's reply")
+        await self.post(type="messageReaction", replyToId=f"reply-{before + 1}", reactionsAdded=[{"type": "like"}])
+
+    async def drop(self) -> None:
+        self.fake.fail(1, DROP)
+
+
+OUTAGES = {"discord": (DiscordOutage, FakeDiscord), "slack": (SlackOutage, FakeSlack),
+           "telegram": (TelegramOutage, FakeTelegram), "teams": (TeamsOutage, FakeTeamsConnector)}
+
+
+@asynccontextmanager
+async def outage(platform: str, monkeypatch) -> AsyncIterator[Outage]:
+    for name, value in TOKENS.items():
+        monkeypatch.setenv(name, value)
+    # run() points discord.py's class-wide URLs at the configured API; put them back after the test
+    monkeypatch.setattr(discord.http.Route, "BASE", discord.http.Route.BASE)
+    monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
+                        discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+    cls, fake_cls = OUTAGES[platform]
+    async with bot_rig(platform, **FAST) as base:
+        o = cls(base, fake_cls())
+        try:
+            yield o
+        finally:
+            await o.stop()
+
+
+PLATFORMS = pytest.mark.parametrize("platform", list(OUTAGES))
+
+
+@PLATFORMS
+def test_a_platform_down_at_start_is_retried_until_it_comes_up(platform, queued_home, monkeypatch):
+    async def go():
+        async with outage(platform, monkeypatch) as o:
+            o.start_bot()
+            if platform == "teams":  # nothing to dial at start: the first reply is what fails
+                await o.state("connected")
+                await o.ask()
+                await o.base.until(lambda: (h := o.health()) is not None and h.last_error, "the failed reply", 10)
+            else:
+                retrying = await o.state("retrying")
+                assert retrying.last_error and retrying.since <= retrying.last_error_at
+                await asyncio.sleep(0.5)  # several retries while it is down
+            await o.up()
+            await o.state("connected")
+            await o.rated()
+            h = o.health()
+            assert h is not None and h.last_error and h.pid
+            assert not any(t in h.model_dump_json() for t in TOKENS.values())
+    run(go())
+
+
+@PLATFORMS
+def test_a_dropped_connection_is_reconnected_and_the_next_rating_lands(platform, queued_home, monkeypatch):
+    async def go():
+        async with outage(platform, monkeypatch) as o:
+            await o.up()
+            o.start_bot()
+            await o.state("connected")
+            await o.rated()
+            if platform == "teams":  # an answer whose reply the connector cuts off
+                await o.drop()
+                await o.ask()
+                await o.base.until(lambda: not o.fake.outage, "the dropped reply")
+            else:
+                await o.reconnected(o.drop)
+            await o.rated()
+            if platform == "discord":
+                await o.reconnected(o.drop)
+                await o.rated()
+            assert len(o.base.ratings()) == (3 if platform == "discord" else 2)
+    run(go())
+
+
+@PLATFORMS
+def test_5xx_answers_are_survived_and_the_next_rating_lands(platform, queued_home, monkeypatch):
+    async def go():
+        async with outage(platform, monkeypatch) as o:
+            if platform == "discord":
+                # REST refuses the login, then the gateway refuses the websocket: discord.py's own
+                # reconnect died on the second with AttributeError ('NoneType' ... 'sequence')
+                o.fake.fail(1, 503, "/users/@me")
+                o.fake.fail(2, 500, "/gateway")
+            elif platform == "slack":
+                o.fake.fail(2, 500, "/apps.connections.open")
+            elif platform == "telegram":
+                o.fake.fail(2, 500, "/getMe")
+            await o.up()
+            o.start_bot()
+            if platform == "teams":
+                await o.state("connected")
+                o.fake.fail(2, 500)
+                for _ in range(2):
+                    await o.ask()
+            h = await o.state("connected")
+            await o.base.until(lambda: not o.fake.outage, "every 5xx answered")
+            await o.rated()
+            assert (o.health() or h).last_error
+    run(go())
+
+
+def test_status_shows_each_bot_connected_retrying_or_not_running(queued_home, monkeypatch):
+    """`rlfleet status` (and --json) from another process's point of view: only what is in Redis."""
+    async def go():
+        async with outage("telegram", monkeypatch) as o:
+            o.base.cfg.bots.slack.enabled = True  # enabled, never started: no heartbeat
+            o.start_bot()
+            await o.state("retrying")
+            st = status_dict(o.base.cfg, o.base.handle)
+            assert st["bots"]["slack"]["state"] == "not running"
+            tg = st["bots"]["telegram"]
+            assert tg["state"] == "retrying" and tg["since"] and tg["last_error"]
+            console = Console(width=200, record=True)
+            console.print(render_status(st))
+            text = console.export_text()
+            lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("bot ")}
+            assert "retrying since" in lines["telegram"] and "last error" in lines["telegram"]
+            assert "not running" in lines["slack"]
+            await o.up()
+            await o.state("connected")
+            assert bots_status(o.base.cfg, o.base.handle.redis)["telegram"]["state"] == "connected"
+    run(go())
