@@ -15,10 +15,11 @@ from typing import Any
 from aiohttp import web
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from rlfleet.shared.config import Config, SlackSettings
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.errors import ConfigError, RlfleetError
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
@@ -167,6 +168,7 @@ def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
     return web_app
 
 
+TOKEN_REFUSED = {"invalid_auth", "not_authed", "account_inactive", "token_revoked", "not_allowed_token_type"}
 CONNECT_TIMEOUT_S = 30  # slack_sdk retries a websocket that will not open on its own, silently: cap it
 WATCH_INTERVAL_S = 0.2
 
@@ -181,7 +183,12 @@ async def socket_mode(app: AsyncApp, app_token: str, link: Link) -> None:
     client = handler.client
     client.auto_reconnect_enabled = client.default_auto_reconnect_enabled = False
     try:
-        client.wss_uri = await client.issue_new_wss_url()
+        try:
+            client.wss_uri = (await client.web_client.apps_connections_open(app_token=app_token))["url"]
+        except SlackApiError as exc:
+            if (exc.response.get("error") if exc.response is not None else None) in TOKEN_REFUSED:
+                raise ConfigError(f"Slack refused the app-level token ({exc.response['error']})") from None
+            raise
         await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)
         if not await client.is_connected():
             raise ConnectionError("the Socket Mode websocket did not open")

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, now, publish
+from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, health_key, now, publish
 from rlfleet.shared.config import BotSettings
 from rlfleet.shared.errors import ConfigError
 
@@ -80,6 +80,15 @@ class Link:
         except redis.RedisError as exc:  # Redis being away must not take the platform link with it
             log.warning("%s: cannot publish the bot's health (%s)", self.platform, exc.__class__.__name__)
 
+    def withdraw(self) -> None:
+        """The bot is stopping: no longer shown as connected (a killed bot's key expires instead)."""
+        if self.conn is None:
+            return
+        try:
+            self.conn.delete(health_key(self.platform))
+        except redis.RedisError:
+            pass
+
     async def heartbeat(self) -> None:
         while True:
             await asyncio.to_thread(self.publish)
@@ -94,7 +103,8 @@ async def supervise(
 ) -> None:
     """Run ``attempt`` again and again until cancelled, waiting ``retry_min_s`` after a failure and twice
     as long after each further one in a row (up to ``retry_max_s``, with jitter so that many bots do not
-    come back at once). ``fatal`` errors (a refused token) and ConfigError end it: no retry fixes those."""
+    come back at once). ``fatal`` errors (a refused token) end it as a ConfigError, as ConfigError does:
+    no retry fixes those."""
     beat = asyncio.create_task(link.heartbeat())
     delay = settings.retry_min_s
     try:
@@ -103,8 +113,10 @@ async def supervise(
             try:
                 await attempt()
                 error: BaseException | str = "the platform closed the connection"
-            except (ConfigError, *fatal):
+            except ConfigError:
                 raise
+            except fatal as exc:
+                raise ConfigError(f"{link.platform}: the platform refused the bot ({link.describe(exc)})") from None
             except Exception as exc:
                 error = exc
             if link.connects != connects:
@@ -116,3 +128,4 @@ async def supervise(
             delay = min(delay * 2, settings.retry_max_s)
     finally:
         beat.cancel()
+        link.withdraw()

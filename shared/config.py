@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
 from .events import PLATFORMS
@@ -94,6 +94,12 @@ class BotSettings(BaseModel):
     # in a row up to retry_max_s, and try again (bots/supervisor.py).
     retry_min_s: float = Field(1.0, gt=0, le=600)
     retry_max_s: float = Field(60.0, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> BotSettings:
+        if self.retry_max_s < self.retry_min_s:
+            raise ValueError("retry_max_s must be at least retry_min_s")
+        return self
 
 
 class SlackSettings(BotSettings):

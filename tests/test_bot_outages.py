@@ -17,6 +17,7 @@ from typing import Any
 
 import discord
 import pytest
+import yarl
 from botfakes import DROP, FakeDiscord, FakeServer, FakeSlack, FakeTeamsConnector, FakeTelegram, free_port
 from botrig import OWNER, BotRig, bot_rig, run
 from rich.console import Console
@@ -25,8 +26,10 @@ from rlfleet.bots import discord as discord_bot
 from rlfleet.bots import slack as slack_bot
 from rlfleet.bots import teams as teams_bot
 from rlfleet.bots import telegram as telegram_bot
-from rlfleet.shared.bothealth import BotHealth, bots_status, read
+from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, bots_status, health_key, read
 from rlfleet.shared.cli import render_status, status_dict
+from rlfleet.shared.config import load_config
+from rlfleet.shared.errors import ConfigError
 
 FAST = {"retry_min_s": 0.05, "retry_max_s": 0.2}
 TOKENS = {"DISCORD_BOT_TOKEN": "TEST.DISCORD.TOKEN", "SLACK_BOT_TOKEN": "xoxb-test-token",
@@ -100,7 +103,7 @@ class Outage:
         raise NotImplementedError
 
     async def stop(self) -> None:
-        if self.task is not None:
+        if self.task is not None and not self.task.done():
             self.task.cancel()
             with suppress(asyncio.CancelledError):
                 await asyncio.wait_for(self.task, 10)
@@ -247,10 +250,11 @@ OUTAGES = {"discord": (DiscordOutage, FakeDiscord), "slack": (SlackOutage, FakeS
 async def outage(platform: str, monkeypatch) -> AsyncIterator[Outage]:
     for name, value in TOKENS.items():
         monkeypatch.setenv(name, value)
-    # run() points discord.py's class-wide URLs at the configured API; put them back after the test
+    # run() points discord.py's class-wide URLs at the configured API (put back after the test); a
+    # gateway that did not follow it would dial this dead loopback port, never Discord's
     monkeypatch.setattr(discord.http.Route, "BASE", discord.http.Route.BASE)
     monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
-                        discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY)
+                        yarl.URL(f"ws://127.0.0.1:{free_port()}/gateway"))
     cls, fake_cls = OUTAGES[platform]
     async with bot_rig(platform, **FAST) as base:
         o = cls(base, fake_cls())
@@ -353,5 +357,32 @@ def test_status_shows_each_bot_connected_retrying_or_not_running(queued_home, mo
             assert "not running" in lines["slack"]
             await o.up()
             await o.state("connected")
-            assert bots_status(o.base.cfg, o.base.handle.redis)["telegram"]["state"] == "connected"
+            conn, cfg = o.base.handle.redis, o.base.cfg
+            assert bots_status(cfg, conn)["telegram"]["state"] == "connected"
+            assert 0 < conn.ttl(health_key("telegram")) <= HEARTBEAT_TTL_S  # a killed bot's record expires
+            cfg.bots.telegram.enabled = True
+            await o.stop()
+            assert bots_status(cfg, conn)["telegram"]["state"] == "not running"
+    run(go())
+
+
+def test_retry_bounds_out_of_order_are_a_one_line_config_error(home):
+    (home / "config.toml").write_text("[bots.slack]\nretry_min_s = 5\nretry_max_s = 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config()
+    assert "retry_max_s must be at least retry_min_s" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(("platform", "path"), [("discord", "/users/@me"), ("telegram", "/getMe")])
+def test_a_refused_token_stops_the_bot_with_a_one_line_reason(platform, path, queued_home, monkeypatch):
+    """No retry fixes a token the platform refuses: the bot ends with that reason and no token in it."""
+    async def go():
+        async with outage(platform, monkeypatch) as o:
+            o.fake.fail(1, 401, path)
+            await o.up()
+            o.start_bot()
+            with pytest.raises(ConfigError) as exc:
+                await asyncio.wait_for(o.task, 10)
+            assert "refused" in str(exc.value) and "\n" not in str(exc.value)
+            assert not any(t in str(exc.value) for t in TOKENS.values())
     run(go())
