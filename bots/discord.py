@@ -183,9 +183,10 @@ class RlfleetClient(discord.Client):
 
 
 async def follow_gateway(client: discord.Client, settings: DiscordSettings) -> None:
-    """Point the gateway where the configured API is. discord.py dials its class-wide DEFAULT_GATEWAY
-    (Discord's public one) and goes back to it when a session is invalidated; asking the REST API only
-    happens when we do, so with ``api_base`` set we ask it, as Discord's docs say a client should."""
+    """Point the gateway where the configured API is. discord.py never asks the REST API for it: it
+    dials its class-wide DEFAULT_GATEWAY (Discord's public one), also after an invalidated session. So
+    with ``api_base`` set, the URL comes from that API's ``GET /gateway/bot``, unless ``gateway_url``
+    names one."""
     url = settings.gateway_url
     if url is None and settings.api_base:
         _, url, _ = await client.http.get_bot_gateway()
@@ -197,9 +198,10 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
               port: int | None = None) -> None:
     """Stay connected to the gateway until cancelled (Discord has no HTTP mode in discord.py).
 
-    Each attempt is a fresh client with discord.py's own reconnect off: after a first connection that
-    failed, discord.py's reconnect read the session of a websocket that never existed and the bot died
-    with an AttributeError. The supervisor retries instead, and a new IDENTIFY starts a new session."""
+    Each attempt is a fresh client with discord.py's own reconnect off: when the first connection
+    fails, that reconnect reads the session of the websocket it never opened and ends the client with
+    an AttributeError. The supervisor retries instead, and a new IDENTIFY starts a new session; closes
+    that allow it are still resumed by discord.py within an attempt."""
     s = cfg.bots.discord
     token = read_secret(s.token_env, s.token_file, "the Discord bot token")
     if s.api_base:

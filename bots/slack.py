@@ -174,8 +174,8 @@ WATCH_INTERVAL_S = 0.2
 
 
 async def socket_mode(app: AsyncApp, app_token: str, link: Link) -> None:
-    """One Socket Mode connection, until it closes. slack_sdk's own reconnecting is off: it retried
-    quietly (and kept dialling an expired websocket URL), so `rlfleet status` never saw it; the
+    """One Socket Mode connection, until it closes. slack_sdk's own reconnecting is off: it retries
+    where `rlfleet status` cannot see it, and redials a websocket URL that may have expired; the
     supervisor retries instead, with a fresh URL each time."""
     from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 

@@ -4,7 +4,7 @@ published for `rlfleet status` (shared/bothealth.py).
 
 A platform file hands :func:`supervise` one connection attempt (``attempt``): it connects, tells the
 :class:`Link` when it is connected, and returns or raises when that connection is over. Where an SDK
-retries on its own (PTB's polling loop), it reports into the same Link instead.
+recovers by itself (discord.py resuming a session), it reports into the same Link.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ async def supervise(
             if link.connects != connects:
                 delay = settings.retry_min_s
             link.failed(error)
-            wait = delay * random.uniform(0.8, 1.2)
+            wait = min(delay * random.uniform(0.8, 1.2), settings.retry_max_s)
             log.warning("%s: %s; retrying in %.1f s", link.platform, link.health.last_error, wait)
             await asyncio.sleep(wait)
             delay = min(delay * 2, settings.retry_max_s)
