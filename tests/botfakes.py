@@ -36,6 +36,7 @@ def free_port() -> int:
 
 
 DROP = "drop"  # an outage that closes the connection without an answer
+GARBAGE = "garbage"  # an outage that answers 200 with a body no client can read
 
 
 @dataclass
@@ -45,7 +46,7 @@ class FakeServer:
 
     calls: list[Call] = field(default_factory=list)
     url: str = ""
-    outage: list[tuple[int | str, str]] = field(default_factory=list)  # (status or DROP, path suffix)
+    outage: list[tuple[int | str, str]] = field(default_factory=list)  # (status, DROP or GARBAGE; path suffix)
     _stack: AsyncExitStack = field(default_factory=AsyncExitStack)
 
     def routes(self, app: web.Application) -> None:  # pragma: no cover - overridden
@@ -59,7 +60,7 @@ class FakeServer:
         return self
 
     def fail(self, n: int, status: int | str = 500, path: str = "") -> None:
-        """The next ``n`` requests whose path ends with ``path`` get ``status`` (or DROP) and are not
+        """The next ``n`` requests whose path ends with ``path`` get ``status`` (or DROP, GARBAGE) and are not
         recorded as calls."""
         self.outage.extend([(status, path)] * n)
 
@@ -73,6 +74,8 @@ class FakeServer:
             assert request.transport is not None
             request.transport.close()
             raise asyncio.CancelledError  # aiohttp's way to end a handler whose peer is gone
+        if fate == GARBAGE:
+            return web.Response(text="<html>upstream hiccup</html>", content_type="text/html")
         return web.json_response({"ok": False, "error": "fake outage"}, status=int(fate))
 
     async def stop(self) -> None:

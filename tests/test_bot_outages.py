@@ -1,5 +1,5 @@
 """Every platform bot, started the way `rlfleet bot X` starts it (the platform module's ``run``), outlives
-its platform: down at start, dropping the connection mid-stream, answering 5xx. Each time the bot's task
+its platform: down at start, dropping the connection mid-stream, answering 5xx or garbage. Each time the bot's task
 is still running afterwards, the next rating lands in the store, and the health `rlfleet status` reads
 says connected / retrying since when / the last error. Fake platforms on 127.0.0.1, the real SDKs, a
 real Redis and the real worker; backoff kept short through the bots' retry settings."""
@@ -18,7 +18,7 @@ from typing import Any
 import discord
 import pytest
 import yarl
-from botfakes import DROP, FakeDiscord, FakeServer, FakeSlack, FakeTeamsConnector, FakeTelegram, free_port
+from botfakes import DROP, GARBAGE, FakeDiscord, FakeServer, FakeSlack, FakeTeamsConnector, FakeTelegram, free_port
 from botrig import OWNER, BotRig, bot_rig, run
 from rich.console import Console
 
@@ -312,27 +312,31 @@ def test_a_dropped_connection_is_reconnected_and_the_next_rating_lands(platform,
 
 
 @PLATFORMS
-def test_5xx_answers_are_survived_and_the_next_rating_lands(platform, queued_home, monkeypatch):
+def test_5xx_and_garbage_answers_are_survived_and_the_next_rating_lands(platform, queued_home, monkeypatch):
     async def go():
         async with outage(platform, monkeypatch) as o:
             if platform == "discord":
                 # REST refuses the login, then the gateway refuses the websocket: discord.py's own
-                # reconnect died on the second with AttributeError ('NoneType' ... 'sequence')
+                # reconnect ends the client on the second (AttributeError: 'NoneType' ... 'sequence')
                 o.fake.fail(1, 503, "/users/@me")
+                o.fake.fail(1, GARBAGE, "/users/@me")
                 o.fake.fail(2, 500, "/gateway")
             elif platform == "slack":
                 o.fake.fail(2, 500, "/apps.connections.open")
+                o.fake.fail(1, GARBAGE, "/apps.connections.open")
             elif platform == "telegram":
                 o.fake.fail(2, 500, "/getMe")
+                o.fake.fail(1, GARBAGE, "/getMe")
             await o.up()
             o.start_bot()
             if platform == "teams":
                 await o.state("connected")
                 o.fake.fail(2, 500)
-                for _ in range(2):
+                o.fake.fail(1, GARBAGE)
+                for _ in range(3):
                     await o.ask()
             h = await o.state("connected")
-            await o.base.until(lambda: not o.fake.outage, "every 5xx answered")
+            await o.base.until(lambda: not o.fake.outage, "every bad answer served")
             await o.rated()
             assert (o.health() or h).last_error
     run(go())
