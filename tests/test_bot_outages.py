@@ -1,8 +1,9 @@
 """Every platform bot, started the way `rlfleet bot X` starts it (the platform module's ``run``), outlives
-its platform: down at start, dropping the connection mid-stream, answering 5xx or garbage. Each time the bot's task
-is still running afterwards, the next rating lands in the store, and the health `rlfleet status` reads
-says connected / retrying since when / the last error. Fake platforms on 127.0.0.1, the real SDKs, a
-real Redis and the real worker; backoff kept short through the bots' retry settings."""
+its platform: down at start, dropping the connection mid-stream, answering 5xx or garbage. Each time
+the bot's task is still running afterwards, the next rating lands in the store, and the health
+`rlfleet status` reads says connected / retrying since when / the last error. Fake platforms on
+127.0.0.1, the real SDKs, a real Redis and the real worker; backoff kept short through the bots'
+retry settings."""
 
 from __future__ import annotations
 
@@ -15,17 +16,25 @@ from contextlib import asynccontextmanager, suppress
 from datetime import datetime
 from typing import Any
 
+import aiohttp
 import discord
 import pytest
 import yarl
-from botfakes import DROP, GARBAGE, FakeDiscord, FakeServer, FakeSlack, FakeTeamsConnector, FakeTelegram, free_port
+from botfakes import (
+    DROP,
+    GARBAGE,
+    FakeDiscord,
+    FakeServer,
+    FakeSlack,
+    FakeTeamsConnector,
+    FakeTelegram,
+    _discord_user,
+    free_port,
+)
 from botrig import OWNER, BotRig, bot_rig, run
 from rich.console import Console
 
-from rlfleet.bots import discord as discord_bot
-from rlfleet.bots import slack as slack_bot
-from rlfleet.bots import teams as teams_bot
-from rlfleet.bots import telegram as telegram_bot
+from rlfleet.bots.runner import platform_module
 from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, bots_status, health_key, read
 from rlfleet.shared.cli import render_status, status_dict
 from rlfleet.shared.config import load_config
@@ -54,8 +63,8 @@ class Outage:
 
     def start_bot(self) -> None:
         self.configure(self.base.cfg.bots.get(self.platform))
-        module = {"discord": discord_bot, "slack": slack_bot, "telegram": telegram_bot, "teams": teams_bot}
-        self.task = asyncio.create_task(module[self.platform].run(self.base.core, self.base.cfg, **self.opts()))
+        run_bot = platform_module(self.platform).run  # what `rlfleet bot X` runs
+        self.task = asyncio.create_task(run_bot(self.base.core, self.base.cfg, **self.opts()))
 
     def opts(self) -> dict:
         return {}
@@ -114,16 +123,19 @@ class DiscordOutage(Outage):
     platform = "discord"
     fake: FakeDiscord
 
+    def __init__(self, base: BotRig, fake: FakeServer) -> None:
+        super().__init__(base, fake)
+        self.codes = itertools.cycle((4000, 1000))
+
     def configure(self, settings: Any) -> None:
         settings.api_base = f"{self.fake.url}/api/v10"  # the gateway must follow it: no DEFAULT_GATEWAY set here
 
     async def exchange(self) -> None:
         mid = str(100 + next(self._n))
         before = len(self.fake.of("/messages"))
-        bot = {"id": "999", "username": "rlfleet", "discriminator": "0", "global_name": None, "avatar": None,
-               "bot": True}
-        user = {"id": OWNER, "username": "o", "discriminator": "0", "global_name": None, "avatar": None}
-        await self.fake.dispatch("MESSAGE_CREATE", self.fake.message(mid, user, "<@999> hello", mentions=[bot]))
+        user = _discord_user(OWNER)
+        await self.fake.dispatch("MESSAGE_CREATE", self.fake.message(
+            mid, user, f"<@{self.fake.bot_id}> hello", mentions=[_discord_user(self.fake.bot_id, bot=True)]))
         await self.fake.wait_for("/messages", before + 1)
         answer = str(5000 + len(self.fake.of("/messages")) - 1)
         await self.base.drain()
@@ -137,8 +149,6 @@ class DiscordOutage(Outage):
         """A resumable close (discord.py resumes the session), then one it does not resume (a fresh
         client and IDENTIFY from the supervisor)."""
         await self.fake._ws.close(code=next(self.codes))
-
-    codes = itertools.cycle((4000, 1000))
 
 
 class SlackOutage(Outage):
@@ -202,14 +212,12 @@ class TeamsOutage(Outage):
         self.bot_port = free_port()
 
     def configure(self, settings: Any) -> None:
-        pass
+        pass  # each activity names the connector (serviceUrl)
 
     def opts(self) -> dict:
         return {"host": "127.0.0.1", "port": self.bot_port}
 
     async def post(self, **fields: Any) -> None:
-        import aiohttp
-
         activity = {"id": f"in-{next(self._n)}", "channelId": "msteams", "serviceUrl": self.fake.url + "/",
                     "from": {"id": f"29:{OWNER}", "name": "o", "aadObjectId": OWNER},
                     "recipient": {"id": "28:bot", "name": "rlfleet"},
