@@ -33,6 +33,7 @@ from botfakes import (
 )
 from botrig import OWNER, BotRig, bot_rig, run
 from rich.console import Console
+from slack_sdk.signature import SignatureVerifier
 
 from rlfleet.bots.runner import platform_module
 from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, bots_status, health_key, read
@@ -42,7 +43,8 @@ from rlfleet.shared.errors import ConfigError
 
 FAST = {"retry_min_s": 0.05, "retry_max_s": 0.2}
 TOKENS = {"DISCORD_BOT_TOKEN": "TEST.DISCORD.TOKEN", "SLACK_BOT_TOKEN": "xoxb-test-token",
-          "SLACK_APP_TOKEN": "xapp-test-token", "TELEGRAM_BOT_TOKEN": "123:TESTTOKEN"}
+          "SLACK_APP_TOKEN": "xapp-test-token", "SLACK_SIGNING_SECRET": "test-signing-secret",
+          "TELEGRAM_BOT_TOKEN": "123:TESTTOKEN", "TELEGRAM_WEBHOOK_SECRET": "test-webhook-secret"}
 
 
 class Outage:
@@ -50,9 +52,12 @@ class Outage:
     ``run`` as a task, and one exchange that ends in a rating."""
 
     platform = ""
+    dials_at_start = True  # False: the platform calls the bot, and only the bot's replies can fail
+    holds_a_connection = True  # a socket or polling loop the platform can drop (else: a reply is dropped)
 
     def __init__(self, base: BotRig, fake: FakeServer) -> None:
         self.base, self.fake = base, fake
+        self.bot_port = free_port()  # where a bot the platform calls listens
         self.port = free_port()
         self.fake.url = f"http://127.0.0.1:{self.port}"
         self.task: asyncio.Task | None = None
@@ -105,11 +110,37 @@ class Outage:
         await self.base.until(lambda: len(self.base.ratings()) > n, f"a rating through {self.platform}")
         self.alive()
 
+    def refuse(self) -> None:
+        """5xx and a garbage body on the calls it makes first (its replies when it dials nothing at start)."""
+        self.fake.fail(2, 500, self.first_call)
+        self.fake.fail(1, GARBAGE, self.first_call)
+
+    first_call = ""
+
+    async def ask(self) -> None:  # pragma: no cover - overridden where the bot is called
+        raise NotImplementedError
+
     async def exchange(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
     async def drop(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    async def call_bot(self, path: str, body: dict, headers: dict | None = None, data: str | None = None) -> int:
+        """POST to the bot's own endpoint, as the platform does (it may still be binding its port); the
+        status. During an outage it may be a 5xx (Slack's HTTP mode cannot authorize an event while Slack
+        is down, and Slack delivers it again): the rating that lands afterwards is the proof."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                async with aiohttp.ClientSession() as http, http.post(
+                        f"http://127.0.0.1:{self.bot_port}{path}", json=None if data else body, data=data,
+                        headers=headers or {}) as resp:
+                    return resp.status
+            except aiohttp.ClientConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         if self.task is not None and not self.task.done():
@@ -145,6 +176,13 @@ class DiscordOutage(Outage):
             "member": {"user": user, "roles": [], "joined_at": "2026-01-01T00:00:00+00:00", "deaf": False,
                        "mute": False, "flags": 0, "permissions": "0"}})
 
+    def refuse(self) -> None:
+        """REST refuses the login, then the gateway refuses the websocket: discord.py's own reconnect
+        ends the client on the second (AttributeError: 'NoneType' object has no attribute 'sequence')."""
+        self.fake.fail(1, 503, "/users/@me")
+        self.fake.fail(1, GARBAGE, "/users/@me")
+        self.fake.fail(2, 500, "/gateway")
+
     async def drop(self) -> None:
         """A resumable close (discord.py resumes the session), then one it does not resume (a fresh
         client and IDENTIFY from the supervisor)."""
@@ -154,22 +192,29 @@ class DiscordOutage(Outage):
 class SlackOutage(Outage):
     platform = "slack"
     fake: FakeSlack
+    first_call = "/apps.connections.open"
 
     def configure(self, settings: Any) -> None:
         settings.api_base = f"{self.fake.url}/api/"
 
-    async def envelope(self, payload: dict) -> None:
+    def callback(self, event: dict) -> dict:
         n = next(self._n)
+        return {"type": "event_callback", "team_id": "T1", "api_app_id": "A1", "event_id": f"Ev{n}",
+                "event_time": int(time.time()), "event": event,
+                "authorizations": [{"user_id": "UBOT", "is_bot": True, "team_id": "T1"}]}
+
+    async def envelope(self, event: dict) -> None:
         await self.fake.socket.send_str(json.dumps({
-            "envelope_id": f"env-{n}", "type": "events_api", "accepts_response_payload": False,
-            "payload": {"type": "event_callback", "team_id": "T1", "api_app_id": "A1", "event_id": f"Ev{n}",
-                        "event_time": int(time.time()), "event": payload,
-                        "authorizations": [{"user_id": "UBOT", "is_bot": True, "team_id": "T1"}]}}))
+            "envelope_id": f"env-{next(self._n)}", "type": "events_api", "accepts_response_payload": False,
+            "payload": self.callback(event)}))
+
+    async def ask(self) -> None:
+        await self.envelope({"type": "app_mention", "user": OWNER, "text": "<@UBOT> hello", "channel": "C1",
+                             "ts": f"1699999999.{next(self._n):06d}"})
 
     async def exchange(self) -> None:
         before = len(self.fake.of("chat.postMessage"))
-        await self.envelope({"type": "app_mention", "user": OWNER, "text": "<@UBOT> hello", "channel": "C1",
-                             "ts": f"1699999999.{next(self._n):06d}"})
+        await self.ask()
         posts = await self.fake.wait_for("chat.postMessage", before + 1)
         await self.base.drain()
         await self.envelope({"type": "reaction_added", "user": OWNER, "reaction": "+1",
@@ -180,25 +225,74 @@ class SlackOutage(Outage):
         await self.fake.socket.close()
 
 
+class SlackHttpOutage(SlackOutage):
+    """HTTP mode: Slack posts signed events to the bot, and its replies are what can fail."""
+
+    dials_at_start = holds_a_connection = False
+    first_call = "/chat.postMessage"
+
+    def configure(self, settings: Any) -> None:
+        super().configure(settings)
+        settings.http = True
+
+    def opts(self) -> dict:
+        return {"host": "127.0.0.1", "port": self.bot_port}
+
+    async def envelope(self, event: dict) -> None:
+        body, ts = json.dumps(self.callback(event)), str(int(time.time()))
+        sig = SignatureVerifier(TOKENS["SLACK_SIGNING_SECRET"]).generate_signature(timestamp=ts, body=body)
+        await self.call_bot("/slack/events", {}, data=body, headers={
+            "Content-Type": "application/json", "X-Slack-Request-Timestamp": ts, "X-Slack-Signature": sig})
+
+    async def drop(self) -> None:
+        self.fake.fail(1, DROP, "/chat.postMessage")
+
+
 class TelegramOutage(Outage):
     platform = "telegram"
     fake: FakeTelegram
-    chat = int(OWNER)
+    first_call = "/getMe"
+    user = {"id": int(OWNER), "is_bot": False, "first_name": "o"}
+    chat = {"id": int(OWNER), "type": "private"}
+
+    async def deliver(self, update: dict) -> None:
+        self.fake.updates.append({"update_id": next(self._n), **update})
+
+    async def ask(self) -> None:
+        await self.deliver({"message": {"message_id": next(self._n), "date": int(time.time()), "text": "hello",
+                                        "chat": self.chat, "from": self.user}})
 
     async def exchange(self) -> None:
         before = len(self.fake.of("sendMessage"))
-        user = {"id": self.chat, "is_bot": False, "first_name": "o"}
-        chat = {"id": self.chat, "type": "private"}
-        self.fake.updates.append({"update_id": next(self._n), "message": {
-            "message_id": next(self._n), "date": int(time.time()), "text": "hello", "chat": chat, "from": user}})
+        await self.ask()
         sent = await self.fake.wait_for("sendMessage", before + 1, timeout=20)
         await self.base.drain()
-        self.fake.updates.append({"update_id": next(self._n), "message_reaction": {
-            "chat": chat, "message_id": 1000 + len(sent) - 1, "date": int(time.time()), "user": user,
+        await self.deliver({"message_reaction": {
+            "chat": self.chat, "message_id": 1000 + len(sent) - 1, "date": int(time.time()), "user": self.user,
             "old_reaction": [], "new_reaction": [{"type": "emoji", "emoji": "👍"}]}})
 
     async def drop(self) -> None:
         self.fake.fail(1, DROP, "/getUpdates")
+
+
+class TelegramWebhookOutage(TelegramOutage):
+    """Webhook mode: it registers the webhook at start (after getMe); then Telegram posts updates to it."""
+
+    holds_a_connection = False
+
+    def configure(self, settings: Any) -> None:
+        super().configure(settings)
+        settings.http, settings.webhook_url = True, "https://bot.example.invalid/telegram"  # only sent to the fake
+
+    def opts(self) -> dict:
+        return {"host": "127.0.0.1", "port": self.bot_port}
+
+    async def deliver(self, update: dict) -> None:
+        await self.call_bot("/telegram", {"update_id": next(self._n), **update},
+                            headers={"X-Telegram-Bot-Api-Secret-Token": TOKENS["TELEGRAM_WEBHOOK_SECRET"]})
+
+    async def drop(self) -> None:
+        self.fake.fail(1, DROP, "/sendMessage")
 
 
 class TeamsOutage(Outage):
@@ -206,10 +300,7 @@ class TeamsOutage(Outage):
 
     platform = "teams"
     fake: FakeTeamsConnector
-
-    def __init__(self, base: BotRig, fake: FakeServer) -> None:
-        super().__init__(base, fake)
-        self.bot_port = free_port()
+    dials_at_start = holds_a_connection = False
 
     def configure(self, settings: Any) -> None:
         pass  # each activity names the connector (serviceUrl)
@@ -218,21 +309,11 @@ class TeamsOutage(Outage):
         return {"host": "127.0.0.1", "port": self.bot_port}
 
     async def post(self, **fields: Any) -> None:
-        activity = {"id": f"in-{next(self._n)}", "channelId": "msteams", "serviceUrl": self.fake.url + "/",
-                    "from": {"id": f"29:{OWNER}", "name": "o", "aadObjectId": OWNER},
-                    "recipient": {"id": "28:bot", "name": "rlfleet"},
-                    "conversation": {"id": "19:chat", "conversationType": "personal"}, **fields}
-        deadline = time.monotonic() + 10
-        while True:  # the bot's endpoint may still be binding
-            try:
-                async with aiohttp.ClientSession() as http, \
-                        http.post(f"http://127.0.0.1:{self.bot_port}/api/messages", json=activity) as resp:
-                    assert resp.status < 400, resp.status
-                    return
-            except aiohttp.ClientConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+        await self.call_bot("/api/messages", {
+            "id": f"in-{next(self._n)}", "channelId": "msteams", "serviceUrl": self.fake.url + "/",
+            "from": {"id": f"29:{OWNER}", "name": "o", "aadObjectId": OWNER},
+            "recipient": {"id": "28:bot", "name": "rlfleet"},
+            "conversation": {"id": "19:chat", "conversationType": "personal"}, **fields})
 
     def replies(self) -> list[dict]:
         return [c.body for c in self.fake.calls if "/activities" in c.path]
@@ -251,7 +332,8 @@ class TeamsOutage(Outage):
 
 
 OUTAGES = {"discord": (DiscordOutage, FakeDiscord), "slack": (SlackOutage, FakeSlack),
-           "telegram": (TelegramOutage, FakeTelegram), "teams": (TeamsOutage, FakeTeamsConnector)}
+           "slack-http": (SlackHttpOutage, FakeSlack), "telegram": (TelegramOutage, FakeTelegram),
+           "telegram-webhook": (TelegramWebhookOutage, FakeTelegram), "teams": (TeamsOutage, FakeTeamsConnector)}
 
 
 @asynccontextmanager
@@ -264,7 +346,7 @@ async def outage(platform: str, monkeypatch) -> AsyncIterator[Outage]:
     monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
                         yarl.URL(f"ws://127.0.0.1:{free_port()}/gateway"))
     cls, fake_cls = OUTAGES[platform]
-    async with bot_rig(platform, **FAST) as base:
+    async with bot_rig(cls.platform, **FAST) as base:
         o = cls(base, fake_cls())
         try:
             yield o
@@ -280,7 +362,7 @@ def test_a_platform_down_at_start_is_retried_until_it_comes_up(platform, queued_
     async def go():
         async with outage(platform, monkeypatch) as o:
             o.start_bot()
-            if platform == "teams":  # nothing to dial at start: the first reply is what fails
+            if not o.dials_at_start:  # the first reply is what fails
                 await o.state("connected")
                 await o.ask()
                 await o.base.until(lambda: (h := o.health()) is not None and h.last_error, "the failed reply", 10)
@@ -305,12 +387,12 @@ def test_a_dropped_connection_is_reconnected_and_the_next_rating_lands(platform,
             o.start_bot()
             await o.state("connected")
             await o.rated()
-            if platform == "teams":  # an answer whose reply the connector cuts off
+            if o.holds_a_connection:
+                await o.reconnected(o.drop)
+            else:  # an answer whose reply the platform cuts off
                 await o.drop()
                 await o.ask()
                 await o.base.until(lambda: not o.fake.outage, "the dropped reply")
-            else:
-                await o.reconnected(o.drop)
             await o.rated()
             if platform == "discord":
                 await o.reconnected(o.drop)
@@ -323,25 +405,12 @@ def test_a_dropped_connection_is_reconnected_and_the_next_rating_lands(platform,
 def test_5xx_and_garbage_answers_are_survived_and_the_next_rating_lands(platform, queued_home, monkeypatch):
     async def go():
         async with outage(platform, monkeypatch) as o:
-            if platform == "discord":
-                # REST refuses the login, then the gateway refuses the websocket: discord.py's own
-                # reconnect ends the client on the second (AttributeError: 'NoneType' ... 'sequence')
-                o.fake.fail(1, 503, "/users/@me")
-                o.fake.fail(1, GARBAGE, "/users/@me")
-                o.fake.fail(2, 500, "/gateway")
-            elif platform == "slack":
-                o.fake.fail(2, 500, "/apps.connections.open")
-                o.fake.fail(1, GARBAGE, "/apps.connections.open")
-            elif platform == "telegram":
-                o.fake.fail(2, 500, "/getMe")
-                o.fake.fail(1, GARBAGE, "/getMe")
+            o.refuse()
             await o.up()
             o.start_bot()
-            if platform == "teams":
+            if not o.dials_at_start:
                 await o.state("connected")
-                o.fake.fail(2, 500)
-                o.fake.fail(1, GARBAGE)
-                for _ in range(3):
+                for _ in range(len(o.fake.outage)):
                     await o.ask()
             h = await o.state("connected")
             await o.base.until(lambda: not o.fake.outage, "every bad answer served")
