@@ -15,14 +15,16 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import discord
+import yarl
 from discord import app_commands
 
-from rlfleet.shared.config import Config
+from rlfleet.shared.config import Config, DiscordSettings
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.secrets_file import read_secret
 
 from .commands import reaction_value
 from .core import BotCore, Reply
+from .supervisor import Link, supervise
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +97,12 @@ class RatingView(discord.ui.View):
 
 
 class RlfleetClient(discord.Client):
-    def __init__(self, core: BotCore, sync_commands: bool = True, **options: object) -> None:
+    def __init__(self, core: BotCore, sync_commands: bool = True, link: Link | None = None,
+                 **options: object) -> None:
         super().__init__(intents=intents(), **options)  # type: ignore[arg-type]
         _tolerant(self._connection.parsers)
         self.core = core
+        self.link = link
         self.sync_commands = sync_commands
         self.tree = app_commands.CommandTree(self)
         self.view = RatingView(core) if core.settings.buttons else None
@@ -121,6 +125,17 @@ class RlfleetClient(discord.Client):
             self.add_view(self.view)
         if self.sync_commands:
             await self.tree.sync()
+
+    async def on_ready(self) -> None:
+        if self.link is not None:
+            self.link.connected()
+
+    async def on_resumed(self) -> None:
+        await self.on_ready()
+
+    async def on_disconnect(self) -> None:  # discord.py resumes by itself after most closes
+        if self.link is not None and not self.is_closed():
+            self.link.failed("the gateway connection closed")
 
     # ---- answering ------------------------------------------------------------------------------------
 
@@ -167,13 +182,37 @@ class RlfleetClient(discord.Client):
         await self._reaction(payload, added=False)
 
 
+async def follow_gateway(client: discord.Client, settings: DiscordSettings) -> None:
+    """Point the gateway where the configured API is. discord.py never asks the REST API for it: it
+    dials its class-wide DEFAULT_GATEWAY (Discord's public one), also after an invalidated session. So
+    with ``api_base`` set, the URL comes from that API's ``GET /gateway/bot``, unless ``gateway_url``
+    names one."""
+    url = settings.gateway_url
+    if url is None and settings.api_base:
+        _, url, _ = await client.http.get_bot_gateway()
+    if url:
+        discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(url)
+
+
 async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
               port: int | None = None) -> None:
-    """Connect to the gateway until cancelled (Discord has no HTTP mode in discord.py)."""
+    """Stay connected to the gateway until cancelled (Discord has no HTTP mode in discord.py).
+
+    Each attempt is a fresh client with discord.py's own reconnect off: when the first connection
+    fails, that reconnect reads the session of the websocket it never opened and ends the client with
+    an AttributeError. The supervisor retries instead, and a new IDENTIFY starts a new session; closes
+    that allow it are still resumed by discord.py within an attempt."""
     s = cfg.bots.discord
     token = read_secret(s.token_env, s.token_file, "the Discord bot token")
     if s.api_base:
         discord.http.Route.BASE = s.api_base.rstrip("/")
-    client = RlfleetClient(core, sync_commands=s.sync_commands)
-    async with client:
-        await client.start(token)
+    link = Link("discord", core.handle.redis, (token,))
+
+    async def attempt() -> None:
+        client = RlfleetClient(core, sync_commands=s.sync_commands, link=link)
+        async with client:
+            await client.login(token)
+            await follow_gateway(client, s)
+            await client.connect(reconnect=False)
+
+    await supervise(link, attempt, s, fatal=(discord.LoginFailure, discord.PrivilegedIntentsRequired))

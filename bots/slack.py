@@ -7,6 +7,7 @@ first, so Slack gets its answer within 3 s and the work happens after.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from typing import Any
@@ -14,15 +15,17 @@ from typing import Any
 from aiohttp import web
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from rlfleet.shared.config import Config, SlackSettings
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.errors import ConfigError, RlfleetError
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore, Reply
+from .supervisor import Link, supervise
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,37 @@ def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
     return web_app
 
 
+TOKEN_REFUSED = {"invalid_auth", "not_authed", "account_inactive", "token_revoked", "not_allowed_token_type"}
+CONNECT_TIMEOUT_S = 30  # slack_sdk retries a websocket that will not open on its own, silently: cap it
+WATCH_INTERVAL_S = 0.2
+
+
+async def socket_mode(app: AsyncApp, app_token: str, link: Link) -> None:
+    """One Socket Mode connection, until it closes. slack_sdk's own reconnecting is off: it retries
+    where `rlfleet status` cannot see it, and redials a websocket URL that may have expired; the
+    supervisor retries instead, with a fresh URL each time."""
+    from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
+
+    handler = AsyncSocketModeHandler(app, app_token)
+    client = handler.client
+    client.auto_reconnect_enabled = client.default_auto_reconnect_enabled = False
+    try:
+        try:
+            client.wss_uri = (await client.web_client.apps_connections_open(app_token=app_token))["url"]
+        except SlackApiError as exc:
+            if (exc.response.get("error") if exc.response is not None else None) in TOKEN_REFUSED:
+                raise ConfigError(f"Slack refused the app-level token ({exc.response['error']})") from None
+            raise
+        await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)
+        if not await client.is_connected():
+            raise ConnectionError("the Socket Mode websocket did not open")
+        link.connected()
+        while await client.is_connected():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+    finally:
+        await handler.close_async()
+
+
 async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | None = None,
               port: int | None = None) -> None:
     """Serve until cancelled: Socket Mode, or HTTP on ``host:port`` at ``/slack/events``."""
@@ -172,18 +206,27 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     http = s.http if http is None else http
     token = read_secret(s.token_env, s.token_file, "the Slack bot token")
     secret = read_secret(s.signing_secret_env, s.signing_secret_file, "the Slack signing secret") if http else None
+    app_token = None if http else read_secret(s.app_token_env, s.app_token_file,
+                                              "the Slack app-level token (Socket Mode)")
+    link = Link("slack", core.handle.redis, (token, secret or "", app_token or ""))
     app = build_app(core, token, secret, s.api_base)
-    if http:
+
+    @app.error
+    async def on_error(error: Exception) -> None:  # a listener's call to Slack failed: its turn is over
+        log.error("slack: a listener failed: %s", link.describe(error))
+        link.noted(error)
+
+    async def serve_http() -> None:
         async with listening(http_app(app), host or s.host, s.port if port is None else port) as bound:
             log.info("slack: HTTP on %s:%s/slack/events", host or s.host, bound)
+            link.connected()
             await until_cancelled()
-    else:
-        from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 
-        app_token = read_secret(s.app_token_env, s.app_token_file, "the Slack app-level token (Socket Mode)")
-        handler = AsyncSocketModeHandler(app, app_token)
-        log.info("slack: Socket Mode")
-        try:
-            await handler.start_async()
-        finally:
-            await handler.close_async()
+    async def attempt() -> None:
+        if http:
+            await serve_http()
+        else:
+            log.info("slack: Socket Mode")
+            await socket_mode(app, app_token or "", link)
+
+    await supervise(link, attempt, s)

@@ -24,6 +24,7 @@ from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore
+from .supervisor import Link, supervise
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +170,17 @@ class _Authentication(ConfigurationBotFrameworkAuthentication):
             raise PermissionError(f"unverifiable credentials ({exc.__class__.__name__})") from None
 
 
-def web_app(core: BotCore, settings: TeamsSettings, password: str | None) -> web.Application:
+def web_app(core: BotCore, settings: TeamsSettings, password: str | None,
+            link: Link | None = None) -> web.Application:
     adapter = CloudAdapter(_Authentication(_AuthConfig(settings, password)))
     bot = TeamsBot(core)
 
     async def on_error(turn: TurnContext, error: Exception) -> None:
+        """A turn that failed (most often a reply the connector refused or never took) ends here, and
+        the endpoint goes on serving the next one."""
         log.error("teams turn failed: %s", error.__class__.__name__)
+        if link is not None:
+            link.noted(error)
 
     adapter.on_turn_error = on_error
 
@@ -207,7 +213,14 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     """Serve ``/api/messages`` on ``host:port`` until cancelled (Teams only talks HTTP)."""
     s = cfg.bots.teams
     password = read_secret(s.token_env, s.token_file, "the Teams app password") if s.app_id else None
-    async with listening(web_app(core, s, password), host or s.host, s.port if port is None else port) as bound:
-        log.info("teams: /api/messages on %s:%s (auth %s)", host or s.host, bound,
-                 "on" if s.app_id else "off: no app_id")
-        await until_cancelled()
+    link = Link("teams", core.handle.redis, (password or "",))
+
+    async def attempt() -> None:
+        bind = (host or s.host, s.port if port is None else port)
+        async with listening(web_app(core, s, password, link), *bind) as bound:
+            log.info("teams: /api/messages on %s:%s (auth %s)", bind[0], bound,
+                     "on" if s.app_id else "off: no app_id")
+            link.connected()
+            await until_cancelled()
+
+    await supervise(link, attempt, s)

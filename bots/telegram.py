@@ -8,6 +8,7 @@ admin of the group (Telegram's rule) and ``message_reaction`` is among the allow
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from telegram import InlineKeyboardButton, InlineKeyboardMarkup, Message, MessageEntity, ReactionTypeEmoji, Update
 from telegram.constants import ChatType
+from telegram.error import InvalidToken, TelegramError
 from telegram.ext import (
     Application,
     CallbackQueryHandler,
@@ -32,6 +34,7 @@ from rlfleet.shared.webserver import listening, until_cancelled
 
 from .commands import reaction_value
 from .core import BotCore
+from .supervisor import Link, supervise
 
 log = logging.getLogger(__name__)
 
@@ -183,24 +186,48 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
     secret = read_secret(s.webhook_secret_env, s.webhook_secret_file, "the Telegram webhook secret") if http else None
     if http and not s.webhook_url:
         raise ConfigError("telegram webhook mode needs bots.telegram.webhook_url (the public HTTPS URL)")
+    link = Link("telegram", core.handle.redis, (token, secret or ""))
     application = build_application(core, token, s.api_base)
-    async with application:
+
+    async def on_error(update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
+        log.error("telegram: a handler failed: %s", link.describe(context.error or "unknown error"))
+        if context.error is not None:
+            link.noted(context.error)
+
+    application.add_error_handler(on_error)
+
+    async def webhook() -> None:
+        bind = (host or s.host, s.port if port is None else port)
+        async with listening(webhook_app(application, secret or ""), *bind) as bound:
+            await application.bot.set_webhook(url=s.webhook_url, secret_token=secret,
+                                              allowed_updates=ALLOWED_UPDATES)
+            log.info("telegram: webhook on %s:%s/telegram", bind[0], bound)
+            link.connected()
+            await until_cancelled()
+
+    async def polling() -> None:
+        """Until a getUpdates fails for a reason other than a timeout or a rate limit (those PTB waits
+        out itself): the supervisor's backoff then applies, not PTB's quiet one. The same updater
+        carries on, so its offset still confirms what was handled."""
+        lost: asyncio.Future[TelegramError] = asyncio.get_running_loop().create_future()
+        await application.bot.delete_webhook()  # polling and a webhook exclude each other
+        await application.updater.start_polling(
+            allowed_updates=ALLOWED_UPDATES, error_callback=lambda e: lost.done() or lost.set_result(e))
+        log.info("telegram: long polling")
+        link.connected()
+        raise await lost
+
+    async def attempt() -> None:
+        await application.initialize()  # getMe; nothing once it has succeeded
         await application.start()
         try:
-            if secret is not None:
-                bind = (host or s.host, s.port if port is None else port)
-                async with listening(webhook_app(application, secret), *bind) as bound:
-                    await application.bot.set_webhook(url=s.webhook_url, secret_token=secret,
-                                                      allowed_updates=ALLOWED_UPDATES)
-                    log.info("telegram: webhook on %s:%s/telegram", bind[0], bound)
-                    await until_cancelled()
-            else:
-                await application.bot.delete_webhook()  # polling and a webhook exclude each other
-                await application.updater.start_polling(allowed_updates=ALLOWED_UPDATES)
-                log.info("telegram: long polling")
-                try:
-                    await until_cancelled()
-                finally:
-                    await application.updater.stop()
+            await (webhook() if secret is not None else polling())
         finally:
+            if application.updater.running:
+                await application.updater.stop()
             await application.stop()
+
+    try:
+        await supervise(link, attempt, s, fatal=(InvalidToken,))
+    finally:
+        await application.shutdown()

@@ -480,6 +480,8 @@ def render_status(st: dict) -> Group:
         t.add_row("set aside", f"[red]{st['queue']['dead_letters']} events the worker failed on[/red]: "
                   "`rlfleet events --dead` shows them, `--retry` tries them again")
     t.add_row("workers", str(st["workers"]))
+    for name, b in st.get("bots", {}).items():
+        t.add_row(f"bot {name}", bot_line(b))
     for p in st.get("push", []):
         mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
         t.add_row(f"push {p['target']}", f"{mark} {p['version'] or 'base'} · {escape(p['message'])}")
@@ -487,6 +489,17 @@ def render_status(st: dict) -> Group:
     if not versions:
         return Group(t)
     return Group(t, versions_table(versions[-10:], title="versions (newest last)"))
+
+
+def bot_line(b: dict) -> str:
+    """connected / retrying since when / not running, and the last error with its time."""
+    colour = {"connected": "green", "retrying": "yellow"}.get(b["state"], "red")
+    line = f"[{colour}]{b['state']}[/]"
+    if b.get("since"):
+        line += f" since {b['since'][:19].replace('T', ' ')} UTC"
+    if b.get("last_error"):
+        line += f" · last error {b['last_error_at'][11:19]}: {escape(b['last_error'])}"
+    return line
 
 
 HISTORY_FIELDS = ("ratings_used", "heldout_n", "heldout_margin_before", "heldout_margin_after", "heldout_kl",

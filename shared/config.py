@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
 from .events import PLATFORMS
@@ -90,6 +90,16 @@ class BotSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(3000, ge=0, le=65535)
     context_messages: int = Field(8, ge=0, le=50, description="earlier thread messages sent with a prompt")
+    # Platform down, dropping the connection or answering errors: wait this long, doubling per failure
+    # in a row up to retry_max_s, and try again (bots/supervisor.py).
+    retry_min_s: float = Field(1.0, gt=0, le=600)
+    retry_max_s: float = Field(60.0, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> BotSettings:
+        if self.retry_max_s < self.retry_min_s:
+            raise ValueError("retry_max_s must be at least retry_min_s")
+        return self
 
 
 class SlackSettings(BotSettings):
@@ -103,6 +113,9 @@ class SlackSettings(BotSettings):
 class DiscordSettings(BotSettings):
     token_env: str = "DISCORD_BOT_TOKEN"
     sync_commands: bool = True  # register /rl with Discord on start
+    # The gateway websocket: this URL, else the one GET {api_base}/gateway/bot names when api_base is
+    # set, else Discord's public gateway.
+    gateway_url: str | None = None
 
 
 class TelegramSettings(BotSettings):

@@ -10,6 +10,7 @@ import redis
 from rq import Queue
 
 from . import inbox
+from .bothealth import bots_status
 from .config import Config
 from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
@@ -91,6 +92,7 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
         "queue": queue,
         "workers": workers,
         "push": push_results(conn, slug),
+        "bots": bots_status(cfg, conn),
     }
 
 

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,23 +28,55 @@ class Call:
     body: dict[str, Any]
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on yet: where a platform that is down at first comes up later."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DROP = "drop"  # an outage that closes the connection without an answer
+GARBAGE = "garbage"  # an outage that answers 200 with a body no client can read
+
+
 @dataclass
 class FakeServer:
-    """An aiohttp app on a free loopback port that records every request it gets."""
+    """An aiohttp app on a loopback port (a free one unless given) that records every request it gets.
+    :meth:`fail` makes the next requests an outage: an error status, or a dropped connection."""
 
     calls: list[Call] = field(default_factory=list)
     url: str = ""
+    outage: list[tuple[int | str, str]] = field(default_factory=list)  # (status, DROP or GARBAGE; path suffix)
     _stack: AsyncExitStack = field(default_factory=AsyncExitStack)
 
     def routes(self, app: web.Application) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    async def start(self) -> FakeServer:
-        app = web.Application()
+    async def start(self, port: int = 0) -> FakeServer:
+        app = web.Application(middlewares=[self._outage])
         self.routes(app)
-        port = await self._stack.enter_async_context(listening(app, "127.0.0.1", 0))
+        port = await self._stack.enter_async_context(listening(app, "127.0.0.1", port))
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    def fail(self, n: int, status: int | str = 500, path: str = "") -> None:
+        """The next ``n`` requests whose path ends with ``path`` get ``status`` (or DROP, GARBAGE) and are not
+        recorded as calls."""
+        self.outage.extend([(status, path)] * n)
+
+    @web.middleware
+    async def _outage(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        hit = next((i for i, (_, path) in enumerate(self.outage) if request.path.endswith(path)), None)
+        if hit is None:
+            return await handler(request)
+        fate, _ = self.outage.pop(hit)
+        if fate == DROP:
+            assert request.transport is not None
+            request.transport.close()
+            raise asyncio.CancelledError  # aiohttp's way to end a handler whose peer is gone
+        if fate == GARBAGE:
+            return web.Response(text="<html>upstream hiccup</html>", content_type="text/html")
+        return web.json_response({"ok": False, "error": "fake outage"}, status=int(fate))
 
     async def stop(self) -> None:
         await self._stack.aclose()
@@ -214,6 +247,10 @@ class FakeDiscord(FakeServer):
     async def api(self, request: web.Request) -> web.Response:
         body = await self.record(request)
         tail = request.match_info["tail"]
+        if tail == "gateway/bot":
+            return self._json({"url": self.url.replace("http://", "ws://") + "/gateway", "shards": 1,
+                               "session_start_limit": {"total": 1000, "remaining": 999, "reset_after": 0,
+                                                       "max_concurrency": 1}})
         if tail == "users/@me":
             return self._json(_discord_user(self.bot_id, bot=True))
         if tail == "oauth2/applications/@me":
@@ -246,6 +283,8 @@ class FakeDiscord(FakeServer):
             data = json.loads(msg.data)
             if data["op"] == 1:
                 await ws.send_str(json.dumps({"op": 11, "d": None, "s": None, "t": None}))
+            elif data["op"] == 6:
+                await self.dispatch("RESUMED", {})
             elif data["op"] == 2:
                 await self.dispatch("READY", {
                     "v": 10, "user": _discord_user(self.bot_id, bot=True), "guilds": [{"id": self.guild,
