@@ -447,6 +447,8 @@ def render_status(st: dict) -> Group:
         t.add_row("set aside", f"[red]{st['queue']['dead_letters']} events the worker failed on[/red]: "
                   "`rlfleet events --dead` shows them, `--retry` tries them again")
     t.add_row("workers", str(st["workers"]))
+    if (st.get("durability") or {}).get("warning"):
+        t.add_row("durability", f"[yellow]{escape(st['durability']['warning'])}[/]")
     for p in st.get("push", []):
         mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
         t.add_row(f"push {p['target']}", f"{mark} {p['version'] or 'base'} · {escape(p['message'])}")

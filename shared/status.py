@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import redis
 from rq import Queue, Worker
 
-from . import inbox
+from . import durability, inbox
 from .config import Config
 from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
@@ -90,6 +90,7 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
         "queue": queue,
         "workers": workers,
         "push": push_results(conn, slug),
+        "durability": durability.check(conn).as_dict() if conn is not None else None,
     }
 
 
