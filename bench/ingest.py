@@ -1,6 +1,6 @@
 """How many ratings per second the queue and the workers take, and how long one takes to be a row.
 
-    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL]
+    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL|embedded]
                            [--postgres ADMIN_URL] [--json] [--no-record]
 
 Through the real path: each rating is a typed event handed to the inbox on Redis (`enqueue_event`,
@@ -10,6 +10,9 @@ Latency is from the event's creation (its ``ts``) to its answer being visible, w
 writes after the batch's commit: an upper bound of "to the committed row". Beside it, the ceilings:
 a no-op RQ job through the same workers (what one RQ job per rating, the earlier design, could reach
 at best) and raw Redis round trips.
+With ``--redis embedded`` the queue is the data dir's own embedded server, as a user without
+``REDIS_URL`` runs it: append-only with ``appendfsync always``, so every acknowledgement waits for an
+fsync (the ceilings are left out there: they need a server that outlives one case).
 "sent /s" is how fast the one producer handed the events over. Prints a table; asserts nothing.
 
 One drain applies the inbox at a time (so one user's events keep their order), so more workers do
@@ -41,6 +44,8 @@ from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 
 from .record import markdown_table, output_options, parser, publish, stop_processes
+
+EMBEDDED = "embedded"  # --redis: the data dir's own server, fsync before every acknowledgement
 
 
 def noop() -> None:
@@ -103,18 +108,20 @@ def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, pos
 
 def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None) -> dict:
     home = Path(tempfile.mkdtemp(prefix="rlfleet-ingest-"))
-    where = {"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
-    if db_url:
-        where["DATABASE_URL"] = db_url
-    else:
-        os.environ.pop("DATABASE_URL", None)
+    where = {"RLFLEET_HOME": str(home), "RLFLEET_MODEL": "bench"}
+    for var, value in (("REDIS_URL", None if redis_url == EMBEDDED else redis_url), ("DATABASE_URL", db_url)):
+        if value:
+            where[var] = value
+        else:
+            os.environ.pop(var, None)
     env = {**os.environ, **where}
     os.environ.update(where)
     cfg = load_config(home)
     cfg.train.threshold = 100_000  # no training runs in the way
     cfg.save()
     handle = open_queue(cfg)
-    handle.redis.flushdb()
+    if redis_url != EMBEDDED:  # a fresh embedded server is empty already (and holds our lease)
+        handle.redis.flushdb()
     store = Store(cfg.db_url)
     captures = [Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")], response=f"a{i}",
                         model="bench") for i in range(ratings)]
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--ratings", type=int, default=10000, help="ratings in each as-fast-as-possible run")
     ap.add_argument("--workers", default="1,2,4", help="comma list of event-worker counts")
     ap.add_argument("--rate", type=float, default=500.0, help="the fixed offered rate for the latency row")
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/10", help="a Redis DB this may flush")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/10",
+                    help=f"a Redis DB this may flush, or {EMBEDDED!r}: each case's own embedded server")
     ap.add_argument("--postgres", metavar="ADMIN_URL", default=None,
                     help="store in PostgreSQL instead of SQLite: a URL allowed to create and drop a database "
                          "per case (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres)")
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for w in (int(x) for x in args.workers.split(",")):
         rows.append({**run_case(w, args.ratings, None, args.redis, args.postgres),
-                     **ceiling(w, min(args.ratings, 2000), args.redis)})
+                     **(ceiling(w, min(args.ratings, 2000), args.redis) if args.redis != EMBEDDED else {})})
         rows.append(run_case(w, min(args.ratings, int(args.rate * 10)), args.rate, args.redis, args.postgres))
 
     def ceil(r: dict, key: str) -> str:
@@ -198,8 +206,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         [[r["workers"], r["ratings"], r["offered_rate"], f"{r['sent_per_s']:.0f}", f"{r['ratings_per_s']:.0f}",
           f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", ceil(r, "noop_jobs_per_s"), ceil(r, "redis_ping_us")]
          for r in rows])
-    publish({"rows": rows, "database": "postgresql" if args.postgres else "sqlite"}, table, args,
-            f"`bench.ingest` · {'PostgreSQL' if args.postgres else 'SQLite'}")
+    redis_kind = "embedded Redis (appendfsync always)" if args.redis == EMBEDDED else "external Redis (--redis)"
+    publish({"rows": rows, "database": "postgresql" if args.postgres else "sqlite", "redis": args.redis}, table,
+            args, f"`bench.ingest` · {'PostgreSQL' if args.postgres else 'SQLite'} · {redis_kind}")
     return rows
 
 
