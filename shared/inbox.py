@@ -116,6 +116,15 @@ def take(conn: redis.Redis, drain_id: str, batch: int | None = None) -> list[byt
     return None if got is None else list(got)
 
 
+def answer_and_take(conn: redis.Redis, results: dict[str, dict], drain_id: str) -> list[bytes] | None:
+    """``answer`` the batch, then ``take`` the next one for drain ``drain_id``, in one round trip and one
+    transaction: with ``appendfsync always`` one fsync per batch instead of two."""
+    pipe = _answering(conn, results)
+    pipe.eval(_TAKE, 3, INBOX, TAKEN, OWNER, drain_id, BATCH, OWNER_TTL)
+    got = pipe.execute()[-1]
+    return None if got is None else list(got)
+
+
 class Doorbell:
     """What a drain waits on when the inbox is empty, instead of polling it. Pub/sub, not a list: a
     ring writes nothing, so it costs the server no append-only write and no fsync. A ring that comes
@@ -157,6 +166,10 @@ def hand_over(conn: redis.Redis, drain_id: str) -> str | None:
 def answer(conn: redis.Redis, results: dict[str, dict]) -> None:
     """Store each event's answer (stamped with the time it became visible: after its commit) and empty
     TAKEN: the batch is finished."""
+    _answering(conn, results).execute()
+
+
+def _answering(conn: redis.Redis, results: dict[str, dict]) -> redis.client.Pipeline:
     now = time.time()
     pipe = conn.pipeline(transaction=True)
     for event_id, result in results.items():
@@ -164,7 +177,7 @@ def answer(conn: redis.Redis, results: dict[str, dict]) -> None:
     if results:
         pipe.hdel(ATTEMPTS, *results)
     pipe.delete(TAKEN)
-    pipe.execute()
+    return pipe
 
 
 def failed_attempt(conn: redis.Redis, event_id: str) -> int:

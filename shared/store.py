@@ -169,18 +169,24 @@ class Store:
 
     @staticmethod
     def _prefetch(s: Session, events: Sequence[Capture | Rating | Undo]) -> _Batch:
-        """Three queries instead of three per event: which events were applied before, the captures
-        addressed by id (into the session's identity map, so ``s.get`` finds them without SQL), and
-        their active ratings."""
+        """Two queries instead of three per event: which events were applied before, and the captures
+        addressed by id (into the session's identity map, so ``s.get`` finds them without SQL) joined
+        with their active ratings (one round trip fewer per batch than asking for those apart)."""
         ids = [ev.event_id for ev in events]
         done = set(s.scalars(select(ProcessedEvent.event_id).where(ProcessedEvent.event_id.in_(ids))))
         targets = {ev.target for ev in events if isinstance(ev, Rating | Undo) and ev.target not in (None, "last")}
-        found = list(s.scalars(select(CaptureRow).where(CaptureRow.id.in_(targets)))) if targets else []
-        active: dict[str, RatingRow | None] = {c.id: None for c in found}
-        if active:
-            for row in s.scalars(select(RatingRow).where(RatingRow.capture_id.in_(active),
-                                                         RatingRow.state == "active")):
-                active[row.capture_id] = row
+        found: list[CaptureRow] = []
+        active: dict[str, RatingRow | None] = {}
+        if targets:
+            for cap, row in s.execute(
+                select(CaptureRow, RatingRow)
+                .outerjoin(RatingRow, (RatingRow.capture_id == CaptureRow.id) & (RatingRow.state == "active"))
+                .where(CaptureRow.id.in_(targets))
+            ):
+                if cap.id not in active:
+                    found.append(cap)
+                if row is not None or cap.id not in active:
+                    active[cap.id] = row
         return _Batch(done, active, found)
 
     def _apply_capture(self, s: Session, ev: Capture, b: _Batch) -> Applied:
