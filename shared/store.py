@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
@@ -182,6 +182,9 @@ class Store:
                 select(CaptureRow, RatingRow)
                 .outerjoin(RatingRow, (RatingRow.capture_id == CaptureRow.id) & (RatingRow.state == "active"))
                 .where(CaptureRow.id.in_(targets))
+                # a rating needs none of the answer's bulk (its prompt, its log-probs: kilobytes of JSON)
+                .options(defer(CaptureRow.prompt), defer(CaptureRow.behaviour_logprobs),
+                         defer(CaptureRow.behaviour_token_ids))
             ):
                 if cap.id not in active:
                     found.append(cap)
