@@ -141,7 +141,7 @@ class _Snapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
-        self.thread.join()
+        self.thread.join(SNAPSHOT_EVERY)  # a snapshot stuck on a dead connection must not hold the drain
 
 
 @dataclass
@@ -149,8 +149,8 @@ class _Countdown:
     """``maybe_trigger`` for one drain: ratings until the next run are looked up once, counted down by
     the ratings the drain adds, and looked up again when they may have run out or after ``RECHECK``
     seconds (a run that consumed ratings, an import). Every miscount is on the early side (a re-rating
-    or an undo counts as a new rating), so it never looks up too late: two transactions fewer per
-    batch."""
+    counts as a new rating, an undo is not counted back), so it never looks up too late: two
+    transactions fewer per batch."""
 
     need: int = 0
     checked: float = float("-inf")
