@@ -1,7 +1,7 @@
 """How many ratings per second the queue and the workers take, and how long one takes to be a row.
 
-    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL]
-                           [--postgres ADMIN_URL] [--json] [--no-record]
+    python -m bench.ingest [--ratings 10000] [--workers 1,2,4] [--rate 500] [--redis URL|embedded]
+                           [--producers 1] [--postgres ADMIN_URL] [--json] [--no-record]
 
 Through the real path: each rating is a typed event handed to the inbox on Redis (`enqueue_event`,
 as a bot or the bridge does), applied by real `rlfleet worker --queue events` processes into the
@@ -10,7 +10,13 @@ Latency is from the event's creation (its ``ts``) to its answer being visible, w
 writes after the batch's commit: an upper bound of "to the committed row". Beside it, the ceilings:
 a no-op RQ job through the same workers (what one RQ job per rating, the earlier design, could reach
 at best) and raw Redis round trips.
-"sent /s" is how fast the one producer handed the events over. Prints a table; asserts nothing.
+With ``--redis embedded`` the queue is the data dir's own embedded server, as a user without
+``REDIS_URL`` runs it: append-only with ``appendfsync always``, so every acknowledgement waits for an
+fsync (the ceilings are left out there: they need a server that outlives one case).
+"sent /s" is how fast the producers handed the events over: one by default, each waiting for its
+acknowledgement before it sends the next (so with the fsync one producer sends at most one event per
+fsync; Redis groups the fsyncs of concurrent producers, which ``--producers N`` shows).
+Prints a table; asserts nothing.
 
 One drain applies the inbox at a time (so one user's events keep their order), so more workers do
 not raise intake: the rows for 2 and 4 workers show that they do not lower it either.
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,6 +48,8 @@ from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 
 from .record import markdown_table, output_options, parser, publish, stop_processes
+
+EMBEDDED = "embedded"  # --redis: the data dir's own server, fsync before every acknowledgement
 
 
 def noop() -> None:
@@ -95,31 +104,46 @@ def fresh_database(postgres_admin: str | None) -> Iterator[str | None]:
 
 
 def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, postgres_admin: str | None = None,
-             home: Path | None = None) -> dict:
+             producers: int = 1, home: Path | None = None) -> dict:
     """One configuration in a fresh data dir (and a fresh PostgreSQL database with ``postgres_admin``);
-    ``rate`` None = as fast as the producer can enqueue. Without ``home`` the data dir is a temporary
+    ``rate`` None = as fast as the producers can enqueue. Without ``home`` the data dir is a temporary
     folder, removed at the end."""
     with fresh_database(postgres_admin) as db_url:
         if home is not None:
-            return _run_case(workers, ratings, rate, redis_url, db_url, home)
+            return _run_case(workers, ratings, rate, redis_url, db_url, producers, home)
         with tempfile.TemporaryDirectory(prefix="rlfleet-ingest-", ignore_cleanup_errors=True) as tmp:
-            return _run_case(workers, ratings, rate, redis_url, db_url, Path(tmp))
+            return _run_case(workers, ratings, rate, redis_url, db_url, producers, Path(tmp))
+
+
+def _produce(handle, captures: list[Capture], first: int, step: int, rate: float | None, t0: float,
+             sent: dict[str, float]) -> None:
+    """One producer: every ``step``-th rating from ``first``, each on the shared schedule of ``rate``."""
+    for i in range(first, len(captures), step):
+        if rate:
+            ahead = t0 + i / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        ev = Rating(target=captures[i].capture_id, value=1 if i % 2 else -1)
+        sent[ev.event_id] = ev.ts.timestamp()
+        enqueue_event(handle, ev)
 
 
 def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None,
-              home: Path) -> dict:
-    where = {"RLFLEET_HOME": str(home), "REDIS_URL": redis_url, "RLFLEET_MODEL": "bench"}
-    if db_url:
-        where["DATABASE_URL"] = db_url
-    else:
-        os.environ.pop("DATABASE_URL", None)
+              producers: int, home: Path) -> dict:
+    where = {"RLFLEET_HOME": str(home), "RLFLEET_MODEL": "bench"}
+    for var, value in (("REDIS_URL", None if redis_url == EMBEDDED else redis_url), ("DATABASE_URL", db_url)):
+        if value:
+            where[var] = value
+        else:
+            os.environ.pop(var, None)
     env = {**os.environ, **where}
     os.environ.update(where)
     cfg = load_config(home)
     cfg.train.threshold = 100_000  # no training runs in the way
     cfg.save()
     handle = open_queue(cfg)
-    handle.redis.flushdb()
+    if redis_url != EMBEDDED:  # a fresh embedded server is empty already (and holds our lease)
+        handle.redis.flushdb()
     store = Store(cfg.db_url)
     captures = [Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")], response=f"a{i}",
                         model="bench") for i in range(ratings)]
@@ -130,14 +154,12 @@ def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db
     sent: dict[str, float] = {}
     try:
         t0 = time.monotonic()
-        for i, c in enumerate(captures):
-            if rate:
-                ahead = t0 + i / rate - time.monotonic()
-                if ahead > 0:
-                    time.sleep(ahead)
-            ev = Rating(target=c.capture_id, value=1 if i % 2 else -1)
-            sent[ev.event_id] = ev.ts.timestamp()
-            enqueue_event(handle, ev)
+        threads = [threading.Thread(target=_produce, args=(handle, captures, k, producers, rate, t0, sent))
+                   for k in range(producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         t_sent = time.monotonic()
         t_end = _wait_rows(store, ratings, timeout=max(120, ratings / 20))
         lat = _latencies(handle.redis, sent)
@@ -145,7 +167,7 @@ def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db
         stop_processes(procs, 10)
         handle.close()
     q = statistics.quantiles(lat, n=100)
-    return {"workers": workers, "ratings": ratings, "offered_rate": rate or "max",
+    return {"workers": workers, "producers": producers, "ratings": ratings, "offered_rate": rate or "max",
             "sent_per_s": ratings / (t_sent - t0), "ratings_per_s": ratings / (t_end - t0),
             "p50_ms": statistics.median(lat), "p99_ms": q[98], "answered": len(lat)}
 
@@ -182,7 +204,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--ratings", type=int, default=10000, help="ratings in each as-fast-as-possible run")
     ap.add_argument("--workers", default="1,2,4", help="comma list of event-worker counts")
     ap.add_argument("--rate", type=float, default=500.0, help="the fixed offered rate for the latency row")
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/10", help="a Redis DB this may flush")
+    ap.add_argument("--producers", type=int, default=1,
+                    help="senders in the full-speed rows, each acknowledged in turn (bots, the bridge: one each)")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/10",
+                    help=f"a Redis DB this may flush, or {EMBEDDED!r}: each case's own embedded server")
     ap.add_argument("--postgres", metavar="ADMIN_URL", default=None,
                     help="store in PostgreSQL instead of SQLite: a URL allowed to create and drop a database "
                          "per case (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/postgres)")
@@ -190,21 +215,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = []
     for w in (int(x) for x in args.workers.split(",")):
-        rows.append({**run_case(w, args.ratings, None, args.redis, args.postgres),
-                     **ceiling(w, min(args.ratings, 2000), args.redis)})
+        rows.append({**run_case(w, args.ratings, None, args.redis, args.postgres, args.producers),
+                     **(ceiling(w, min(args.ratings, 2000), args.redis) if args.redis != EMBEDDED else {})})
         rows.append(run_case(w, min(args.ratings, int(args.rate * 10)), args.rate, args.redis, args.postgres))
 
     def ceil(r: dict, key: str) -> str:
         return f"{r[key]:.0f}" if key in r else ""
 
     table = markdown_table(
-        ["workers", "ratings", "offered /s", "sent /s", "stored /s", "p50 ms", "p99 ms", "no-op RQ jobs/s",
-         "Redis PING µs"],
-        [[r["workers"], r["ratings"], r["offered_rate"], f"{r['sent_per_s']:.0f}", f"{r['ratings_per_s']:.0f}",
-          f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", ceil(r, "noop_jobs_per_s"), ceil(r, "redis_ping_us")]
+        ["workers", "producers", "ratings", "offered /s", "sent /s", "stored /s", "p50 ms", "p99 ms",
+         "no-op RQ jobs/s", "Redis PING µs"],
+        [[r["workers"], r["producers"], r["ratings"], r["offered_rate"], f"{r['sent_per_s']:.0f}",
+          f"{r['ratings_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", ceil(r, "noop_jobs_per_s"),
+          ceil(r, "redis_ping_us")]
          for r in rows])
-    publish({"rows": rows, "database": "postgresql" if args.postgres else "sqlite"}, table, args,
-            f"`bench.ingest` · {'PostgreSQL' if args.postgres else 'SQLite'}")
+    redis_kind = "embedded Redis (appendfsync always)" if args.redis == EMBEDDED else "external Redis (--redis)"
+    publish({"rows": rows, "database": "postgresql" if args.postgres else "sqlite", "redis": args.redis}, table,
+            args, f"`bench.ingest` · {'PostgreSQL' if args.postgres else 'SQLite'} · {redis_kind}")
     return rows
 
 

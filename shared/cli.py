@@ -482,6 +482,8 @@ def render_status(st: dict) -> Group:
     t.add_row("workers", str(st["workers"]))
     for name, b in st.get("bots", {}).items():
         t.add_row(f"bot {name}", bot_line(b))
+    if (st.get("durability") or {}).get("warning"):
+        t.add_row("durability", f"[yellow]{escape(st['durability']['warning'])}[/]")
     for p in st.get("push", []):
         mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
         t.add_row(f"push {p['target']}", f"{mark} {p['version'] or 'base'} · {escape(p['message'])}")

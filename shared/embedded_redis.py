@@ -1,8 +1,9 @@
 """The embedded default Redis: one real redis-server per data dir, shared by every rlfleet process.
 
 With no ``REDIS_URL`` set, rlfleet runs redis-server for the user, files in ``<home>/redis/``,
-append-only persistence on (queued events survive a restart) and a unix socket only (no TCP port
-to collide with or to expose). Every process on the data dir takes a *lease*: the first one in
+append-only persistence on with ``appendfsync always`` (an event is on disk before the producer
+that handed it over hears back: see shared/durability.py) and a unix socket only (no TCP port to
+collide with or to expose). Every process on the data dir takes a *lease*: the first one in
 starts the server, later ones attach, and the last one out sends SHUTDOWN, which fsyncs the AOF.
 
 Leases live in the server itself (hash ``rlfleet:embedded:leases``, field ``<pid>:<token>``, value
@@ -40,6 +41,9 @@ LEASES = "rlfleet:embedded:leases"
 START_TIMEOUT = 10.0  # seconds for a fresh server to answer PING
 STOP_TIMEOUT = 10.0  # seconds for SHUTDOWN to finish (the AOF fsync) and the process to exit
 LOCK_TIMEOUT = 30.0  # longer than a start plus a stop, the most another holder of the lock does
+# Redis replies to a write only after the fsync, grouping the fsyncs of one event-loop turn: an
+# acknowledged event survives a power cut, not only a crash of the server.
+APPENDFSYNC = "always"
 # sun_path is 108 bytes on Linux and 104 on macOS, both counting the trailing NUL.
 MAX_SOCKET_PATH = 103
 
@@ -135,6 +139,8 @@ class EmbeddedRedis:
                 f"redis-server to answer on {self.socket_path} (see {self.logfile})",
             )
             conn = self._control()
+            # A server started by an earlier rlfleet (appendfsync everysec) keeps the promise from now on.
+            conn.config_set("appendfsync", APPENDFSYNC)
             self._prune(conn)
             pid = os.getpid()
             lease = self._lease or f"{pid}:{uuid.uuid4().hex[:8]}"
@@ -247,7 +253,7 @@ class EmbeddedRedis:
             "--unixsocketperm", "700",
             "--dir", str(self.dir),
             "--appendonly", "yes",
-            "--appendfsync", "everysec",  # at most ~1 s of writes lost on a crash
+            "--appendfsync", APPENDFSYNC,
             "--save", "",  # no RDB snapshots: the AOF is the record, SHUTDOWN need not write both
             "--dbfilename", "dump.rdb",
             "--pidfile", str(self.pidfile),

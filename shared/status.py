@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import redis
 from rq import Queue
 
-from . import inbox
+from . import durability, inbox
 from .bothealth import bots_status
 from .config import Config
 from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
@@ -93,6 +93,7 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
         "workers": workers,
         "push": push_results(conn, slug),
         "bots": bots_status(cfg, conn),
+        "durability": durability.check(conn).as_dict() if conn is not None else None,
     }
 
 

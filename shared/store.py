@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
@@ -50,7 +50,9 @@ def _engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=10000")
             cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
+            # FULL: a commit is fsynced before the drain answers "recorded" and drops the event from
+            # Redis (NORMAL in WAL mode may lose the last commits on a power cut).
+            cur.execute("PRAGMA synchronous=FULL")
             cur.close()
 
     _ENGINES[url] = engine
@@ -167,18 +169,27 @@ class Store:
 
     @staticmethod
     def _prefetch(s: Session, events: Sequence[Capture | Rating | Undo]) -> _Batch:
-        """Three queries instead of three per event: which events were applied before, the captures
-        addressed by id (into the session's identity map, so ``s.get`` finds them without SQL), and
-        their active ratings."""
+        """Two queries instead of three per event: which events were applied before, and the captures
+        addressed by id (into the session's identity map, so ``s.get`` finds them without SQL) joined
+        with their active ratings (one round trip fewer per batch than asking for those apart)."""
         ids = [ev.event_id for ev in events]
         done = set(s.scalars(select(ProcessedEvent.event_id).where(ProcessedEvent.event_id.in_(ids))))
         targets = {ev.target for ev in events if isinstance(ev, Rating | Undo) and ev.target not in (None, "last")}
-        found = list(s.scalars(select(CaptureRow).where(CaptureRow.id.in_(targets)))) if targets else []
-        active: dict[str, RatingRow | None] = {c.id: None for c in found}
-        if active:
-            for row in s.scalars(select(RatingRow).where(RatingRow.capture_id.in_(active),
-                                                         RatingRow.state == "active")):
-                active[row.capture_id] = row
+        found: list[CaptureRow] = []
+        active: dict[str, RatingRow | None] = {}
+        if targets:
+            for cap, row in s.execute(
+                select(CaptureRow, RatingRow)
+                .outerjoin(RatingRow, (RatingRow.capture_id == CaptureRow.id) & (RatingRow.state == "active"))
+                .where(CaptureRow.id.in_(targets))
+                # a rating needs none of the answer's bulk (its prompt, its log-probs: kilobytes of JSON)
+                .options(defer(CaptureRow.prompt), defer(CaptureRow.behaviour_logprobs),
+                         defer(CaptureRow.behaviour_token_ids))
+            ):
+                if cap.id not in active:
+                    found.append(cap)
+                if row is not None or cap.id not in active:
+                    active[cap.id] = row
         return _Batch(done, active, found)
 
     def _apply_capture(self, s: Session, ev: Capture, b: _Batch) -> Applied:

@@ -3,10 +3,13 @@ are for bench/RESULTS.md; nothing here asserts a speed."""
 
 from __future__ import annotations
 
+import os
+
 from sqlalchemy import func, select
 
 from bench import ingest
 from rlfleet.shared.config import load_config
+from rlfleet.shared.embedded_redis import EmbeddedRedis
 from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 
@@ -14,7 +17,8 @@ from rlfleet.shared.store import Store
 def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypatch, tmp_path, private_tempdir):
     for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL"):  # run_case points them at its own data dir
         monkeypatch.setenv(var, "unset-by-the-test")
-    rows = [ingest.run_case(2, 300, None, redis_url), ingest.run_case(1, 100, 200.0, redis_url, home=tmp_path / "kept")]
+    rows = [ingest.run_case(2, 300, None, redis_url, producers=3),
+            ingest.run_case(1, 100, 200.0, redis_url, home=tmp_path / "kept")]
     assert list(private_tempdir.glob("rlfleet-*")) == []  # the temporary data dir went with its case
     for r, n in zip(rows, (300, 100), strict=True):
         assert r["ratings"] == n and r["answered"] == n  # every event's answer was found and timed
@@ -38,3 +42,14 @@ def test_the_postgres_leg_uses_a_fresh_database_and_drops_it(queued_home, redis_
         left = c.execute(sa.text("SELECT datname FROM pg_database WHERE datname LIKE 'rlfleet_ingest_%'")).all()
     admin.dispose()
     assert left == []
+
+
+def test_the_embedded_leg_runs_on_its_own_fsyncing_server(monkeypatch):
+    for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL"):
+        monkeypatch.setenv(var, "unset-by-the-test")
+    row = ingest.run_case(1, 100, None, ingest.EMBEDDED)
+    assert row["answered"] == 100 and "REDIS_URL" not in os.environ  # the data dir's own server, not ours
+    cfg = load_config()
+    assert not EmbeddedRedis.running(cfg.home)  # stopped with the case's last process
+    with Store(cfg.db_url).session() as s:
+        assert s.scalar(select(func.count()).select_from(RatingRow)) == 100

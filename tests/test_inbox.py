@@ -270,3 +270,36 @@ def test_a_mixed_batch_on_each_database(db_url):
     assert ids[1] < ids[2] < ids[8] and ids[6] == ids[2]  # the undo names the rating it took back
     assert store.apply_many(events, "m")[1].duplicate  # the whole batch again: nothing new
     assert len(_ratings(store)) == 3
+
+
+def test_every_push_rings_the_doorbell_a_waiting_drain_listens_on(q):
+    cfg, handle, store = q
+    bell = inbox.Doorbell(handle.redis)
+    try:
+        assert bell.sub.get_message(timeout=0) is None  # nothing rang yet
+        enqueue_event(handle, Rating(target="c1", value=1))
+        enqueue_event(handle, Rating(target="c1", value=-1))
+        ring = bell.sub.get_message(timeout=5)
+        assert ring is not None and ring["channel"] == inbox.BELL.encode()
+        bell.wait(0)  # wakes on the second ring at once and takes every ring that waited
+        assert bell.sub.get_message(timeout=0) is None
+    finally:
+        bell.close()
+
+
+def test_training_is_queued_by_the_rating_that_reaches_the_threshold_batch_after_batch(q, monkeypatch):
+    """The drain counts its own ratings down to the threshold instead of asking the database every
+    batch; an undo on the way (one pending rating fewer) must not make it trigger early or late."""
+    cfg, handle, store = q
+    cfg.train.threshold = 5
+    cfg.save()
+    monkeypatch.setattr(inbox, "BATCH", 1)  # one event per batch: the countdown runs on every one
+    for i in range(6):
+        store.apply_capture(_capture(i, "local"))
+    events = [Rating(target=f"c{i}", value=1) for i in range(4)]
+    events += [Undo(target="c3"), Rating(target="c4", value=1), Rating(target="c5", value=-1)]
+    tickets = [enqueue_event(handle, ev) for ev in events]
+    _work(handle)
+    training = [wait_for(t, 0).get("training") for t in tickets]
+    assert training[:6] == [None] * 6
+    assert training[6] is not None and training[6].startswith("training run") and "on 5 ratings" in training[6]

@@ -23,12 +23,14 @@ from rlfleet.shared.store import Applied
 log = logging.getLogger("rlfleet.worker")
 DATABASE_DOWN = (OperationalError, InterfaceError)
 DataEvent = Capture | Rating | Undo
+Trigger = Callable[[object, redis.Redis, int], str | None]  # (ctx, conn, new ratings) -> training message
 
 
 def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
                 run_command: Callable[[object, Command], dict],
-                trigger: Callable[[object, redis.Redis], str | None]) -> dict[str, dict]:
-    """Each applied event's answer by event id. Events retried later have none yet."""
+                trigger: Trigger) -> dict[str, dict]:
+    """Each applied event's answer by event id. Events retried later have none yet. ``trigger`` is
+    called once per run of data events that added ratings, with how many it added."""
     results: dict[str, dict] = {}
     run: list[tuple[bytes, DataEvent]] = []
 
@@ -81,7 +83,7 @@ def _allowlists(ctx) -> Callable[[str], tuple[frozenset[str], frozenset[str]]]:
 
 
 def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
-               trigger: Callable[[object, redis.Redis], str | None]) -> dict[str, dict]:
+               trigger: Trigger) -> dict[str, dict]:
     allow = _allowlists(ctx)
     try:
         applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, allow))
@@ -90,7 +92,7 @@ def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
     except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time
         applied = [_apply_alone(ctx, conn, raw, ev, allow) for raw, ev in run]
     out: dict[str, dict] = {}
-    last_new_rating = None
+    last_new_rating, new_ratings = None, 0
     for (_, ev), a in zip(run, applied, strict=True):
         if a is None:
             continue  # retried later
@@ -101,9 +103,9 @@ def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
         if isinstance(ev, Rating):
             out[ev.event_id]["training"] = None
             if not a.duplicate:
-                last_new_rating = ev.event_id
+                last_new_rating, new_ratings = ev.event_id, new_ratings + 1
     if last_new_rating is not None:  # the threshold is checked once per batch, not once per rating
-        out[last_new_rating]["training"] = trigger(ctx, conn)
+        out[last_new_rating]["training"] = trigger(ctx, conn, new_ratings)
     return out
 
 

@@ -7,6 +7,7 @@ anything unexpected raises so RQ retries it, which the store's idempotency makes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -113,9 +114,54 @@ def warm_up() -> None:
 
 
 DRAIN_SECONDS = 30.0  # then a fresh drain job takes over: other jobs on the queue get a turn
-# An empty inbox is watched this long before the drain lets go: under a steady stream (a few events a
-# second and up) the next one then costs a poll, not a new RQ job (the tail of the latency).
+# An empty inbox is waited on this long before the drain lets go: under a steady stream (a few events a
+# second and up) the next one then wakes the drain at once, not a new RQ job (the tail of the latency).
 DRAIN_LINGER = 0.25
+SNAPSHOT_EVERY = 2.0  # seconds between status snapshots during a long drain
+RECHECK = 1.0  # seconds a drain trusts its own count of ratings until the next training run
+
+
+class _Snapshots:
+    """Status stays fresh during a long drain: published every ``SNAPSHOT_EVERY`` seconds from a thread
+    of its own, so the events arriving meanwhile do not wait behind its queries."""
+
+    def __init__(self, ctx: Context, conn: redis.Redis) -> None:
+        self.ctx, self.conn, self.stop = ctx, conn, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rlfleet-status-snapshot", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(SNAPSHOT_EVERY):
+            try:
+                publish_snapshot(self.ctx.cfg, self.ctx.store, self.conn, self.ctx.slug)
+            except Exception as exc:  # the drain's own last snapshot says what is wrong, if it lasts
+                log.warning("status snapshot failed: %s: %s", type(exc).__name__, exc)
+
+    def __enter__(self) -> _Snapshots:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(SNAPSHOT_EVERY)  # a snapshot stuck on a dead connection must not hold the drain
+
+
+@dataclass
+class _Countdown:
+    """``maybe_trigger`` for one drain: ratings until the next run are looked up once, counted down by
+    the ratings the drain adds, and looked up again when they may have run out or after ``RECHECK``
+    seconds (a run that consumed ratings, an import). Every miscount is on the early side (a re-rating
+    counts as a new rating, an undo is not counted back), so it never looks up too late: two
+    transactions fewer per batch."""
+
+    need: int = 0
+    checked: float = float("-inf")
+
+    def __call__(self, ctx: Context, conn: redis.Redis, new_ratings: int) -> str | None:
+        self.need -= new_ratings
+        if self.need > 0 and time.monotonic() - self.checked < RECHECK:
+            return None
+        self.need, self.checked = ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold), time.monotonic()
+        return maybe_trigger(ctx, conn) if self.need == 0 else None
 
 
 def drain_events() -> dict:
@@ -127,31 +173,33 @@ def drain_events() -> dict:
     ctx = context()
     conn = _redis()
     me = get_current_job().id
-    started = last_snapshot = last_work = time.monotonic()
+    started = last_work = time.monotonic()
     applied = 0
-    while True:
+    trigger = _Countdown()
+    bell = inbox.Doorbell(conn)
+    with _Snapshots(ctx, conn), contextlib.closing(bell):
         items = inbox.take(conn, me)
-        if items is None:
-            return {"ok": True, "message": "another drain owns the inbox", "applied": applied}
-        if not items:
-            if time.monotonic() - last_work < DRAIN_LINGER:
-                time.sleep(0.001)
+        while True:
+            if items is None:
+                return {"ok": True, "message": "another drain owns the inbox", "applied": applied}
+            if not items:
+                idle = time.monotonic() - last_work
+                if idle < DRAIN_LINGER:
+                    bell.wait(DRAIN_LINGER - idle)
+                elif inbox.release(conn, me):
+                    break
+                items = inbox.take(conn, me)
                 continue
-            if inbox.release(conn, me):
+            results = apply_batch(ctx, conn, items, run_command, trigger)
+            applied += len(results)
+            last_work = time.monotonic()
+            if last_work - started > DRAIN_SECONDS:
+                inbox.answer(conn, results)
+                successor = inbox.hand_over(conn, me)
+                if successor:
+                    queue_drain(conn, successor)
                 break
-            continue
-        results = apply_batch(ctx, conn, items, run_command, maybe_trigger)
-        inbox.answer(conn, results)
-        applied += len(results)
-        now = last_work = time.monotonic()
-        if now - started > DRAIN_SECONDS:
-            successor = inbox.hand_over(conn, me)
-            if successor:
-                queue_drain(conn, successor)
-            break
-        if now - last_snapshot > 2.0:  # a long backlog: status stays fresh while it drains
-            publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
-            last_snapshot = now
+            items = inbox.answer_and_take(conn, results, me)
     publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
     return {"ok": True, "message": f"applied {applied} events", "applied": applied}
 
