@@ -22,7 +22,7 @@ from chaosrig import env_for, stop, stored_counts, tail, worker
 
 from rlfleet.shared import durability
 from rlfleet.shared.config import load_config
-from rlfleet.shared.embedded_redis import EmbeddedRedis, _pid_alive
+from rlfleet.shared.embedded_redis import EmbeddedRedis, pid_alive
 from rlfleet.shared.events import Capture, Message, Rating
 from rlfleet.shared.queue import enqueue_event, open_queue
 from rlfleet.shared.store import Store
@@ -33,10 +33,10 @@ PER_CUT, CUTS = 150, 4
 def _cut(emb: EmbeddedRedis) -> int:
     """SIGKILL the server and wait until it is gone; its pid."""
     pid = emb._server_pid()
-    assert pid is not None and _pid_alive(pid)
+    assert pid is not None and pid_alive(pid)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _pid_alive(pid):
+    while pid_alive(pid):
         assert time.monotonic() < deadline, "redis-server outlived SIGKILL"
         time.sleep(0.01)
     return pid
