@@ -6,6 +6,7 @@ Functions here take typed events and return small result dataclasses; nothing he
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -13,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, bindparam, create_engine, event, func, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DisconnectionError, IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from .config import redact_url
@@ -27,6 +28,7 @@ Allow = Callable[[str], tuple[frozenset[str], frozenset[str]]]
 MIGRATIONS = Path(__file__).with_name("migrations")
 _ENGINES: dict[str, Engine] = {}
 _MIGRATED: set[str] = set()  # URLs brought to head by this process: once is enough
+PING_AFTER_IDLE_S = 1.0
 
 
 def _utc(dt: datetime) -> datetime:
@@ -39,9 +41,10 @@ def _engine(url: str) -> Engine:
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
-        engine = create_engine(url, future=True, pool_pre_ping=True)
+        engine = create_engine(url, future=True)
     except Exception as exc:  # bad URL or missing driver: one line with the fix
         raise ConfigError(f"cannot use DATABASE_URL: {exc}") from None
+    _ping_when_idle(engine)
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")
@@ -57,6 +60,28 @@ def _engine(url: str) -> Engine:
 
     _ENGINES[url] = engine
     return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """``pool_pre_ping``, for connections idle a while only: a drain busy with batches would otherwise
+    pay a round trip per transaction. A connection the server dropped (a restart) is found by the ping
+    on its first use after the pause and replaced; one dropped mid-stream fails that transaction,
+    which the drain treats as the database being down, as for any outage, and the pool reconnects."""
+
+    @event.listens_for(engine, "checkin")
+    def _used(_dbapi_conn, record) -> None:
+        record.info["returned"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping(dbapi_conn, record, _proxy) -> None:
+        if time.monotonic() - record.info.get("returned", float("-inf")) < PING_AFTER_IDLE_S:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_conn)
+        except Exception:
+            alive = False
+        if not alive:
+            raise DisconnectionError("the pooled connection is gone")  # the pool discards it and reconnects
 
 
 def migrate(engine: Engine) -> None:
