@@ -124,11 +124,10 @@ def test_migrations_are_reentrant(db_url):
 
 
 
-def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, monkeypatch):
+def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, monkeypatch, request):
     if not db_url.startswith("postgresql"):
         pytest.skip("a server that drops connections: PostgreSQL")
     import sqlalchemy as sa
-    from conftest import PG_ADMIN_URL
 
     from rlfleet.shared import store as store_mod
 
@@ -136,7 +135,7 @@ def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, mon
     store = Store(db_url)
     c = cap()
     store.apply_capture(c)
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(request.getfixturevalue("pg_admin_url"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:  # what a server restart does to the pooled connection
         dropped = conn.execute(sa.text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                        "WHERE datname = :db"), {"db": db_url.rsplit("/", 1)[1]}).scalar()
