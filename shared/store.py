@@ -223,23 +223,7 @@ class Store:
         if s.get(CaptureRow, ev.capture_id) is not None:
             raise BadInput(f"capture id {ev.capture_id} is already taken")
         self._claim(s, ev.event_id, "capture", b)
-        s.add(
-            CaptureRow(
-                id=ev.capture_id,
-                event_id=ev.event_id,
-                source=ev.source,
-                conversation=ev.conversation,
-                message_ref=ev.message_ref,
-                owner=ev.owner,
-                prompt=[m.model_dump() for m in ev.prompt],
-                response=ev.response,
-                model=ev.model,
-                adapter_version=ev.adapter_version,
-                behaviour_logprobs=ev.behaviour_logprobs,
-                behaviour_token_ids=ev.behaviour_token_ids,
-                created=_utc(ev.ts),
-            )
-        )
+        s.add(CaptureRow(**_capture_values(ev)))
         return Applied(True, f"captured {ev.capture_id}", capture_id=ev.capture_id)
 
     def _resolve_target(
@@ -316,9 +300,7 @@ class Store:
         s.add(row)
         b.active[cap.id] = row
         b.fresh = row
-        word = "good" if ev.value > 0 else "bad"
-        verb = "re-rated" if current is not None else "rated"
-        return Applied(True, f"{verb} {word}: {_preview(cap.response)}", capture_id=cap.id, value=ev.value)
+        return Applied(True, _rated(ev.value, current is not None, cap.response), capture_id=cap.id, value=ev.value)
 
     def _apply_undo(self, s: Session, ev: Undo, b: _Batch) -> Applied:
         if ev.event_id in b.done:  # applied before: the repeat is ignored
@@ -830,9 +812,8 @@ def _fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], tra
         }, waiting=[len(out)])
         active[ev.target] = row
         new_ratings.append(row)
-        word = "good" if ev.value > 0 else "bad"
-        verb = "re-rated" if current is not None else "rated"
-        out.append(Applied(True, f"{verb} {word}: {_preview(response)}", capture_id=ev.target, value=ev.value))
+        out.append(Applied(True, _rated(ev.value, current is not None, response), capture_id=ev.target,
+                           value=ev.value))
     if claims:
         conn.execute(_CLAIM, claims)
     if new_caps:
@@ -859,6 +840,11 @@ def _capture_values(ev: Capture) -> dict:
 
 class _Skip(Exception):
     """Roll back one import line and say why."""
+
+
+def _rated(value: int, again: bool, response: str) -> str:
+    """The answer to a rating that was stored: both apply paths say it alike."""
+    return f"{'re-rated' if again else 'rated'} {'good' if value > 0 else 'bad'}: {_preview(response)}"
 
 
 def _preview(text: str, n: int = 60) -> str:
