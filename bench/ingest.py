@@ -16,6 +16,10 @@ fsync (the ceilings are left out there: they need a server that outlives one cas
 "sent /s" is how fast the producers handed the events over: one by default, each waiting for its
 acknowledgement before it sends the next (so with the fsync one producer sends at most one event per
 fsync; Redis groups the fsyncs of concurrent producers, which ``--producers N`` shows).
+The p99 of each part of that latency is printed beside it, so what bounds it shows: "ack" (the
+producer's hand-over, until Redis acknowledged it), "wait" (from the acknowledgement until a drain
+took the event: the doorbell, and the batch before it) and "apply" (from the take until the answer,
+the batch's transaction and commit).
 Prints a table; asserts nothing.
 
 One drain applies the inbox at a time (so one user's events keep their order), so more workers do
@@ -71,12 +75,24 @@ def _wait_rows(store: Store, n: int, timeout: float) -> float:
     raise TimeoutError(f"fewer than {n} ratings stored after {timeout} s")
 
 
-def _latencies(conn: redis.Redis, sent: dict[str, float]) -> list[float]:
+PARTS = ("ack", "wait", "apply")
+
+
+def _latencies(conn: redis.Redis, sent: dict[str, tuple[float, float]]) -> dict[str, list[float]]:
+    """Milliseconds per answered event: "total" (created to answered) and each of ``PARTS``."""
     ids = list(sent)
-    at: dict[str, float] = {}
+    at: dict[str, dict[str, float]] = {}
     for i in range(0, len(ids), 1000):
-        at.update(inbox.answered_at(conn, ids[i:i + 1000]))
-    return [(at[e] - sent[e]) * 1000 for e in ids if e in at]
+        at.update(inbox.stamps(conn, ids[i:i + 1000]))
+    out: dict[str, list[float]] = {"total": [], **{p: [] for p in PARTS}}
+    for e in ids:
+        if e not in at:
+            continue
+        (created, acked), taken, answered = sent[e], at[e]["taken_at"], at[e]["answered_at"]
+        for part, (a, b) in (("total", (created, answered)), ("ack", (created, acked)), ("wait", (acked, taken)),
+                             ("apply", (taken, answered))):
+            out[part].append((b - a) * 1000)
+    return out
 
 
 @contextmanager
@@ -116,7 +132,7 @@ def run_case(workers: int, ratings: int, rate: float | None, redis_url: str, pos
 
 
 def _produce(handle, captures: list[Capture], first: int, step: int, rate: float | None, t0: float,
-             sent: dict[str, float]) -> None:
+             sent: dict[str, tuple[float, float]]) -> None:
     """One producer: every ``step``-th rating from ``first``, each on the shared schedule of ``rate``."""
     for i in range(first, len(captures), step):
         if rate:
@@ -124,8 +140,8 @@ def _produce(handle, captures: list[Capture], first: int, step: int, rate: float
             if ahead > 0:
                 time.sleep(ahead)
         ev = Rating(target=captures[i].capture_id, value=1 if i % 2 else -1)
-        sent[ev.event_id] = ev.ts.timestamp()
         enqueue_event(handle, ev)
+        sent[ev.event_id] = (ev.ts.timestamp(), time.time())
 
 
 def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db_url: str | None,
@@ -151,7 +167,7 @@ def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db
         store.apply_many(captures[i:i + 500], "bench")
     procs = _workers(workers, home, env)
     time.sleep(2.0)  # let them connect
-    sent: dict[str, float] = {}
+    sent: dict[str, tuple[float, float]] = {}
     try:
         t0 = time.monotonic()
         threads = [threading.Thread(target=_produce, args=(handle, captures, k, producers, rate, t0, sent))
@@ -166,10 +182,14 @@ def _run_case(workers: int, ratings: int, rate: float | None, redis_url: str, db
     finally:
         stop_processes(procs, 10)
         handle.close()
-    q = statistics.quantiles(lat, n=100)
     return {"workers": workers, "producers": producers, "ratings": ratings, "offered_rate": rate or "max",
             "sent_per_s": ratings / (t_sent - t0), "ratings_per_s": ratings / (t_end - t0),
-            "p50_ms": statistics.median(lat), "p99_ms": q[98], "answered": len(lat)}
+            "p50_ms": statistics.median(lat["total"]), "p99_ms": _p99(lat["total"]), "answered": len(lat["total"]),
+            **{f"p99_{part}_ms": _p99(lat[part]) for part in PARTS}}
+
+
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
 
 
 _NOOP_WORKER = (
@@ -224,9 +244,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     table = markdown_table(
         ["workers", "producers", "ratings", "offered /s", "sent /s", "stored /s", "p50 ms", "p99 ms",
-         "no-op RQ jobs/s", "Redis PING µs"],
+         "p99 ack / wait / apply ms", "no-op RQ jobs/s", "Redis PING µs"],
         [[r["workers"], r["producers"], r["ratings"], r["offered_rate"], f"{r['sent_per_s']:.0f}",
-          f"{r['ratings_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", ceil(r, "noop_jobs_per_s"),
+          f"{r['ratings_per_s']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+          " / ".join(f"{r[f'p99_{part}_ms']:.1f}" for part in PARTS), ceil(r, "noop_jobs_per_s"),
           ceil(r, "redis_ping_us")]
          for r in rows])
     redis_kind = "embedded Redis (appendfsync always)" if args.redis == EMBEDDED else "external Redis (--redis)"

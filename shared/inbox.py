@@ -9,6 +9,11 @@ Why: an RQ job costs about as much Redis work and Python as a hundred ratings ap
 one job per rating capped intake at RQ's own job rate. And one drain at a time applies one user's
 rapid events in the order they were sent.
 
+Replays: redis-py sends a command again when the connection dropped before its reply came, so a
+command that did run can run twice. Every write here is safe to repeat: a batch in TAKEN carries a
+token and only the answer of that batch empties TAKEN (a repeated answer-and-take must not drop the
+batch its first run took), and claiming or handing over the inbox succeeds again for the same drain.
+
 Crash safety: an event is in Redis (append-only) before the producer answers; "taken" holds what a
 drain was applying, so a drain killed mid-batch leaves its events where the next one (RQ requeues the
 killed job) applies them again, and the store's event-id idempotency makes the repeat harmless. An
@@ -28,11 +33,13 @@ import redis
 INBOX = "rlfleet:inbox"  # event JSON, oldest first
 TAKEN = "rlfleet:inbox:taken"  # the batch the owning drain is applying
 OWNER = "rlfleet:inbox:drain"  # id of the drain job that owns the inbox
+BATCH_ID = "rlfleet:inbox:taken:id"  # token of the batch in TAKEN: only its own answer empties TAKEN
 ATTEMPTS = "rlfleet:inbox:attempts"  # event id -> failed attempts so far
 DEAD = "rlfleet:inbox:dead"  # {"event": ..., "error": ..., "ts": ...} of events given up on
 BELL = "rlfleet:inbox:bell"  # pub/sub channel every push rings: a drain waiting for more wakes at once
 OWNER_TTL = 60  # a drain renews it every batch; a lost one frees the inbox after this many seconds
 RESULT_TTL = 3600
+STAMPS = ("taken_at", "answered_at")  # when the drain took an event and answered it; for benchmarks
 BATCH = 256
 MAX_ATTEMPTS = 5
 DRAIN_JOB = "rlfleet.worker.jobs.drain_events"
@@ -52,7 +59,8 @@ def command_key(event_id: str) -> str:
 
 
 # Owning and taking are one step: a drain that lost the inbox (its claim expired and another took it)
-# takes nothing. What a dead drain left in TAKEN is applied again before anything new.
+# takes nothing. What a dead drain left in TAKEN is applied again before anything new. The reply is the
+# batch's token, then its events.
 _TAKE = """
 local owner = redis.call('GET', KEYS[3])
 if owner ~= ARGV[1] then
@@ -62,13 +70,39 @@ else
   redis.call('EXPIRE', KEYS[3], ARGV[3])
 end
 local taken = redis.call('LRANGE', KEYS[2], 0, -1)
-if #taken > 0 then return taken end
+if #taken > 0 then
+  local token = redis.call('GET', KEYS[4])
+  if not token then
+    token = ARGV[4]
+    redis.call('SET', KEYS[4], token)
+  end
+  table.insert(taken, 1, token)
+  return taken
+end
 local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
 if #items > 0 then
   redis.call('LTRIM', KEYS[1], #items, -1)
   redis.call('RPUSH', KEYS[2], unpack(items))
+  redis.call('SET', KEYS[4], ARGV[4])
 end
+table.insert(items, 1, ARGV[4])
 return items
+"""
+
+# A batch is finished only by its own answer: run again after the next take, it leaves that batch be.
+_FINISH = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
+return 0
+"""
+
+# Claiming the inbox for a new drain; true again when repeated by the same producer.
+_CLAIM = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  return 1
+end
+return owner == ARGV[1] and 1 or 0
 """
 
 # Letting go and looking for late arrivals are one step: a producer appends before it tries to claim
@@ -83,6 +117,22 @@ return 0
 
 
 @dataclass(frozen=True)
+class Batch:
+    """What a drain took: the events to apply, and the token its answer must name."""
+
+    token: str
+    items: list[bytes]
+    taken_at: float = 0.0  # epoch seconds: when the drain got it (for measuring where latency goes)
+
+
+def _batch(got: list | None) -> Batch | None:
+    if got is None:
+        return None
+    token, *items = got
+    return Batch(token.decode() if isinstance(token, bytes) else str(token), items, time.time())
+
+
+@dataclass(frozen=True)
 class Ticket:
     """What a producer holds after handing an event over: its answer, once a drain has applied it."""
 
@@ -94,7 +144,8 @@ class Ticket:
         if raw is None:
             return None
         result = json.loads(raw)
-        result.pop("answered_at", None)
+        for stamp in STAMPS:
+            result.pop(stamp, None)
         return result
 
 
@@ -105,24 +156,23 @@ def push(conn: redis.Redis, event_id: str, payload: str) -> tuple[Ticket, str | 
     pipe = conn.pipeline(transaction=False)
     pipe.rpush(INBOX, payload)
     pipe.publish(BELL, b"")  # after the event: a drain woken by it finds the event there
-    pipe.set(OWNER, drain_id, nx=True, ex=OWNER_TTL)
+    pipe.eval(_CLAIM, 1, OWNER, drain_id, OWNER_TTL)
     _, _, claimed = pipe.execute()
     return Ticket(event_id, conn), drain_id if claimed else None
 
 
-def take(conn: redis.Redis, drain_id: str, batch: int | None = None) -> list[bytes] | None:
-    """The next batch for drain ``drain_id`` (empty: nothing left); None if another drain owns the inbox."""
-    got = conn.eval(_TAKE, 3, INBOX, TAKEN, OWNER, drain_id, batch or BATCH, OWNER_TTL)
-    return None if got is None else list(got)
+def take(conn: redis.Redis, drain_id: str, batch: int | None = None) -> Batch | None:
+    """The next batch for drain ``drain_id`` (no items: nothing left); None if another drain owns the inbox."""
+    return _batch(conn.eval(_TAKE, 4, INBOX, TAKEN, OWNER, BATCH_ID, drain_id, batch or BATCH, OWNER_TTL,
+                            uuid.uuid4().hex))
 
 
-def answer_and_take(conn: redis.Redis, results: dict[str, dict], drain_id: str) -> list[bytes] | None:
-    """``answer`` the batch, then ``take`` the next one for drain ``drain_id``, in one round trip and one
+def answer_and_take(conn: redis.Redis, results: dict[str, dict], batch: Batch, drain_id: str) -> Batch | None:
+    """``answer`` ``batch``, then ``take`` the next one for drain ``drain_id``, in one round trip and one
     transaction: with ``appendfsync always`` one fsync per batch instead of two."""
-    pipe = _answering(conn, results)
-    pipe.eval(_TAKE, 3, INBOX, TAKEN, OWNER, drain_id, BATCH, OWNER_TTL)
-    got = pipe.execute()[-1]
-    return None if got is None else list(got)
+    pipe = _answering(conn, results, batch)
+    pipe.eval(_TAKE, 4, INBOX, TAKEN, OWNER, BATCH_ID, drain_id, BATCH, OWNER_TTL, uuid.uuid4().hex)
+    return _batch(pipe.execute()[-1])
 
 
 class Doorbell:
@@ -157,26 +207,28 @@ def hand_over(conn: redis.Redis, drain_id: str) -> str | None:
     """Pass the inbox from drain ``drain_id`` to a new drain; its id, which the caller queues (None:
     ``drain_id`` did not own it any more)."""
     successor = new_drain_id()
-    moved = conn.eval("if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end "
+    moved = conn.eval("local owner = redis.call('GET', KEYS[1]) "
+                      "if owner == ARGV[2] then return 1 end "  # this very hand-over, repeated
+                      "if owner ~= ARGV[1] then return 0 end "
                       "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return 1",
                       1, OWNER, drain_id, successor, OWNER_TTL)
     return successor if moved else None
 
 
-def answer(conn: redis.Redis, results: dict[str, dict]) -> None:
-    """Store each event's answer (stamped with the time it became visible: after its commit) and empty
-    TAKEN: the batch is finished."""
-    _answering(conn, results).execute()
+def answer(conn: redis.Redis, results: dict[str, dict], batch: Batch) -> None:
+    """Store each event's answer (stamped with the times it was taken and became visible: after its
+    commit) and empty TAKEN if it still holds ``batch``: the batch is finished."""
+    _answering(conn, results, batch).execute()
 
 
-def _answering(conn: redis.Redis, results: dict[str, dict]) -> redis.client.Pipeline:
-    now = time.time()
+def _answering(conn: redis.Redis, results: dict[str, dict], batch: Batch) -> redis.client.Pipeline:
+    stamps = {"taken_at": batch.taken_at, "answered_at": time.time()}
     pipe = conn.pipeline(transaction=True)
     for event_id, result in results.items():
-        pipe.set(result_key(event_id), json.dumps({**result, "answered_at": now}, default=str), ex=RESULT_TTL)
+        pipe.set(result_key(event_id), json.dumps({**result, **stamps}, default=str), ex=RESULT_TTL)
     if results:
         pipe.hdel(ATTEMPTS, *results)
-    pipe.delete(TAKEN)
+    pipe.eval(_FINISH, 2, TAKEN, BATCH_ID, batch.token)
     return pipe
 
 
@@ -196,12 +248,18 @@ def dead_letter(conn: redis.Redis, payload: bytes | str, error: str) -> None:
     conn.rpush(DEAD, json.dumps({"event": text, "error": error, "ts": time.time()}))
 
 
-def answered_at(conn: redis.Redis, event_ids: list[str]) -> dict[str, float]:
-    """When each answered event's answer became visible (epoch seconds); for measuring latency."""
+def stamps(conn: redis.Redis, event_ids: list[str]) -> dict[str, dict[str, float]]:
+    """When a drain took each answered event and when its answer became visible (epoch seconds, by
+    ``STAMPS``); for measuring latency."""
     pipe = conn.pipeline(transaction=False)
     for event_id in event_ids:
         pipe.get(result_key(event_id))
-    return {e: json.loads(raw)["answered_at"] for e, raw in zip(event_ids, pipe.execute(), strict=True) if raw}
+    out = {}
+    for event_id, raw in zip(event_ids, pipe.execute(), strict=True):
+        if raw:
+            result = json.loads(raw)
+            out[event_id] = {k: result[k] for k in STAMPS}
+    return out
 
 
 _REQUEUE_DEAD = """

@@ -23,6 +23,8 @@ def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypat
     for r, n in zip(rows, (300, 100), strict=True):
         assert r["ratings"] == n and r["answered"] == n  # every event's answer was found and timed
         assert 0 < r["p50_ms"] <= r["p99_ms"] and r["ratings_per_s"] > 0
+        # where the time went: the hand-over and the batch's apply are stamped in order in one process each
+        assert 0 < r["p99_ack_ms"] and 0 < r["p99_apply_ms"] <= r["p99_ms"] and "p99_wait_ms" in r
     assert abs(rows[1]["sent_per_s"] - 200) < 40  # the fixed offered rate was kept
     store = Store(load_config().db_url)  # the last case's data dir
     with store.session() as s:

@@ -5,6 +5,7 @@ without holding up the rest; the drain hands over and lets go without stranding 
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from rlfleet.shared import inbox
+from rlfleet.shared import store as store_mod
 from rlfleet.shared.cli import app
 from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import BadInput, NotFound
@@ -94,6 +96,55 @@ def test_a_batch_does_exactly_what_one_event_at_a_time_does(tmp_path_factory, ev
     assert [a.rating_id for a in got] == [a.rating_id for a in expected]
 
 
+def _raters(_source: str) -> tuple[frozenset[str], frozenset[str]]:
+    return frozenset({"cy"}), frozenset()
+
+
+@st.composite
+def plain_streams(draw) -> list:
+    """The drain's common batch: ratings of stored answers by id (some by an allowlisted rater, some
+    refused), re-ratings, re-deliveries, and captures now and then (one reusing a taken id)."""
+    events: list = []
+    n_caps = 4
+    for _ in range(draw(st.integers(1, 25))):
+        kind = draw(st.sampled_from(["rating", "rating", "rating", "rating", "capture", "again"]))
+        if kind == "capture":
+            events.append(_capture(draw(st.sampled_from([n_caps, 0])), draw(st.sampled_from(OWNERS))))
+            n_caps += 1
+        elif kind == "rating":
+            events.append(Rating(target=f"c{draw(st.integers(0, 3))}", actor=draw(st.sampled_from(OWNERS + ("cy",))),
+                                 value=draw(st.sampled_from([1, -1])), comment=draw(st.sampled_from([None, "meh"]))))
+        elif events:
+            events.append(events[draw(st.integers(0, len(events) - 1))])
+    return events
+
+
+def _wipe(store: Store) -> None:
+    with store.engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("TRUNCATE ratings, captures, processed_events RESTART IDENTITY CASCADE")
+        else:
+            for table in ("ratings", "captures", "processed_events"):
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=plain_streams(), cut=st.integers(1, 8))
+def test_a_batch_of_plain_ratings_does_what_one_at_a_time_does_on_each_database(db_url, events, cut):
+    store = Store(db_url)
+
+    def run(batched: bool) -> tuple[list[tuple], list[tuple]]:
+        _wipe(store)
+        store.apply_many([_capture(i, OWNERS[i % 2]) for i in range(4)], "m")
+        if batched:
+            got = [a for i in range(0, len(events), cut) for a in store.apply_many(events[i:i + cut], "m", _raters)]
+        else:
+            got = [store.apply_one(ev, "m", _raters, refuse=False) for ev in events]
+        return [astuple(a) for a in got], _ratings(store)
+
+    assert run(batched=True) == run(batched=False)
+
+
 # ---- the drain, through RQ ---------------------------------------------------------------------
 
 
@@ -136,7 +187,7 @@ def test_a_drain_killed_mid_batch_leaves_it_for_the_next(q):
     store.apply_capture(_capture(1, "local"))
     tickets = [enqueue_event(handle, Rating(target="c1", value=v)) for v in (1, -1, 1)]
     handle.redis.delete(*handle.redis.keys("rq:*"))  # its drain job is gone (killed, and lost)
-    assert inbox.take(handle.redis, handle.redis.get(inbox.OWNER).decode())  # ... after taking the batch
+    assert inbox.take(handle.redis, handle.redis.get(inbox.OWNER).decode()).items  # ... after taking the batch
     assert handle.redis.llen(inbox.TAKEN) == 3 and not _ratings(store)
     assert ensure_drain(handle.redis)  # what a worker checks as it starts and between jobs
     _work(handle)
@@ -165,15 +216,15 @@ def test_a_broken_event_is_set_aside_and_the_rest_go_on(q, monkeypatch):
     cfg, handle, store = q
     store.apply_capture(_capture(1, "local"))
     store.apply_capture(_capture(2, "local"))
-    bad = Rating(target="c2", value=-1)
-    real = Store._apply_rating
+    bad = Rating(target="c2", value=-1)  # the only rating of c2, whose answer the bug trips on
+    real = store_mod._preview
 
-    def breaks_on_one(self, s, ev, *args):
-        if ev.event_id == bad.event_id:
+    def breaks_on_one(text: str, *args) -> str:
+        if text == "answer 2":
             raise RuntimeError("a bug on this one event")
-        return real(self, s, ev, *args)
+        return real(text, *args)
 
-    monkeypatch.setattr(Store, "_apply_rating", breaks_on_one)
+    monkeypatch.setattr(store_mod, "_preview", breaks_on_one)
     before, after = Rating(target="c1", value=1), Rating(target="c1", value=-1)
     tickets = [enqueue_event(handle, ev) for ev in (before, bad, after)]
     handle.redis.rpush(inbox.INBOX, b"\xff not an event")  # not from a producer of ours
@@ -194,7 +245,7 @@ def test_a_broken_event_is_set_aside_and_the_rest_go_on(q, monkeypatch):
     assert shown["dead"][0]["type"] == "unreadable" and shown["dead"][1]["event_id"] == bad.event_id
     assert "answer" not in res.output  # which event and why, not the user's text
 
-    monkeypatch.setattr(Store, "_apply_rating", real)  # the cause is fixed: put them back
+    monkeypatch.setattr(store_mod, "_preview", real)  # the cause is fixed: put them back
     res = CliRunner().invoke(app, ["events", "--retry", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["requeued"] == 2
     # no worker runs here: the command applied them itself, as `rlfleet good` does
@@ -243,7 +294,7 @@ def test_an_event_that_arrives_as_the_drain_lets_go_is_not_stranded(q):
     conn = handle.redis
     store.apply_capture(_capture(1, "local"))
     owner = inbox.new_drain_id()
-    assert inbox.take(conn, owner) == []  # a drain that found the inbox empty, about to let go
+    assert inbox.take(conn, owner).items == []  # a drain that found the inbox empty, about to let go
     late = enqueue_event(handle, Rating(target="c1", value=-1))  # appended meanwhile
     assert handle.events.count == 0  # no second drain was queued for it ...
     assert not inbox.release(conn, owner)  # ... and the owner sees it as it tries to let go, and goes on

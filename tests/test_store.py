@@ -121,3 +121,21 @@ def test_reset_with_purge_deletes_ratings(store):
 def test_migrations_are_reentrant(db_url):
     Store(db_url)
     Store(db_url)  # a second open finds the schema at head and changes nothing
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # a server that can drop connections
+def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, monkeypatch, request):
+    import sqlalchemy as sa
+
+    from rlfleet.shared import store as store_mod
+
+    monkeypatch.setattr(store_mod, "PING_AFTER_IDLE_S", 0.0)  # every checkout counts as after a pause
+    store = Store(db_url)
+    c = cap()
+    store.apply_capture(c)
+    admin = sa.create_engine(request.getfixturevalue("pg_admin_url"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:  # what a server restart does to the pooled connection
+        dropped = conn.execute(sa.text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                       "WHERE datname = :db"), {"db": db_url.rsplit("/", 1)[1]}).scalar()
+    admin.dispose()
+    assert dropped == 1
+    assert store.apply_many([Rating(target=c.capture_id, value=1)], MODEL)[0].ok  # the ping found it gone

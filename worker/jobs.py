@@ -178,28 +178,28 @@ def drain_events() -> dict:
     trigger = _Countdown()
     bell = inbox.Doorbell(conn)
     with _Snapshots(ctx, conn), contextlib.closing(bell):
-        items = inbox.take(conn, me)
+        batch = inbox.take(conn, me)
         while True:
-            if items is None:
+            if batch is None:
                 return {"ok": True, "message": "another drain owns the inbox", "applied": applied}
-            if not items:
+            if not batch.items:
                 idle = time.monotonic() - last_work
                 if idle < DRAIN_LINGER:
                     bell.wait(DRAIN_LINGER - idle)
                 elif inbox.release(conn, me):
                     break
-                items = inbox.take(conn, me)
+                batch = inbox.take(conn, me)
                 continue
-            results = apply_batch(ctx, conn, items, run_command, trigger)
+            results = apply_batch(ctx, conn, batch.items, run_command, trigger)
             applied += len(results)
             last_work = time.monotonic()
             if last_work - started > DRAIN_SECONDS:
-                inbox.answer(conn, results)
+                inbox.answer(conn, results, batch)
                 successor = inbox.hand_over(conn, me)
                 if successor:
                     queue_drain(conn, successor)
                 break
-            items = inbox.answer_and_take(conn, results, me)
+            batch = inbox.answer_and_take(conn, results, batch, me)
     publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
     return {"ok": True, "message": f"applied {applied} events", "applied": applied}
 
