@@ -14,6 +14,11 @@ command that did run can run twice. Every write here is safe to repeat: a batch 
 token and only the answer of that batch empties TAKEN (a repeated answer-and-take must not drop the
 batch its first run took), and claiming or handing over the inbox succeeds again for the same drain.
 
+A batch's commit need not wait for the disk: its events then move from TAKEN to "unsynced", where
+they stay until the drain's database sync (shared/dbsync.py) has put that commit on disk, so a
+database that lost its last commits in a power cut gets them back from Redis: a new drain applies
+the unsynced batches again, first.
+
 Crash safety: an event is in Redis (append-only) before the producer answers; "taken" holds what a
 drain was applying, so a drain killed mid-batch leaves its events where the next one (RQ requeues the
 killed job) applies them again, and the store's event-id idempotency makes the repeat harmless. An
@@ -34,6 +39,8 @@ INBOX = "rlfleet:inbox"  # event JSON, oldest first
 TAKEN = "rlfleet:inbox:taken"  # the batch the owning drain is applying
 OWNER = "rlfleet:inbox:drain"  # id of the drain job that owns the inbox
 BATCH_ID = "rlfleet:inbox:taken:id"  # token of the batch in TAKEN: only its own answer empties TAKEN
+UNSYNCED = "rlfleet:inbox:unsynced"  # tokens of answered batches whose commits may not be on disk yet
+UNSYNCED_BATCH = "rlfleet:inbox:unsynced:"  # + token: that batch's events, until a sync confirms it
 ATTEMPTS = "rlfleet:inbox:attempts"  # event id -> failed attempts so far
 DEAD = "rlfleet:inbox:dead"  # {"event": ..., "error": ..., "ts": ...} of events given up on
 BELL = "rlfleet:inbox:bell"  # pub/sub channel every push rings: a drain waiting for more wakes at once
@@ -69,6 +76,23 @@ if owner ~= ARGV[1] then
 else
   redis.call('EXPIRE', KEYS[3], ARGV[3])
 end
+if ARGV[5] == '1' then
+  -- a new drain: batches a dead one answered but never saw on disk go first, then what it had taken
+  local tokens = redis.call('LRANGE', KEYS[5], 0, -1)
+  if #tokens > 0 then
+    local older = {}
+    for _, t in ipairs(tokens) do
+      for _, item in ipairs(redis.call('LRANGE', ARGV[6] .. t, 0, -1)) do table.insert(older, item) end
+      redis.call('DEL', ARGV[6] .. t)
+    end
+    for _, item in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do table.insert(older, item) end
+    redis.call('DEL', KEYS[2], KEYS[5])
+    if #older > 0 then
+      for i = 1, #older, 1000 do redis.call('RPUSH', KEYS[2], unpack(older, i, math.min(i + 999, #older))) end
+      if not redis.call('GET', KEYS[4]) then redis.call('SET', KEYS[4], ARGV[4]) end
+    end
+  end
+end
 local taken = redis.call('LRANGE', KEYS[2], 0, -1)
 if #taken > 0 then
   local token = redis.call('GET', KEYS[4])
@@ -90,8 +114,25 @@ return items
 """
 
 # A batch is finished only by its own answer: run again after the next take, it leaves that batch be.
+# Finished and on disk, its events go; finished with its commit not yet on disk, they wait as unsynced.
 _FINISH = """
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1], KEYS[2])
+else
+  redis.call('RENAME', KEYS[1], ARGV[3] .. ARGV[1])
+  redis.call('RPUSH', KEYS[3], ARGV[1])
+  redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+
+# Batches whose commits a sync put on disk: their events can go.
+_CONFIRM = """
+for i = 2, #ARGV do
+  redis.call('DEL', ARGV[1] .. ARGV[i])
+  redis.call('LREM', KEYS[1], 0, ARGV[i])
+end
 return 0
 """
 
@@ -161,18 +202,35 @@ def push(conn: redis.Redis, event_id: str, payload: str) -> tuple[Ticket, str | 
     return Ticket(event_id, conn), drain_id if claimed else None
 
 
-def take(conn: redis.Redis, drain_id: str, batch: int | None = None) -> Batch | None:
-    """The next batch for drain ``drain_id`` (no items: nothing left); None if another drain owns the inbox."""
-    return _batch(conn.eval(_TAKE, 4, INBOX, TAKEN, OWNER, BATCH_ID, drain_id, batch or BATCH, OWNER_TTL,
-                            uuid.uuid4().hex))
+def take(conn: redis.Redis, drain_id: str, batch: int | None = None, *, first: bool = False) -> Batch | None:
+    """The next batch for drain ``drain_id`` (no items: nothing left); None if another drain owns the inbox.
+    A drain's ``first`` take starts with the unsynced batches a dead drain left."""
+    return _batch(conn.eval(*_take_args(drain_id, batch or BATCH, first)))
 
 
-def answer_and_take(conn: redis.Redis, results: dict[str, dict], batch: Batch, drain_id: str) -> Batch | None:
+def _take_args(drain_id: str, batch: int, first: bool) -> tuple:
+    return (_TAKE, 5, INBOX, TAKEN, OWNER, BATCH_ID, UNSYNCED, drain_id, batch, OWNER_TTL, uuid.uuid4().hex,
+            "1" if first else "0", UNSYNCED_BATCH)
+
+
+def answer_and_take(conn: redis.Redis, results: dict[str, dict], batch: Batch, drain_id: str,
+                    *, synced: bool = True) -> Batch | None:
     """``answer`` ``batch``, then ``take`` the next one for drain ``drain_id``, in one round trip and one
     transaction: with ``appendfsync always`` one fsync per batch instead of two."""
-    pipe = _answering(conn, results, batch)
-    pipe.eval(_TAKE, 4, INBOX, TAKEN, OWNER, BATCH_ID, drain_id, BATCH, OWNER_TTL, uuid.uuid4().hex)
+    pipe = _answering(conn, results, batch, synced)
+    pipe.eval(*_take_args(drain_id, BATCH, False))
     return _batch(pipe.execute()[-1])
+
+
+def unsynced(conn: redis.Redis) -> list[str]:
+    """Tokens of the answered batches still waiting for a database sync, oldest first."""
+    return [t.decode() for t in conn.lrange(UNSYNCED, 0, -1)]
+
+
+def confirm(conn: redis.Redis, tokens: list[str]) -> None:
+    """Batches ``tokens`` are on disk in the database: let their events go."""
+    if tokens:
+        conn.eval(_CONFIRM, 1, UNSYNCED, UNSYNCED_BATCH, *tokens)
 
 
 class Doorbell:
@@ -215,20 +273,21 @@ def hand_over(conn: redis.Redis, drain_id: str) -> str | None:
     return successor if moved else None
 
 
-def answer(conn: redis.Redis, results: dict[str, dict], batch: Batch) -> None:
+def answer(conn: redis.Redis, results: dict[str, dict], batch: Batch, *, synced: bool = True) -> None:
     """Store each event's answer (stamped with the times it was taken and became visible: after its
-    commit) and empty TAKEN if it still holds ``batch``: the batch is finished."""
-    _answering(conn, results, batch).execute()
+    commit) and empty TAKEN if it still holds ``batch``: the batch is finished (not ``synced``: its
+    commit may not be on disk yet, and its events wait as unsynced until ``confirm``)."""
+    _answering(conn, results, batch, synced).execute()
 
 
-def _answering(conn: redis.Redis, results: dict[str, dict], batch: Batch) -> redis.client.Pipeline:
+def _answering(conn: redis.Redis, results: dict[str, dict], batch: Batch, synced: bool) -> redis.client.Pipeline:
     stamps = {"taken_at": batch.taken_at, "answered_at": time.time()}
     pipe = conn.pipeline(transaction=True)
     for event_id, result in results.items():
         pipe.set(result_key(event_id), json.dumps({**result, **stamps}, default=str), ex=RESULT_TTL)
     if results:
         pipe.hdel(ATTEMPTS, *results)
-    pipe.eval(_FINISH, 2, TAKEN, BATCH_ID, batch.token)
+    pipe.eval(_FINISH, 3, TAKEN, BATCH_ID, UNSYNCED, batch.token, "1" if synced else "0", UNSYNCED_BATCH)
     return pipe
 
 

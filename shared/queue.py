@@ -140,10 +140,10 @@ def job_is_over(conn: redis.Redis, job_id: str) -> bool:
 
 
 def ensure_drain(conn: redis.Redis) -> bool:
-    """Queue a drain when events wait with nobody to apply them: the producer that claimed the inbox
-    died before queueing its drain, or the drain job failed for good (its retries spent while the
-    database was down, say). True when it queued one."""
-    if not inbox.pending(conn):
+    """Queue a drain when events wait with nobody to apply them (or a dead drain's batches wait for a
+    database sync): the producer that claimed the inbox died before queueing its drain, or the drain
+    job failed for good (its retries spent while the database was down, say). True when it queued one."""
+    if not inbox.pending(conn) and not inbox.unsynced(conn):
         return False
     owner = conn.get(inbox.OWNER)
     if owner is not None:

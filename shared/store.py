@@ -17,6 +17,7 @@ from sqlalchemy import Connection, Engine, bindparam, create_engine, event, func
 from sqlalchemy.exc import DisconnectionError, IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
+from . import dbsync
 from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
 from .events import PLATFORMS, Capture, Rating, Undo
@@ -53,10 +54,12 @@ def _engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=10000")
             cur.execute("PRAGMA foreign_keys=ON")
-            # FULL: a commit is fsynced before the drain answers "recorded" and drops the event from
-            # Redis (NORMAL in WAL mode may lose the last commits on a power cut).
+            # FULL: a commit is on disk when it returns (NORMAL in WAL mode may lose the last commits
+            # on a power cut); the events drain defers its own commits' fsync (shared/dbsync.py).
             cur.execute("PRAGMA synchronous=FULL")
             cur.close()
+
+        dbsync.watch_sqlite_pool(engine)
 
     _ENGINES[url] = engine
     return engine
@@ -351,13 +354,20 @@ class Store:
         return out
 
     def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str,
-                   allow: Allow = _nobody) -> list[Applied]:
+                   allow: Allow = _nobody, *, durable: bool = True) -> list[Applied]:
         """Apply events in order in one transaction; a refused event is an ``ok=False`` answer and the
         others still apply. Raises IntegrityError when another process applied one of them meanwhile
-        (then nothing of the batch is written: apply them one by one)."""
+        (then nothing of the batch is written: apply them one by one). Not ``durable``: the commit
+        does not wait for the disk; ``sync`` does (see shared/dbsync.py)."""
         with self.session() as s:
+            if not durable:
+                dbsync.defer(s)
             fast = _fast_apply(s.connection(), events, train_model, allow)
             return fast if fast is not None else self._apply_in(s, events, train_model, allow, refuse=False)
+
+    def sync(self) -> None:
+        """Every commit made before this call, deferred ones included, is on disk when it returns."""
+        dbsync.sync(self.engine)
 
     def apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", allow: Allow = _nobody,
                   refuse: bool = True) -> Applied:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rq import Queue, SimpleWorker
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from typer.testing import CliRunner
 
 from rlfleet.shared import inbox
@@ -21,7 +21,7 @@ from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import BadInput, NotFound
 from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
 from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, ensure_drain, open_queue, wait_for
-from rlfleet.shared.schema import RatingRow
+from rlfleet.shared.schema import ProcessedEvent, RatingRow
 from rlfleet.shared.store import Applied, Store
 
 # ---- the store: one transaction for a batch == one per event -----------------------------------
@@ -199,6 +199,32 @@ def test_a_drain_killed_mid_batch_leaves_it_for_the_next(q):
     ensure_drain(handle.redis)
     _work(handle)
     assert len(_ratings(store)) == 3
+
+
+def test_a_batch_whose_commit_never_reached_the_disk_is_applied_again_from_redis(q, monkeypatch):
+    cfg, handle, store = q
+    for i in range(3):
+        store.apply_capture(_capture(i, "local"))
+    real_sync = Store.sync
+
+    def disk_gone(self) -> None:
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(Store, "sync", disk_gone)
+    tickets = [enqueue_event(handle, Rating(target=f"c{i}", value=1)) for i in range(3)]
+    _work(handle)  # applies and answers, cannot sync: the drain fails and keeps the batch in Redis
+    assert [wait_for(t, 0)["ok"] for t in tickets] == [True] * 3
+    assert inbox.unsynced(handle.redis) and handle.waiting_events() == 0
+    with store.session() as s:  # the power cut: the commits that were not on disk are gone
+        s.execute(delete(RatingRow))
+        s.execute(delete(ProcessedEvent).where(ProcessedEvent.kind == "rating"))
+    assert not _ratings(store)
+    monkeypatch.setattr(Store, "sync", real_sync)
+    handle.redis.delete(*handle.redis.keys("rq:*"))  # and the failed drain's retry with it
+    assert ensure_drain(handle.redis)  # what a worker checks as it starts
+    _work(handle)
+    assert sorted(r[0] for r in _ratings(store)) == sorted(t.event_id for t in tickets)  # back, once each
+    assert not inbox.unsynced(handle.redis) and not handle.redis.keys(inbox.UNSYNCED_BATCH + "*")
 
 
 def test_a_command_is_carried_out_once_even_if_its_batch_is_applied_again(q):

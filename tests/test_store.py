@@ -139,3 +139,17 @@ def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, mon
     admin.dispose()
     assert dropped == 1
     assert store.apply_many([Rating(target=c.capture_id, value=1)], MODEL)[0].ok  # the ping found it gone
+
+
+def test_a_deferred_commit_leaves_every_other_transaction_waiting_for_the_disk(store):
+    from sqlalchemy import text
+
+    c = cap()
+    store.apply_capture(c)
+    assert store.apply_many([Rating(value=1, target=c.capture_id)], MODEL, durable=False)[0].ok
+    store.sync()  # every commit before it on disk; nothing to assert about a disk from here but that it ran
+    setting = "PRAGMA synchronous" if store.engine.dialect.name == "sqlite" else "SHOW synchronous_commit"
+    for _ in range(3):  # whichever pooled connection comes next
+        with store.session() as s:
+            assert str(s.execute(text(setting)).scalar()) in ("2", "on")  # FULL / on, as by default
+    assert store.counts(MODEL).total == 1

@@ -28,15 +28,16 @@ Trigger = Callable[[object, redis.Redis, int], str | None]  # (ctx, conn, new ra
 
 def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
                 run_command: Callable[[object, Command], dict],
-                trigger: Trigger) -> dict[str, dict]:
+                trigger: Trigger, durable: bool = True) -> dict[str, dict]:
     """Each applied event's answer by event id. Events retried later have none yet. ``trigger`` is
-    called once per run of data events that added ratings, with how many it added."""
+    called once per run of data events that added ratings, with how many it added. Not ``durable``:
+    the runs' commits do not wait for the disk (the caller syncs; shared/dbsync.py)."""
     results: dict[str, dict] = {}
     run: list[tuple[bytes, DataEvent]] = []
 
     def apply_run() -> None:
         if run:
-            results.update(_apply_run(ctx, conn, run, trigger))
+            results.update(_apply_run(ctx, conn, run, trigger, durable))
             run.clear()
 
     for raw in items:
@@ -83,10 +84,11 @@ def _allowlists(ctx) -> Callable[[str], tuple[frozenset[str], frozenset[str]]]:
 
 
 def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
-               trigger: Trigger) -> dict[str, dict]:
+               trigger: Trigger, durable: bool) -> dict[str, dict]:
     allow = _allowlists(ctx)
     try:
-        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, allow))
+        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, allow,
+                                                                  durable=durable))
     except DATABASE_DOWN:
         raise
     except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time

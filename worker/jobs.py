@@ -169,6 +169,7 @@ def drain_events() -> dict:
     from rlfleet.shared import inbox
     from rlfleet.shared.queue import queue_drain
     from rlfleet.worker.drain import apply_batch
+    from rlfleet.worker.syncer import Syncer
 
     ctx = context()
     conn = _redis()
@@ -177,8 +178,8 @@ def drain_events() -> dict:
     applied = 0
     trigger = _Countdown()
     bell = inbox.Doorbell(conn)
-    with _Snapshots(ctx, conn), contextlib.closing(bell):
-        batch = inbox.take(conn, me)
+    with _Snapshots(ctx, conn), contextlib.closing(bell), Syncer(ctx.store, conn) as syncer:
+        batch = inbox.take(conn, me, first=True)
         while True:
             if batch is None:
                 return {"ok": True, "message": "another drain owns the inbox", "applied": applied}
@@ -186,20 +187,25 @@ def drain_events() -> dict:
                 idle = time.monotonic() - last_work
                 if idle < DRAIN_LINGER:
                     bell.wait(DRAIN_LINGER - idle)
-                elif inbox.release(conn, me):
-                    break
+                else:
+                    syncer.sync_now()  # nothing of this drain's may wait for a sync once it lets go
+                    if inbox.release(conn, me):
+                        break
                 batch = inbox.take(conn, me)
                 continue
-            results = apply_batch(ctx, conn, batch.items, run_command, trigger)
+            # the commit does not wait for the disk: the syncer does, beside the next batches
+            results = apply_batch(ctx, conn, batch.items, run_command, trigger, durable=False)
             applied += len(results)
             last_work = time.monotonic()
             if last_work - started > DRAIN_SECONDS:
-                inbox.answer(conn, results, batch)
+                inbox.answer(conn, results, batch, synced=False)
+                syncer.sync_now()
                 successor = inbox.hand_over(conn, me)
                 if successor:
                     queue_drain(conn, successor)
                 break
-            batch = inbox.answer_and_take(conn, results, batch, me)
+            batch = inbox.answer_and_take(conn, results, batch, me, synced=False)
+            syncer.nudge()
     publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
     return {"ok": True, "message": f"applied {applied} events", "applied": applied}
 
