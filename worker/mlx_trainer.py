@@ -42,10 +42,10 @@ from rlfleet.shared.errors import ConfigError, ModelUnavailable
 from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import EMA_SEED, run_check
-from .objective import advantages as compute_advantages
+from .objective import run_check
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
+from .training.advantages import run_advantages
 
 INSTALL_HINT = "pip install -e '.[mlx]'"
 _PEFT_PREFIX = "base_model.model."
@@ -483,17 +483,8 @@ class MlxTrainer:
         )
 
     def _advantages(self, samples: Sequence[TrainSample], ema: float | None, cfg: TrainConfig) -> list[float]:
-        """As the torch trainer: retractions keep their fixed advantage, the rest ``r - ema``."""
-        import torch
-
-        baseline = ema if ema is not None else EMA_SEED
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        adv = compute_advantages(rewards, baseline, cfg.pos_weight, cfg.adv_clip)
-        fixed = [s.fixed_advantage for s in samples]
-        return torch.tensor(
-            [a if f is None else float(f) for a, f in zip(adv.tolist(), fixed, strict=True)],
-            dtype=torch.float32,
-        ).tolist()
+        """As the torch trainer: :func:`rlfleet.worker.training.advantages.run_advantages`."""
+        return run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip)
 
     def _fixed_logprobs(
         self,

@@ -21,41 +21,22 @@ token of the batch, unfiltered: the anchor holds even where the policy term is s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+# The advantage rule and the reward baseline are plain numbers, shared by every backend.
+from .training.advantages import advantage
+from .training.advantages import update_ema as update_ema
+
 
 def advantages(rewards: Tensor, ema: float, pos_weight: float, clip: float = 2.0) -> Tensor:
-    """``A = clip((r - ema) * (pos_weight if r > 0 else 1), -clip, clip)``.
-
-    ``pos_weight`` > 1 leans towards liked answers: with the EMA near the average rating a good
-    answer would otherwise pull no harder than a bad one pushes.
-    """
-    rewards = rewards.to(torch.float32)
-    adv = rewards - ema
-    adv = torch.where(rewards > 0, adv * pos_weight, adv)
-    return adv.clamp(-clip, clip)
-
-
-EMA_SEED = 0.0
-
-
-def update_ema(ema: float | None, rewards: Sequence[float], decay: float = 0.99) -> float:
-    """The reward baseline after consuming ``rewards`` in order: ``ema = decay*ema + (1-decay)*r``.
-
-    A missing EMA starts at the neutral 0.0, the midpoint of the ±1 rewards, rather than at the
-    first rating or the first run's mean: either of those zeroes the advantage of the majority
-    class in the first runs (measured: a first run of only good ratings learned nothing), while 0.0
-    lets the first run push liked answers up and disliked ones down.
-    """
-    ema = EMA_SEED if ema is None else float(ema)
-    for r in rewards:
-        ema = decay * ema + (1.0 - decay) * float(r)
-    return float(ema)
+    """:func:`rlfleet.worker.training.advantages.advantage` of each reward, as a float32 tensor."""
+    values = [advantage(float(r), ema, pos_weight, clip) for r in rewards.tolist()]
+    return torch.tensor(values, dtype=torch.float32, device=rewards.device)
 
 
 def k3_kl(logp_new: Tensor, logp_ref: Tensor) -> Tensor:

@@ -1,9 +1,9 @@
 """The MIS-PO loss over MLX arrays: the same formula as :mod:`objective` (see its docstring).
 
 Only the pieces that touch per-token arrays live here; the advantage and the EMA baseline are
-plain numbers computed by :func:`objective.advantages` / :func:`objective.update_ema` and shared by
-both backends. Statistics come back as MLX scalars, not Python floats: the loss is evaluated inside
-``mlx.nn.value_and_grad``, where arrays cannot be read back yet.
+plain numbers (:mod:`rlfleet.worker.training.advantages`) shared by both backends. Statistics
+come back as MLX scalars, not Python floats: the loss is evaluated inside ``mlx.nn.value_and_grad``,
+where arrays cannot be read back yet.
 """
 
 from __future__ import annotations

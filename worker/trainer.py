@@ -24,10 +24,10 @@ from torch import Tensor
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
 
 from .batching import Encoded, collate, encode_sample, micro_batches
-from .objective import EMA_SEED, k3_kl, loss_for, run_check
-from .objective import advantages as compute_advantages
+from .objective import k3_kl, loss_for, run_check
 from .presets import TrainConfig
 from .samples import Progress, RunResult, TrainSample
+from .training.advantages import run_advantages
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -269,19 +269,8 @@ class Trainer:
         )
 
     def _advantages(self, samples: Sequence[TrainSample], ema: float | None, cfg: TrainConfig) -> Tensor:
-        """Retractions keep their fixed advantage; the rest get ``r - ema`` (see objective.advantages).
-
-        Without an EMA yet, the baseline is the neutral EMA_SEED (the same seeding
-        rule as ``update_ema``).
-        """
-        baseline = ema if ema is not None else EMA_SEED
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        adv = compute_advantages(rewards, baseline, cfg.pos_weight, cfg.adv_clip)
-        fixed = [s.fixed_advantage for s in samples]
-        return torch.tensor(
-            [a if f is None else float(f) for a, f in zip(adv.tolist(), fixed, strict=True)],
-            dtype=torch.float32,
-        )
+        """The advantages of :func:`rlfleet.worker.training.advantages.run_advantages`, as a tensor."""
+        return torch.tensor(run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip), dtype=torch.float32)
 
     @torch.no_grad()
     def _fixed_logprobs(

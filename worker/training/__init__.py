@@ -1,0 +1,1 @@
+"""The training run's parts that every backend shares."""
