@@ -26,7 +26,7 @@ from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import LocalResponder
 from rlfleet.worker.presets import resolve
 from rlfleet.worker.samples import Progress, TrainSample
-from rlfleet.worker.trainer import Trainer
+from rlfleet.worker.training.torch_backend import Trainer
 
 TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "owls", "silk", "bees"]
 FORMS = ["Tell me about {} in two sentences.", "What is {} good for?", "Give me one fact about {}."]

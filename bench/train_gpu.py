@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.worker.batching import _ids, encode_sample
     from rlfleet.worker.presets import preset
     from rlfleet.worker.samples import Progress
-    from rlfleet.worker.trainer import Trainer
+    from rlfleet.worker.training.torch_backend import Trainer
 
     from . import synthetic
     from .record import markdown_table

@@ -4,7 +4,7 @@ Same model, same ratings, same LoRA (rank, alpha, all linear layers), same micro
 device; each run is a fresh process (so one run's freed memory cannot hide the next one's peak),
 the methods interleaved round by round, medians reported.
 
-* ``ours``: the worker's Trainer (worker/trainer.py): one model, the reference is the base with the
+* ``ours``: the worker's Trainer (worker/training/): one model, the reference is the base with the
   adapter switched off and is computed once per run; the output head runs on response tokens only.
 * ``kto``: TRL's KTOTrainer on the same ratings (bench/learning/kto.py wires it to the same LoRA,
   optimizer and batch budget); its reference is also the adapter switched off, computed every step,
@@ -53,7 +53,7 @@ def build_trainer(model: str, device: str, dtype: str) -> Any:
 
     from rlfleet.shared.config import DEFAULT_MODEL
     from rlfleet.shared.models import resolve_model
-    from rlfleet.worker.trainer import Trainer
+    from rlfleet.worker.training.torch_backend import Trainer
 
     from .synthetic import byte_tokenizer, random_model
 
@@ -115,16 +115,17 @@ def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
 
     from rlfleet.worker.batching import encode_sample
     from rlfleet.worker.objective import loss_for
+    from rlfleet.worker.training.advantages import run_advantages
 
     reference = copy.deepcopy(trainer.base)  # the second copy: its memory is part of this method
     encoded = [encode_sample(trainer.tokenizer, s, cfg.max_tokens) for s in samples]
-    groups, batches = trainer._batches(encoded, cfg.micro_batch_tokens)
-    adv = trainer._advantages(samples, None, cfg).to(trainer.device)
-    autocast = trainer._use_autocast(encoded)
+    groups, batches = trainer.batches(encoded, cfg.micro_batch_tokens)
+    adv = trainer.vector(run_advantages(samples, None, cfg.pos_weight, cfg.adv_clip))
+    mixed = all(e.behaviour_logprobs is None for e in encoded)
     loss_fn = loss_for(cfg)
 
     def logprobs(model: Any, batch: dict) -> torch.Tensor:
-        with trainer._autocast(autocast):
+        with trainer.autocast():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         picked = lp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
@@ -133,7 +134,7 @@ def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
         return out * batch["response_mask"]
 
     torch.manual_seed(cfg.seed)
-    with trainer._adapter(None, cfg, trainable=True) as model:
+    with trainer.adapter(None, cfg, trainable=True, mixed_precision=mixed) as model:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr)
         behaviour: dict[int, torch.Tensor] = {}

@@ -157,6 +157,6 @@ def single_thread() -> Iterator[None]:
 def tiny_trainer(tiny_model_dir, single_thread):
     """The torch trainer on the tiny model, shared by a module's tests (importing peft costs seconds)."""
     from rlfleet.shared.models import resolve_model
-    from rlfleet.worker.trainer import Trainer
+    from rlfleet.worker.training.torch_backend import Trainer
 
     return Trainer(resolve_model(str(tiny_model_dir)))

@@ -51,7 +51,7 @@ def test_interface_delegates_to_the_wrapped_trainer(kto):
     t = kto.trainer
     assert kto.base is t.base and kto.tokenizer is t.tokenizer and kto.ref is t.ref
     assert (kto.device, kto.n_params, kto.is_moe) == (t.device, t.n_params, t.is_moe)
-    assert kto._adapter.__self__ is t and kto._batches.__self__ is t  # what the gate and benchmark call
+    assert kto.adapter.__self__ is t and kto.batches.__self__ is t  # what the gate and benchmark call
     pairs = [(chat("What is tea?"), GOOD)]
     assert kto.mean_logprobs(pairs) == t.mean_logprobs(pairs)
 

@@ -14,7 +14,7 @@ from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import LocalResponder
 from rlfleet.worker.presets import preset
 from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.trainer import Trainer
+from rlfleet.worker.training.torch_backend import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.jobs import evaluate_candidate
 from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.trainer import Trainer
+from rlfleet.worker.training.torch_backend import Trainer
 
 TOPICS = ["cats", "dogs", "rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "moss"]
 HELD = ["clocks", "bees", "pears", "tides"]

@@ -23,10 +23,11 @@ from test_trainer import BAD, GOOD, HELD_OUT, LEARN, TEMPLATES, chat, preference
 from rlfleet.shared.config import TrainSettings  # noqa: E402
 from rlfleet.shared.models import pick_device, resolve_model, serving_device  # noqa: E402
 from rlfleet.worker import objective, objective_mlx  # noqa: E402
-from rlfleet.worker.mlx_trainer import MlxTrainer, hf_folder, legacy_rope_fields  # noqa: E402
 from rlfleet.worker.presets import TrainConfig, preset  # noqa: E402
 from rlfleet.worker.samples import TrainSample  # noqa: E402
-from rlfleet.worker.trainer import Trainer  # noqa: E402
+from rlfleet.worker.training.mlx_backend import MlxTrainer  # noqa: E402
+from rlfleet.worker.training.mlx_model import hf_folder, legacy_rope_fields  # noqa: E402
+from rlfleet.worker.training.torch_backend import Trainer  # noqa: E402
 
 PAIRS = [
     (chat("Tell me about owls."), "hoot hoot"),
@@ -124,7 +125,7 @@ def test_mlx_loss_matches_torch_mispo_loss():
 def test_mlx_is_a_device_setting_and_selects_the_mlx_trainer(tiny_model_dir, mlx_trainer, torch_trainer,
                                                              monkeypatch):  # fmt: skip
     from rlfleet.worker import backends
-    from rlfleet.worker import mlx_trainer as mlx_mod
+    from rlfleet.worker.training import mlx_backend as mlx_mod
 
     assert TrainSettings(device="mlx").device == "mlx"
     assert pick_device("mlx") == "mlx"
@@ -264,8 +265,8 @@ def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):
 
 
 def test_gate_scores_match_the_torch_measurement(mlx_trainer, torch_trainer, learned):
-    from rlfleet.worker.evaluate import score_model
     from rlfleet.worker.gate import GateConfig
+    from rlfleet.worker.training.scoring import score_model
 
     out, _, _ = learned
     teacher_forced = GateConfig(eval_samples=0)

@@ -142,7 +142,7 @@ def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch
         assert status()["adapter"]["current"] == "v0001"
         _rate_some(cfg, handle, 3)
 
-        import rlfleet.worker.trainer as trainer_mod
+        import rlfleet.worker.training.torch_backend as trainer_mod
 
         def boom(self, *a, **k):
             raise RuntimeError("out of memory (simulated)")
@@ -171,7 +171,7 @@ def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_
     cfg = load_config()
     handle = open_queue(cfg)
     try:
-        import rlfleet.worker.trainer as trainer_mod
+        import rlfleet.worker.training.torch_backend as trainer_mod
 
         real_run = trainer_mod.Trainer.run
 
@@ -200,7 +200,7 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
     treated like a failure: no retry loop, a reason in status, and new ratings or `train` go on."""
     import redis as redis_mod
 
-    import rlfleet.worker.trainer as trainer_mod
+    import rlfleet.worker.training.torch_backend as trainer_mod
     from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW
     from rlfleet.worker.runner import recover
 

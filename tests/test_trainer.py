@@ -12,7 +12,7 @@ import torch
 from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
 from rlfleet.worker.presets import TrainConfig, preset
 from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.trainer import Trainer
+from rlfleet.worker.training.torch_backend import Trainer
 
 GOOD, BAD = "yes yes yes yes", "no no no no"
 TEMPLATES = ["Tell me about {}.", "What is {}?", "Describe {} briefly.", "Do you like {}?"]

@@ -1,7 +1,8 @@
 """Which trainer a device means: the MLX trainer for ``"mlx"``, the torch trainer otherwise.
 
-Both have the same interface (``run``, ``n_params``, ``is_moe``, ``tokenizer``, ``mean_logprobs``)
-and write the same peft adapters, so the rest of the worker does not care which one ran.
+Both are backends of the one training loop (:mod:`rlfleet.worker.training`): the same interface
+(``run``, ``n_params``, ``is_moe``, ``tokenizer``, ``mean_logprobs``, ``score_model``) and the same
+peft adapters, so the rest of the worker does not care which one ran.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from rlfleet.shared.models import ModelRef
 def make_trainer(ref: ModelRef, device: str) -> Any:
     """A trainer for ``ref`` on ``device`` (a value from :func:`rlfleet.shared.models.pick_device`)."""
     if device == "mlx":
-        from .mlx_trainer import MlxTrainer
+        from .training.mlx_backend import MlxTrainer
 
         return MlxTrainer(ref, device=device)
-    from .trainer import Trainer
+    from .training.torch_backend import Trainer
 
     return Trainer(ref, device=device)

@@ -480,7 +480,7 @@ def evaluate_candidate(
     trainer, held: list, parent_dir: Path | None, candidate_dir: Path, gcfg: GateConfig, max_tokens: int
 ) -> Verdict:
     """Measure base, parent and candidate on the held-out ratings and judge the candidate."""
-    from rlfleet.worker.evaluate import score_model
+    from rlfleet.worker.training.scoring import score_model
 
     pairs = [(s.prompt, s.response) for s in held]
     rewards = [s.reward for s in held]

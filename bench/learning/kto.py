@@ -1,6 +1,6 @@
 """TRL's KTOTrainer behind the rlfleet trainer interface: the learning benchmark's KTO baseline.
 
-:class:`KtoTrainer` wraps an existing torch :class:`~rlfleet.worker.trainer.Trainer` (the base model is
+:class:`KtoTrainer` wraps an existing torch :class:`~rlfleet.worker.training.torch_backend.Trainer` (the base model is
 loaded once and shared) and trains the same ratings with ``trl.KTOTrainer`` instead of our objective,
 at the same compute: ``cfg.steps`` optimizer steps, each over every sample once, at ``cfg.lr``, with
 the same LoRA (rank, alpha, all linear layers), AdamW settings, gradient clip and seed. The adapter is
@@ -23,7 +23,7 @@ What TRL needs or does on its own, and what is done about it here:
   and ``max_grad_norm = cfg.grad_clip`` (our Trainer's), no dropout changes, no telemetry, no logging
   integrations, no checkpoints. Forward passes run in eval mode, as our Trainer's do.
 * TRL patches the base model: a fused LM head replaces ``base.forward``, tags, pad ids. Each is put back
-  afterwards, and the LoRA is unloaded by ``Trainer._adapter``, so the base is exactly as before.
+  afterwards, and the LoRA is unloaded by ``Trainer.adapter``, so the base is exactly as before.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from rlfleet.shared.models import quiet_peft
 from rlfleet.worker.batching import _ids, encode_sample
 from rlfleet.worker.presets import TrainConfig
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
-from rlfleet.worker.trainer import Trainer
+from rlfleet.worker.training.torch_backend import Trainer
 
 KTO_BETA = 0.1  # TRL's default; not cfg.beta, which weights our objective's KL term (a different scale)
 
@@ -60,7 +60,7 @@ class KtoTrainer:
     # -- delegated to the wrapped Trainer -----------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found normally (_adapter, _batches, sequence_logprobs, ...).
+        # Only called for attributes not found normally (adapter, batches, sequence_logprobs, ...).
         trainer = self.__dict__.get("trainer")
         if trainer is None:
             raise AttributeError(name)
@@ -167,7 +167,7 @@ class KtoTrainer:
         torch.manual_seed(cfg.seed)  # LoRA A init repeats per seed, as in our Trainer
         with (
             tempfile.TemporaryDirectory(prefix="rlfleet-kto-") as scratch,
-            self.trainer._adapter(parent_adapter, cfg, trainable=True) as model,
+            self.trainer.adapter(parent_adapter, cfg, trainable=True) as model,
             _restore_base(self.base),
             _quiet_datasets(),
             quiet_peft(),

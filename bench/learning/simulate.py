@@ -117,8 +117,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.responder import LocalResponder
     from rlfleet.worker import jobs
-    from rlfleet.worker.evaluate import score_model
     from rlfleet.worker.gate import GateConfig
+    from rlfleet.worker.training.scoring import score_model
 
     started = time.perf_counter()
     say = report or (lambda *_: None)

@@ -1,1 +1,14 @@
-"""The training run's parts that every backend shares."""
+"""One training loop over a declared backend protocol.
+
+- :mod:`.loop`: the run skeleton (selection, encoding, seed, adapter session, save, metrics, result),
+  generic over a backend and a learning signal.
+- :mod:`.policy_gradient`: the worker's learning signal (reference and behaviour log-probs,
+  micro-batched optimizer steps with the objective of :mod:`rlfleet.worker.objective`).
+- :mod:`.advantages`: the advantage rule and the reward baseline, plain numbers.
+- :mod:`.scoring`: what the gate and the tests measure on a model (log-probs, KL, entropy, samples).
+- :mod:`.backend`: the tensor-level operations a backend provides.
+- :mod:`.torch_backend` (torch + peft) and :mod:`.mlx_backend` (MLX, with :mod:`.mlx_model` for
+  loading and the peft file format): the two backends.
+
+Nothing is imported here, so that the framework-free modules load without torch or MLX.
+"""

@@ -1,0 +1,119 @@
+"""What a training backend provides: tensor-level operations on one model, nothing about a run.
+
+The loop (:mod:`.loop`), the learning signal (:mod:`.policy_gradient`) and the measurements
+(:mod:`.scoring`) are written once over this protocol; a backend (:mod:`.torch_backend`,
+:mod:`.mlx_backend`) only loads a model, wraps it with a LoRA, computes log-probs and losses on
+its own tensors, steps its optimizer, saves a peft adapter and samples answers. ``Tensor`` below is
+the backend's own array type and ``Batch`` its collated micro-batch; the loop only passes them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from ..batching import Encoded
+from ..presets import TrainConfig
+
+Tensor = Any
+Batch = Any
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One micro-batch's contribution to an optimizer step, as plain numbers."""
+
+    loss: float  # the micro-batch's loss (a mean over its sequences)
+    mean_kl: float  # mean k3 KL to the reference per response token
+    n_tokens: float  # response tokens in the micro-batch
+    accepted_tokens: float  # response tokens the objective's token filter kept
+    accepted_seqs: float  # sequences the objective's sequence filter kept
+
+
+class TokenSums(NamedTuple):
+    """One answer's sums over its predicted tokens, for the gate's measurements."""
+
+    logprob: float
+    entropy: float
+    kl: float  # exact KL to the base, summed over the answer's positions
+    tokens: int
+
+
+class Backend(Protocol):
+    tokenizer: Any
+    device: str
+
+    @property
+    def n_params(self) -> int: ...
+
+    @property
+    def is_moe(self) -> bool: ...
+
+    # -- model state ---------------------------------------------------------------------------
+
+    def seed(self, seed: int) -> None:
+        """Seed what a run draws (the LoRA's initial weights)."""
+
+    def adapter(
+        self,
+        adapter_dir: Path | None,
+        cfg: TrainConfig | None,
+        trainable: bool = False,
+        mixed_precision: bool = False,
+    ) -> AbstractContextManager[Any]:
+        """The model wrapped with a LoRA for the block (the folder's adapter, or a fresh one from
+        ``cfg``); the base is exactly as before afterwards. Forward passes in the block use the
+        active adapter; ``mixed_precision`` lets them use a lower precision where the backend can."""
+
+    def reference(self) -> AbstractContextManager[None]:
+        """Forward passes in the block are the base's (the adapter switched off)."""
+
+    def save(self, out_dir: Path) -> None:
+        """Write the active adapter to ``out_dir`` as a peft adapter folder."""
+
+    # -- tensors -------------------------------------------------------------------------------
+
+    def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[Batch]]:
+        """Length-bucketed micro-batches of at most ``budget`` padded tokens: the sample indices
+        of each, and the collated batch on the device."""
+
+    def vector(self, values: Sequence[float]) -> Tensor:
+        """A float32 vector on the device."""
+
+    def logprobs(self, batch: Batch) -> Tensor:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix, 0 elsewhere; no gradient."""
+
+    def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
+        """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``."""
+
+    def kl_sum(self, batch: Batch, ref: Tensor) -> tuple[float, float]:
+        """The k3 KL of the active model to ``ref`` summed over response tokens, and their count."""
+
+    # -- optimizer -----------------------------------------------------------------------------
+
+    def begin_training(self, cfg: TrainConfig) -> None:
+        """Bind ``cfg``'s objective and make the optimizer over the active adapter's weights;
+        raise :class:`rlfleet.shared.errors.ConfigError` for an objective the backend lacks."""
+
+    def begin_step(self) -> None:
+        """Clear the accumulated gradient."""
+
+    def accumulate(self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float) -> StepStats:
+        """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated."""
+
+    def finish_step(self, apply: bool) -> None:
+        """Clip the accumulated gradient; update the weights when ``apply``."""
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def response_logprobs(self, batch: Batch) -> list[list[float]]:
+        """Per row, the log-probs of its response tokens under the active model."""
+
+    def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
+        """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
+
+    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        """One answer per prompt at temperature 0.7, as token ids up to the end token."""

@@ -1,0 +1,148 @@
+"""The training run, written once: rated samples in, a LoRA adapter folder and metrics out.
+
+:func:`run_training` is the skeleton every run goes through, whatever the backend (:mod:`.backend`)
+and whatever the learning signal: check the input, let the signal pick the samples it trains on and
+their advantages, encode them, seed, wrap the model with the parent's adapter (or a fresh one),
+let the signal run its optimizer steps, save the adapter, measure and check the run, and return
+the metrics every caller reads. A new learning signal implements :class:`Signal` and runs on every
+backend that has the tensor operations it uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..batching import Encoded, encode_sample
+from ..objective import run_check
+from ..presets import TrainConfig
+from ..samples import Progress, RunResult, TrainSample
+from . import scoring
+from .backend import Backend
+
+Report = Callable[[Progress], None]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a signal trains on: the samples it keeps, in order, and the advantage of each."""
+
+    samples: list[TrainSample]
+    advantages: list[float]
+    mean_advantage: float
+
+
+@dataclass(frozen=True)
+class RunData:
+    """A run's input after selection and encoding."""
+
+    given: list[TrainSample]  # every sample the run was handed
+    samples: list[TrainSample]  # the ones trained on
+    encoded: list[Encoded]
+    advantages: list[float]
+    parent_adapter: Path | None
+
+    @property
+    def n_response(self) -> int:
+        return sum(e.n_response for e in self.encoded)
+
+    @property
+    def n_seen(self) -> int:
+        """Tokens one optimizer step runs the model over."""
+        return sum(e.length for e in self.encoded)
+
+
+@dataclass
+class Outcome:
+    """What a signal's optimizer steps report. A KL left at None is measured by the loop: the
+    final one on the saved adapter, the mean one is then the final one; without a start KL the
+    run's KL limit is not checked (only that the figures are finite)."""
+
+    loss: float
+    train_seconds: float
+    accepted_token_frac: float
+    accepted_seq_frac: float
+    mean_kl: float | None = None
+    start_kl: float | None = None
+    final_kl: float | None = None
+    extra: dict[str, float | int | str] = field(default_factory=dict)  # signal-specific metrics
+
+
+class Signal(Protocol):
+    """A learning signal: which samples train with which advantage, and how the weights move."""
+
+    def select(self, backend: Backend, samples: list[TrainSample], ema: float | None, cfg: TrainConfig) -> Selection:
+        ...
+
+    def train(
+        self, backend: Backend, session: Any, data: RunData, cfg: TrainConfig, report: Report
+    ) -> AbstractContextManager[Outcome]:
+        """Run ``cfg.steps`` optimizer steps inside the adapter session (``session`` is what the
+        backend's ``adapter`` yielded); the context stays open while the loop saves the adapter."""
+
+
+def run_training(
+    backend: Backend,
+    signal: Signal,
+    samples: list[TrainSample],
+    ema: float | None,
+    cfg: TrainConfig,
+    parent_adapter: Path | None,
+    out_dir: Path,
+    progress: Report | None = None,
+) -> RunResult:
+    """Train ``cfg.steps`` optimizer steps over ``samples``; save the adapter to ``out_dir``."""
+    if not samples:
+        raise ValueError("a training run needs at least one sample")
+    started = time.perf_counter()
+    report = progress or (lambda _p: None)
+    out_dir = Path(out_dir)
+
+    chosen = signal.select(backend, samples, ema, cfg)
+    encoded = [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in chosen.samples]
+    data = RunData(samples, chosen.samples, encoded, chosen.advantages, parent_adapter)
+    # Recorded behaviour log-probs are raw fp32 values: lower precision alone would move the
+    # importance ratios by about 1 % before any update, so a run that uses any stays in fp32.
+    mixed = all(e.behaviour_logprobs is None for e in encoded)
+
+    backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
+    with (
+        backend.adapter(parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session,
+        signal.train(backend, session, data, cfg, report) as outcome,
+    ):
+        report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
+        backend.save(out_dir)
+    final_kl = outcome.final_kl
+    if final_kl is None:
+        final_kl = scoring.saved_adapter_kl(backend, data.samples, out_dir, cfg.max_tokens)
+
+    n_retractions = sum(s.fixed_advantage is not None for s in samples)
+    metrics: dict[str, float | int | str] = {
+        "ratings_used": len(samples) - n_retractions,
+        "retractions": n_retractions,
+        "mean_advantage": chosen.mean_advantage,
+        "loss": outcome.loss,
+        "mean_kl": final_kl if outcome.mean_kl is None else outcome.mean_kl,
+        "final_mean_kl": final_kl,
+        "accepted_token_frac": outcome.accepted_token_frac,
+        "accepted_seq_frac": outcome.accepted_seq_frac,
+        "tokens_per_s": data.n_seen * cfg.steps / max(outcome.train_seconds, 1e-9),
+        "seconds": time.perf_counter() - started,
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "n_tokens": data.n_response,
+        **outcome.extra,
+    }
+    start_kl = final_kl if outcome.start_kl is None else outcome.start_kl
+    ok, reason = run_check(outcome.loss, start_kl, final_kl, cfg.max_mean_kl)
+    return RunResult(
+        metrics=metrics,
+        advantages={s.rating_id: a for s, a in zip(chosen.samples, chosen.advantages, strict=True)},
+        promoted_ok=ok,
+        reason=reason,
+    )
+

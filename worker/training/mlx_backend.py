@@ -1,0 +1,360 @@
+"""The MLX backend (Apple Silicon; also runs on Linux CPU): :class:`MlxTrainer`, same runs, same adapters.
+
+It trains the same objective as the torch backend with mlx / mlx_lm instead of torch / peft, and
+saves plain peft adapters (:mod:`.mlx_model`).
+
+- LoRA: mlx_lm's ``LoRALinear`` on every linear projection except the output head (peft's
+  ``all-linear``), scale = alpha / rank as in peft. mlx keeps ``lora_a`` as ``(in, r)`` and
+  ``lora_b`` as ``(r, out)``, the transpose of peft's: saving and loading transpose. Module paths
+  are mlx_lm's, which equal the Hugging Face ones for the usual architectures; this is checked
+  against the checkpoint's tensor names and shapes at load, so a mismatch fails before training,
+  not in the responder.
+- Reference log-probs: the same modules with the LoRA scale set to 0 (the base, exactly).
+- Weights are cast to float32 by default, as the torch backend loads them: recorded behaviour
+  log-probs are fp32 values, and a bf16 policy would move every sequence ratio before any update.
+
+Not thread-safe: a run swaps the model's modules in place and swaps them back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlfleet.shared.errors import ConfigError, ModelUnavailable
+from rlfleet.shared.models import ModelRef, load_tokenizer
+
+from ..batching import Encoded, _ids, collate, micro_batches
+from ..presets import TrainConfig
+from .backend import StepStats, TokenSums
+from .interface import TrainerInterface
+from .mlx_model import (
+    LoraSpec,
+    checkpoint_shapes,
+    fresh_spec,
+    hf_folder,
+    legacy_rope_fields,
+    peft_key,
+    read_adapter,
+    require_mlx,
+    write_adapter,
+)
+
+
+class MlxTrainer(TrainerInterface):
+    def __init__(
+        self,
+        ref: ModelRef,
+        device: str = "mlx",
+        cache_dir: Path | None = None,
+        dtype: str | None = "float32",
+    ) -> None:
+        require_mlx()
+        import mlx.core as mx
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import load_model as mlx_load_model
+
+        self.ref = ref
+        self.device = device
+        self._loras: dict[str, Any] = {}  # module path -> LoRALinear while an adapter is applied
+        self._spec: LoraSpec | None = None
+        self._train: Any = None  # value_and_grad of the objective while training
+        self._opt: Any = None
+        self._grads: Any = None
+        self._grad_clip = 0.0
+        self.tokenizer = load_tokenizer(ref)
+        self.folder = hf_folder(ref, cache_dir)
+        self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
+        try:
+            loaded = mlx_load_model(self.folder, model_config=legacy_rope_fields(self.config))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelUnavailable(f"mlx_lm cannot load {ref.spec} from {self.folder}: {exc}") from None
+        self.model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if dtype is not None:
+            self.model.set_dtype(getattr(mx, dtype))
+        self.model.freeze()  # the base is never trained; only LoRA weights are
+        self.model.eval()
+        mx.eval(self.model.parameters())
+        self._n_params = sum(v.size for _, v in tree_flatten(self.model.parameters()))
+        self._targets = self._lora_targets(nn)
+
+    @property
+    def n_params(self) -> int:
+        return self._n_params
+
+    @property
+    def is_moe(self) -> bool:
+        cfg = self.config.get("text_config") or self.config
+        return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+
+    def _modules(self) -> dict[str, Any]:
+        return dict(self.model.named_modules())
+
+    def _lora_targets(self, nn: Any) -> list[str]:
+        """peft's ``all-linear``: every linear layer but the output head, checked against the HF
+        checkpoint so that the saved key names and shapes are the ones peft will look for."""
+        hf = checkpoint_shapes(self.folder)
+        targets, unmapped = [], []
+        for name, m in self._modules().items():
+            if not isinstance(m, nn.Linear | nn.QuantizedLinear) or name.rsplit(".", 1)[-1] == "lm_head":
+                continue
+            out_dims, in_dims = m.weight.shape
+            if isinstance(m, nn.QuantizedLinear):
+                in_dims = in_dims * 32 // m.bits
+            if hf.get(f"{name}.weight") == (out_dims, in_dims):
+                targets.append(name)
+            else:
+                unmapped.append(name)
+        if not targets or unmapped:
+            raise ModelUnavailable(
+                f"mlx_lm's layers of {self.ref.spec} do not map onto its Hugging Face names "
+                f"(e.g. {(unmapped or ['none found'])[:2]}); train it with train.device = 'auto'"
+            )
+        return sorted(targets)
+
+    # -- model state ------------------------------------------------------------------------------
+
+    def seed(self, seed: int) -> None:
+        _mx().random.seed(seed)
+
+    @contextlib.contextmanager
+    def adapter(
+        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, mixed_precision: bool = False
+    ) -> Iterator[LoraSpec]:
+        """The model with LoRA layers for the block; the original modules are put back afterwards.
+
+        With ``adapter_dir`` the adapter's own config (rank, alpha, modules) and weights are loaded;
+        otherwise a fresh LoRA from ``cfg`` (B = 0, so it starts equal to the base). MLX computes in
+        the weights' dtype: ``trainable`` and ``mixed_precision`` change nothing here.
+        """
+        import mlx.core as mx
+        from mlx.utils import tree_unflatten
+        from mlx_lm.tuner.lora import LoRALinear
+
+        if adapter_dir is not None:
+            spec = read_adapter(Path(adapter_dir), self._targets, self.ref.spec)
+        elif cfg is not None:
+            spec = fresh_spec(cfg.rank, cfg.alpha, self._targets)
+        else:
+            raise ValueError("a fresh adapter needs a TrainConfig")
+        modules = self._modules()
+        originals = [(p, modules[p]) for p in spec.paths]
+        loras = {p: LoRALinear.from_base(m, r=spec.rank, dropout=0.0, scale=spec.scale) for p, m in originals}
+        self.model.update_modules(tree_unflatten(list(loras.items())))
+        try:
+            for p, lora in loras.items():
+                if spec.weights is not None:
+                    a, b = spec.weights[peft_key(p, "A")], spec.weights[peft_key(p, "B")]
+                    if a.shape != (spec.rank, lora.lora_a.shape[0]) or b.shape != (lora.lora_b.shape[1], spec.rank):
+                        raise ValueError(f"adapter {adapter_dir}: {p} has shapes {a.shape}, {b.shape}")
+                    lora.lora_a = mx.array(a.T).astype(mx.float32)
+                    lora.lora_b = mx.array(b.T).astype(mx.float32)
+                else:
+                    lora.lora_a = lora.lora_a.astype(mx.float32)
+            mx.eval(self.model.trainable_parameters())
+            self._loras, self._spec = loras, spec
+            yield spec
+        finally:
+            self._loras, self._spec, self._train, self._opt, self._grads = {}, None, None, None, None
+            self.model.update_modules(tree_unflatten(originals))
+            self.model.eval()
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """LoRA scale 0: the forward pass is the base's, exactly (``y + 0 * z``)."""
+        scales = {p: lora.scale for p, lora in self._loras.items()}
+        for lora in self._loras.values():
+            lora.scale = 0.0
+        try:
+            yield
+        finally:
+            for p, lora in self._loras.items():
+                lora.scale = scales[p]
+
+    def save(self, out_dir: Path) -> None:
+        """``lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r) per module, in a peft folder."""
+        import numpy as np
+
+        if self._spec is None:
+            raise RuntimeError("no adapter is applied")
+        f32 = _mx().float32
+        tensors: dict[str, Any] = {}
+        for p, lora in sorted(self._loras.items()):
+            tensors[peft_key(p, "A")] = np.ascontiguousarray(np.array(lora.lora_a.astype(f32)).T)
+            tensors[peft_key(p, "B")] = np.ascontiguousarray(np.array(lora.lora_b.astype(f32)).T)
+        write_adapter(out_dir, self._spec, tensors, self.ref.path)
+
+    # -- tensors ----------------------------------------------------------------------------------
+
+    def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[dict]]:
+        mx = _mx()
+        groups = micro_batches(encoded, budget)
+        batches = []
+        for g in groups:
+            t = collate([encoded[i] for i in g], self.tokenizer.pad_token_id)
+            resp = t["response_mask"].numpy()
+            if resp[:, 0].any():
+                raise ValueError("a response token at position 0 has no context to be predicted from")
+            ids = mx.array(t["input_ids"].numpy().astype("int32"))
+            batches.append({"input_ids": ids, "response_mask": mx.array(resp)})
+        return groups, batches
+
+    def vector(self, values: Sequence[float]) -> Any:
+        mx = _mx()
+        return mx.array(list(values), dtype=mx.float32)
+
+    def _logprobs(self, ids: Any, mask: Any) -> Any:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask.
+
+        Batches are right-padded: with causal attention the padding never reaches a real position,
+        so no attention mask is needed."""
+        mx = _mx()
+        logits = self.model(ids)[:, :-1].astype(mx.float32)
+        target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1).squeeze(-1)
+        lp = target - mx.logsumexp(logits, axis=-1)
+        lp = mx.concatenate([mx.zeros((ids.shape[0], 1), dtype=mx.float32), lp], axis=1)
+        return mx.where(mask, lp, mx.zeros_like(lp))
+
+    def logprobs(self, batch: dict) -> Any:
+        lp = self._logprobs(batch["input_ids"], batch["response_mask"])
+        _mx().eval(lp)
+        return lp
+
+    def with_recorded(self, logprobs: Any, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Any:
+        import numpy as np
+
+        arr = np.array(logprobs, dtype=np.float32)
+        for row, start, values in rows:
+            arr[row, start : start + len(values)] = np.asarray(values, dtype=np.float32)
+        return _mx().array(arr)
+
+    def kl_sum(self, batch: dict, ref: Any) -> tuple[float, float]:
+        from ..objective_mlx import k3_kl
+
+        mx = _mx()
+        mask = batch["response_mask"]
+        new = self._logprobs(batch["input_ids"], mask)
+        kl = mx.where(mask, k3_kl(new, ref), mx.zeros_like(new)).sum()
+        return float(kl), float(mask.sum())
+
+    # -- optimizer --------------------------------------------------------------------------------
+
+    def begin_training(self, cfg: TrainConfig) -> None:
+        import mlx.nn as nn
+        import mlx.optimizers as optim
+
+        from ..objective_mlx import mispo_loss
+
+        objective = getattr(cfg, "objective", "mispo")
+        if objective != "mispo":
+            raise ConfigError(
+                f"the mlx trainer implements only the 'mispo' objective, not {objective!r}; "
+                "use train.device = 'auto' for it"
+            )
+
+        def loss_fn(ids, mask, beh, ref, advantages, share):
+            out = mispo_loss(
+                self._logprobs(ids, mask), beh, ref, mask, advantages,
+                token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta,
+            )  # fmt: skip
+            return out.loss * share, {"loss": out.loss, **out.stats()}
+
+        self._train = nn.value_and_grad(self.model, loss_fn)
+        self._opt = optim.AdamW(learning_rate=cfg.lr, bias_correction=True)  # torch.optim.AdamW's defaults
+        self._grad_clip = cfg.grad_clip
+
+    def begin_step(self) -> None:
+        self._grads = None
+
+    def accumulate(self, batch: dict, beh: Any, ref: Any, advantages: Any, share: float) -> StepStats:
+        from mlx.utils import tree_map
+
+        mx = _mx()
+        (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share)
+        self._grads = g if self._grads is None else tree_map(mx.add, self._grads, g)
+        mx.eval(self._grads, stats)
+        return StepStats(
+            loss=float(stats["loss"]),
+            mean_kl=float(stats["mean_kl"]),
+            n_tokens=float(stats["n_tokens"]),
+            accepted_tokens=float(stats["accepted_tokens"]),
+            accepted_seqs=float(stats["accepted_seqs"]),
+        )
+
+    def finish_step(self, apply: bool) -> None:
+        import mlx.optimizers as optim
+
+        grads, _norm = optim.clip_grad_norm(self._grads, self._grad_clip)
+        if apply:
+            self._opt.update(self.model, grads)
+            _mx().eval(self.model.trainable_parameters(), self._opt.state)
+
+    # -- measurements -----------------------------------------------------------------------------
+
+    def response_logprobs(self, batch: dict) -> list[list[float]]:
+        import numpy as np
+
+        lp = np.array(self._logprobs(batch["input_ids"], batch["response_mask"]))
+        mask = np.array(batch["response_mask"])
+        return [lp[row][mask[row]].tolist() for row in range(lp.shape[0])]
+
+    def score_rows(self, batch: dict, with_kl: bool) -> list[TokenSums]:
+        import numpy as np
+
+        mx = _mx()
+        ids = batch["input_ids"]
+        logp = self._log_softmax(ids)
+        p = mx.exp(logp)
+        ent = -(p * logp).sum(axis=-1)
+        tok = mx.take_along_axis(logp, ids[:, 1:, None], axis=-1).squeeze(-1)
+        if with_kl:
+            with self.reference():
+                ref = self._log_softmax(ids)
+            kl = (p * (logp - ref)).sum(axis=-1)
+        else:
+            kl = mx.zeros_like(ent)
+        pred = np.array(batch["response_mask"])[:, 1:]
+        tok_np, ent_np, kl_np = (np.array(a) for a in (tok, ent, kl))
+        return [
+            TokenSums(float(t[m].sum()), float(e[m].sum()), float(k[m].sum()), int(m.sum()))
+            for t, e, k, m in zip(tok_np, ent_np, kl_np, pred, strict=True)
+        ]
+
+    def _log_softmax(self, ids: Any) -> Any:
+        """``[B, L-1, V]`` fp32 next-token log-probs at every position but the last."""
+        mx = _mx()
+        logits = self.model(ids)[:, :-1].astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        """One answer at a time, seeded ``seed + j`` for the j-th prompt; no top-p or top-k."""
+        return [self._sample(prompt, max_new_tokens, seed + j) for j, prompt in enumerate(prompts)]
+
+    def _sample(self, prompt: list[dict], max_new_tokens: int, seed: int) -> list[int]:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        mx = _mx()
+        ids = _ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        eos = self.tokenizer.eos_token_id
+        mx.random.seed(seed)
+        new: list[int] = []
+        steps = generate_step(
+            mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_new_tokens, sampler=make_sampler(temp=0.7)
+        )
+        for token, _logprobs in steps:
+            t = int(token)
+            if t == eos:
+                break
+            new.append(t)
+        return new
+
+
+def _mx() -> Any:
+    import mlx.core as mx
+
+    return mx

@@ -1,0 +1,117 @@
+"""The worker's learning signal: single-rollout policy gradient on rated answers.
+
+Every sample trains, with the advantage of :mod:`.advantages`. Before the first update the run
+computes, once per micro-batch, the reference log-probs (the base: the KL anchor) and the behaviour
+log-probs (the recorded ones where a sample brings them, the policy at the start of the run
+elsewhere); each optimizer step then accumulates the objective (``cfg.objective``, see
+:mod:`rlfleet.worker.objective`) over all micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..presets import TrainConfig
+from ..samples import Progress, TrainSample
+from .advantages import run_advantages
+from .backend import Backend, Batch, Tensor
+from .loop import Outcome, Report, RunData, Selection
+
+
+class PolicyGradient:
+    def select(self, backend: Backend, samples: list[TrainSample], ema: float | None, cfg: TrainConfig) -> Selection:
+        adv = run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip)
+        return Selection(list(samples), adv, sum(adv) / len(adv))
+
+    @contextlib.contextmanager
+    def train(
+        self, backend: Backend, session: Any, data: RunData, cfg: TrainConfig, report: Report
+    ) -> Iterator[Outcome]:
+        backend.begin_training(cfg)
+        groups, batches = backend.batches(data.encoded, cfg.micro_batch_tokens)
+        report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
+        ref, beh = _fixed_logprobs(backend, data, groups, batches)
+        report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
+
+        advantages = [backend.vector([data.advantages[i] for i in g]) for g in groups]
+        n_samples, n_response, n_seen = len(data.samples), data.n_response, data.n_seen
+        token_fracs: list[float] = []
+        seq_fracs: list[float] = []
+        loss_value = mean_kl = start_kl = float("nan")
+        train_started = time.perf_counter()
+        for step in range(cfg.steps):
+            backend.begin_step()
+            step_loss = kl_sum = tok_acc = seq_acc = 0.0
+            for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
+                # Each micro-batch's loss is a mean over its sequences: weighting by its share of
+                # sequences makes the accumulated gradient the mean over the whole step.
+                share = len(group) / n_samples
+                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share)
+                step_loss += stats.loss * share
+                kl_sum += stats.mean_kl * stats.n_tokens
+                tok_acc += stats.accepted_tokens
+                seq_acc += stats.accepted_seqs
+            # With every sequence filtered out the gradient is KL-only; AdamW's momentum and decay
+            # would still move the weights, defeating the filter as a trust region.
+            backend.finish_step(apply=seq_acc > 0)
+            loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
+            if step == 0:  # measured before the first update: where the run starts
+                start_kl = mean_kl
+            token_fracs.append(tok_acc / max(n_response, 1))
+            seq_fracs.append(seq_acc / n_samples)
+            elapsed = time.perf_counter() - train_started
+            report(Progress(step + 1, cfg.steps, n_seen * (step + 1) / max(elapsed, 1e-9), loss_value))
+        train_seconds = time.perf_counter() - train_started
+
+        yield Outcome(
+            loss=loss_value,
+            train_seconds=train_seconds,
+            accepted_token_frac=_mean(token_fracs),
+            accepted_seq_frac=_mean(seq_fracs),
+            mean_kl=mean_kl,
+            start_kl=start_kl,
+            final_kl=_mean_kl(backend, batches, ref),  # of what is saved: the last step's predates its update
+        )
+
+
+def _fixed_logprobs(
+    backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per micro-batch: reference log-probs (adapter off) and behaviour log-probs.
+
+    Behaviour = the recorded log-probs where encode_sample kept them, the policy at the start of the
+    run elsewhere. A fresh LoRA starts exactly at the base (B = 0), so then the reference pass
+    doubles as the behaviour pass.
+    """
+    encoded = data.encoded
+    with backend.reference():
+        ref = [backend.logprobs(b) for b in batches]
+    need_start = data.parent_adapter is not None and any(
+        e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
+    )
+    start = [backend.logprobs(b) for b in batches] if need_start else ref
+    beh = []
+    for g, lp in zip(groups, start, strict=True):
+        recorded = [
+            (row, encoded[i].prompt_len, encoded[i].behaviour_logprobs or [])
+            for row, i in enumerate(g)
+            if encoded[i].behaviour_logprobs
+        ]
+        beh.append(backend.with_recorded(lp, recorded))
+    return ref, beh
+
+
+def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:
+    total = count = 0.0
+    for batch, ref_lp in zip(batches, ref, strict=True):
+        kl, n = backend.kl_sum(batch, ref_lp)
+        total += kl
+        count += n
+    return total / max(count, 1)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

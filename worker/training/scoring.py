@@ -1,0 +1,100 @@
+"""Measurements on a model (the base, or the base plus an adapter folder), written once over a backend.
+
+- :func:`token_logprobs` / :func:`mean_logprobs`: teacher-forced log-probs of answers, with the same
+  encoding and computation as training (so usable as recorded behaviour log-probs).
+- :func:`score_model`: the evaluation gate's measurement on held-out rated answers: the mean
+  log-prob of each, the exact KL to the base and the next-token entropy at each answer position,
+  and sampled answers on the held-out prompts (distinct bigrams, repetition and length: the
+  signals a teacher-forced pass cannot see).
+- :func:`saved_adapter_kl`: the per-token KL of a saved adapter to the base on a run's samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ..batching import encode_sample
+from ..gate import GateConfig, ModelScores, sample_plan
+from ..samples import TrainSample
+from .backend import Backend
+
+Pairs = Sequence[tuple[list[dict], str]]
+EVAL_BATCH_TOKENS = 4096  # micro-batch budget of the measurements (no gradient: larger than training's)
+
+
+@contextlib.contextmanager
+def _serving(backend: Backend, adapter_dir: Path | None) -> Iterator[None]:
+    """The base, or the base with the adapter in ``adapter_dir``, for the block."""
+    if adapter_dir is None:
+        yield
+        return
+    with backend.adapter(Path(adapter_dir), None):
+        yield
+
+
+def _batches(backend: Backend, pairs: Pairs, max_tokens: int) -> tuple[list[list[int]], list]:
+    samples = [TrainSample(rating_id=i, prompt=p, response=r, reward=0.0) for i, (p, r) in enumerate(pairs)]
+    encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
+    return backend.batches(encoded, EVAL_BATCH_TOKENS)
+
+
+def token_logprobs(
+    backend: Backend, pairs: Pairs, adapter_dir: Path | None = None, max_tokens: int = 1024
+) -> list[list[float]]:
+    """Per-token log-probs of each ``(prompt, response)`` pair's response tokens (end token
+    included) under the base, or the base plus the adapter in ``adapter_dir``; fp32."""
+    groups, batches = _batches(backend, pairs, max_tokens)
+    result: list[list[float]] = [[] for _ in pairs]
+    with _serving(backend, adapter_dir):
+        for g, batch in zip(groups, batches, strict=True):
+            for i, values in zip(g, backend.response_logprobs(batch), strict=True):
+                result[i] = values
+    return result
+
+
+def mean_logprobs(
+    backend: Backend, pairs: Pairs, adapter_dir: Path | None = None, max_tokens: int = 1024
+) -> list[float]:
+    """Mean per-token log-prob of each pair's response; see :func:`token_logprobs`."""
+    return [sum(v) / max(len(v), 1) for v in token_logprobs(backend, pairs, adapter_dir, max_tokens)]
+
+
+def score_model(
+    backend: Backend,
+    pairs: Pairs,
+    adapter_dir: Path | None,
+    cfg: GateConfig,
+    max_tokens: int = 1024,
+    seed: int = 0,
+) -> ModelScores:
+    """The gate's measurement of the base, or the base plus ``adapter_dir``, on ``pairs``: per
+    answer the token log-prob, entropy and KL-to-base sums, and ``cfg.eval_samples`` sampled
+    answers (temperature 0.7) of at most ``cfg.eval_new_tokens`` tokens."""
+    groups, batches = _batches(backend, pairs, max_tokens)
+    n = len(pairs)
+    lp_sum, ent_sum, kl_sum, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
+    with _serving(backend, adapter_dir):
+        for g, batch in zip(groups, batches, strict=True):
+            for i, row in zip(g, backend.score_rows(batch, with_kl=adapter_dir is not None), strict=True):
+                lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
+        prompts = sample_plan([p for p, _r in pairs], cfg.eval_samples)
+        sampled = backend.sample(prompts, cfg.eval_new_tokens, seed) if prompts else []
+    return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
+
+
+def saved_adapter_kl(backend: Backend, samples: Sequence[TrainSample], adapter_dir: Path, max_tokens: int) -> float:
+    """Mean per-token KL (k3 estimator) of the adapter in ``adapter_dir`` to the base, over the
+    response tokens of ``samples``: the figure a run reports as its final KL."""
+    pairs = [(s.prompt, s.response) for s in samples]
+    ref = token_logprobs(backend, pairs, None, max_tokens)
+    new = token_logprobs(backend, pairs, adapter_dir, max_tokens)
+    total = count = 0.0
+    for new_seq, ref_seq in zip(new, ref, strict=True):
+        for new_lp, ref_lp in zip(new_seq, ref_seq, strict=True):
+            d = ref_lp - new_lp
+            total += math.exp(d) - d - 1.0
+            count += 1
+    return total / max(count, 1)

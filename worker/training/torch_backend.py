@@ -1,0 +1,294 @@
+"""The torch + peft backend: :class:`Trainer`.
+
+The base model is loaded once per :class:`Trainer` and kept between runs. Each run wraps it with a
+LoRA (fresh, or the parent adapter's weights so the lineage continues) and unwraps it afterwards,
+so the base is clean for the next run. Not thread-safe: a run mutates the base's modules in place.
+
+Log-probs are computed in fp32. bf16 autocast is used only on a CUDA device that supports it, and
+only in an adapter session opened with ``mixed_precision`` (a run whose samples bring no recorded
+behaviour log-probs: see :func:`.loop.run_training`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
+from rlfleet.shared.responder import seeded_rng
+
+from ..batching import Encoded, _ids, collate, micro_batches
+from ..objective import k3_kl, loss_for
+from ..presets import TrainConfig
+from .backend import StepStats, TokenSums
+from .interface import TrainerInterface
+
+# Config fields that change logits after the output head: with any of them set the cheap path
+# (output head on response positions only) would be wrong, so full logits are used instead.
+_LOGIT_POSTPROCESSING = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+)
+
+
+class Trainer(TrainerInterface):
+    def __init__(self, ref: ModelRef, device: str = "cpu") -> None:
+        self._attach(ref, device, load_tokenizer(ref), load_model(ref, device))
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, device: str, ref: ModelRef | None = None) -> Trainer:
+        """A Trainer around a model already in memory (the benchmarks build random-init ones)."""
+        self = cls.__new__(cls)
+        ref = ref or ModelRef(spec="in-memory", path="", gguf_file=None, slug="in-memory")
+        self._attach(ref, device, tokenizer, model.to(device).eval())
+        return self
+
+    def _attach(self, ref: ModelRef, device: str, tokenizer: Any, base: Any) -> None:
+        self.ref = ref
+        self.device = device
+        self.tokenizer = tokenizer
+        self.base = base
+        for p in self.base.parameters():  # the base is never trained; only LoRA weights are
+            p.requires_grad_(False)
+        self._n_params = sum(p.numel() for p in self.base.parameters())
+        self._model: Any = None  # the LoRA-wrapped base while an adapter session is open
+        self._bf16 = False  # bf16 autocast in this session's forward passes
+        self._loss: Any = None
+        self._opt: Any = None
+        self._params: list[Tensor] = []
+        self._grad_clip = 0.0
+
+    @property
+    def n_params(self) -> int:
+        return self._n_params
+
+    @property
+    def is_moe(self) -> bool:
+        cfg = self.base.config
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        return bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
+
+    def _active(self) -> Any:
+        return self.base if self._model is None else self._model
+
+    # -- model state ------------------------------------------------------------------------------
+
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @contextlib.contextmanager
+    def adapter(
+        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, mixed_precision: bool = False
+    ) -> Iterator[Any]:
+        """The base wrapped with a LoRA for the duration of the block (the peft model is yielded);
+        the base is clean afterwards.
+
+        With ``adapter_dir`` the adapter's own config (rank, alpha, modules: a lineage keeps its
+        shape) and weights are loaded; otherwise a fresh LoRA from ``cfg`` (B = 0, so it starts
+        equal to the base). Weights are loaded after wrapping, inside the ``try``, so a bad file
+        still leaves the base clean.
+        """
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if adapter_dir is not None:
+            lora = LoraConfig.from_pretrained(str(adapter_dir))
+        elif cfg is not None:
+            lora = LoraConfig(
+                r=cfg.rank,
+                lora_alpha=cfg.alpha,
+                target_modules="all-linear",
+                lora_dropout=0.0,
+                task_type="CAUSAL_LM",
+            )
+        else:
+            raise ValueError("a fresh adapter needs a TrainConfig")
+        lora.inference_mode = not trainable
+        with quiet_peft():
+            model = get_peft_model(self.base, lora)
+        try:
+            if adapter_dir is not None:
+                weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=self.device)
+                loaded = set_peft_model_state_dict(model, weights)
+                missing = [k for k in loaded.missing_keys if "lora_" in k]
+                if loaded.unexpected_keys or missing:
+                    raise ValueError(
+                        f"adapter {adapter_dir} does not fit {self.ref.spec}: "
+                        f"unexpected {loaded.unexpected_keys[:3]}, missing {missing[:3]}"
+                    )
+            # Eval mode while training too: dropout or router noise would make the trained policy
+            # differ from the one the behaviour and reference log-probs were computed with.
+            model.eval()
+            self._model = model
+            self._bf16 = self.device.startswith("cuda") and torch.cuda.is_bf16_supported() and mixed_precision
+            yield model
+        finally:
+            self._model, self._bf16, self._opt, self._params = None, False, None, []
+            model.unload()  # removes the LoRA layers without merging them: the base is untouched
+            self.base.eval()
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        return self._model.disable_adapter()
+
+    def save(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with quiet_peft():
+            self._model.save_pretrained(str(out_dir))
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast where this session allows it, else nothing."""
+        if self._bf16:
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- tensors ----------------------------------------------------------------------------------
+
+    def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[dict]]:
+        groups = micro_batches(encoded, budget)
+        pad = self.tokenizer.pad_token_id
+        tensors = [
+            {k: v.to(self.device) for k, v in collate([encoded[i] for i in g], pad).items()} for g in groups
+        ]
+        return groups, tensors
+
+    def vector(self, values: Sequence[float]) -> Tensor:
+        return torch.tensor(list(values), dtype=torch.float32, device=self.device)
+
+    def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask.
+
+        Where the architecture allows, the output head runs on response positions only (hidden
+        states are sliced first): the prompt's logits are never needed and cost vocab-sized rows.
+        """
+        model = self._active()
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        if bool(resp[:, 0].any()):
+            raise ValueError("a response token at position 0 has no context to be predicted from")
+        # Token t is predicted from position t-1.
+        pred_mask = resp[:, 1:]
+        targets = ids[:, 1:][pred_mask]
+
+        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        config = getattr(lm, "config", None)
+        plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
+        if body is not None and isinstance(head, torch.nn.Linear) and plain_head:
+            with self.autocast():
+                hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            hidden = hidden[:, :-1][pred_mask].to(head.weight.dtype)
+            logits = head(hidden).float()  # outside autocast: the log-softmax needs fp32 logits
+        else:
+            with self.autocast():
+                full = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            logits = full[:, :-1][pred_mask].float()
+        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        # Boolean-mask order is row-major, the same order masked_scatter fills in.
+        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device).masked_scatter(resp, lp)
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
+        return self._logprobs(batch)
+
+    def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
+        out = logprobs.clone()
+        for row, start, values in rows:
+            out[row, start : start + len(values)] = torch.tensor(list(values), dtype=out.dtype, device=out.device)
+        return out
+
+    @torch.no_grad()
+    def kl_sum(self, batch: dict[str, Tensor], ref: Tensor) -> tuple[float, float]:
+        mask = batch["response_mask"]
+        new = self._logprobs(batch)
+        return float(k3_kl(new[mask], ref[mask]).sum()), int(mask.sum())
+
+    # -- optimizer --------------------------------------------------------------------------------
+
+    def begin_training(self, cfg: TrainConfig) -> None:
+        self._loss = loss_for(cfg)
+        self._params = [p for p in self._model.parameters() if p.requires_grad]
+        self._opt = torch.optim.AdamW(self._params, lr=cfg.lr)
+        self._grad_clip = cfg.grad_clip
+
+    def begin_step(self) -> None:
+        self._opt.zero_grad(set_to_none=True)
+
+    def accumulate(
+        self, batch: dict[str, Tensor], beh: Tensor, ref: Tensor, advantages: Tensor, share: float
+    ) -> StepStats:
+        out = self._loss(self._logprobs(batch), beh, ref, batch["response_mask"], advantages)
+        (out.loss * share).backward()
+        return StepStats(
+            loss=float(out.loss.detach()),
+            mean_kl=out.mean_kl,
+            n_tokens=out.n_tokens,
+            accepted_tokens=out.accepted_token_frac * out.n_tokens,
+            accepted_seqs=out.accepted_seq_frac * batch["input_ids"].shape[0],
+        )
+
+    def finish_step(self, apply: bool) -> None:
+        torch.nn.utils.clip_grad_norm_(self._params, self._grad_clip)
+        if apply:
+            self._opt.step()
+
+    # -- measurements -----------------------------------------------------------------------------
+
+    def response_logprobs(self, batch: dict[str, Tensor]) -> list[list[float]]:
+        lp = self.logprobs(batch)
+        return [lp[row][batch["response_mask"][row]].tolist() for row in range(lp.shape[0])]
+
+    @torch.no_grad()
+    def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[TokenSums]:
+        model = self._active()
+        logp, rows, targets = _answer_log_softmax(model, batch)
+        if with_kl:
+            with self.reference():
+                ref, _, _ = _answer_log_softmax(model, batch)
+            kl = (logp.exp() * (logp - ref)).sum(-1)
+        else:
+            kl = torch.zeros(logp.shape[0])
+        ent = -(logp.exp() * logp).sum(-1)
+        tok = logp.gather(-1, targets[:, None]).squeeze(-1)
+        sums = [[0.0, 0.0, 0.0, 0] for _ in range(batch["input_ids"].shape[0])]
+        for k, row in enumerate(rows.tolist()):
+            s = sums[row]
+            s[0] += float(tok[k])
+            s[1] += float(ent[k])
+            s[2] += float(kl[k])
+            s[3] += 1
+        return [TokenSums(lp, e, d, int(n)) for lp, e, d, n in sums]
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
+        """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
+        one do); no top-p or top-k."""
+        tok = self.tokenizer
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+        rows = [_ids(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+        width = max(len(r) for r in rows)
+        # Left padding: every row's next token is generated at the same position.
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        with seeded_rng(seed, self.device):
+            out = self._active().generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=pad,
+            )  # fmt: skip
+        return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _answer_log_softmax(model: Any, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-softmax rows ``[N, V]`` for every predicted answer token, the batch row of each, targets."""
+    ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+    pred = resp[:, 1:]
+    rows = pred.nonzero()[:, 0]
+    return torch.log_softmax(logits[pred].float(), dim=-1), rows.cpu(), ids[:, 1:][pred]
