@@ -1,0 +1,86 @@
+"""The one training loop (worker/training/): the advantage rule in plain numbers, and a learning
+signal written once running on both backends through the same loop, on the tiny offline model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from test_trainer import GOOD, LEARN, chat, preference_samples
+
+from rlfleet.shared.models import resolve_model
+from rlfleet.worker.training.advantages import advantage, run_advantages
+from rlfleet.worker.training.loop import Selection, run_training
+from rlfleet.worker.training.policy_gradient import PolicyGradient
+
+
+def test_advantage_rule_is_float32_arithmetic_bit_for_bit():
+    # What the tensors of a run hold: r - ema, times pos_weight for liked answers, clamped, in float32.
+    rng = random.Random(0)
+    for _ in range(2000):
+        r = rng.choice([1.0, -1.0, 0.5, -0.25])
+        ema, pos_weight, clip = rng.uniform(-1, 1), rng.uniform(0.5, 3), rng.uniform(0.3, 3)
+        t = torch.tensor([r], dtype=torch.float32)
+        want = torch.where(t > 0, (t - ema) * pos_weight, t - ema).clamp(-clip, clip).item()
+        assert advantage(r, ema, pos_weight, clip) == want  # exactly equal, not approximately
+
+
+def test_run_advantages_keep_retractions_and_seed_a_missing_ema():
+    samples = preference_samples()[:2] + [replace(preference_samples()[0], rating_id=99, fixed_advantage=-0.7)]
+    assert run_advantages(samples, None, 1.2, 2.0) == pytest.approx([1.2, -1.0, -0.7])
+    assert run_advantages(samples, 0.5, 1.2, 2.0) == pytest.approx([0.6, -1.5, -0.7])
+
+
+def test_the_advantage_rule_needs_no_tensor_framework():
+    blocked = "import sys; sys.modules['torch'] = None; sys.modules['mlx'] = None; "
+    code = blocked + "import rlfleet.worker.training.advantages as a; print(a.advantage(1.0, 0.5, 1.2))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == pytest.approx(0.6)
+
+
+class LikedOnly(PolicyGradient):
+    """A new learning signal, written once: liked answers only, each with advantage 1, and the final
+    KL left to the loop (measured on the saved adapter)."""
+
+    def select(self, backend, samples, ema, cfg) -> Selection:
+        liked = [s for s in samples if s.reward > 0]
+        return Selection(liked, [1.0] * len(liked), 1.0)
+
+    @contextlib.contextmanager
+    def train(self, backend, session, data, cfg, report):
+        with super().train(backend, session, data, cfg, report) as outcome:
+            yield replace(outcome, final_kl=None, extra={"in_session_kl": outcome.final_kl})
+
+
+@pytest.fixture(scope="module", params=["torch", "mlx"])
+def backend(request, tiny_trainer, tiny_model_dir):
+    if request.param == "torch":
+        return tiny_trainer
+    pytest.importorskip("mlx.core", exc_type=ImportError, reason="the MLX backend needs mlx: pip install -e '.[mlx]'")
+    pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX backend needs mlx-lm: pip install -e '.[mlx]'")
+    from rlfleet.worker.training.mlx_backend import MlxTrainer
+
+    return MlxTrainer(resolve_model(str(tiny_model_dir)))
+
+
+def test_a_new_signal_runs_on_every_backend_through_the_same_loop(backend, tmp_path):
+    samples = preference_samples()[:8]
+    seen = []
+    result = run_training(backend, LikedOnly(), samples, None, replace(LEARN, steps=2), None, tmp_path / "a",
+                          progress=seen.append)  # fmt: skip
+    assert result.advantages == {0: 1.0, 2: 1.0, 4: 1.0, 6: 1.0}  # only the liked answers trained
+    assert result.metrics["ratings_used"] == 8 and result.metrics["n_tokens"] > 0
+    assert result.promoted_ok and result.reason is None
+    assert [p.phase for p in seen][0] == "reference" and seen[-1].phase == "saving"
+    # The loop's measurement of the saved adapter agrees with the one the steps took in session.
+    assert result.metrics["final_mean_kl"] == pytest.approx(result.metrics["in_session_kl"], abs=1e-5)
+    assert result.metrics["final_mean_kl"] > 0
+    liked = [(chat("Describe snow briefly."), GOOD)]
+    assert backend.mean_logprobs(liked, tmp_path / "a")[0] > backend.mean_logprobs(liked)[0]
