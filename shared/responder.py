@@ -5,7 +5,7 @@ text file ``CURRENT`` that names the active one. No ``CURRENT`` (or an unusable 
 model. :meth:`LocalResponder.answer` picks up a changed ``CURRENT`` before every answer (hot swap, no
 restart) and records, with every answer, the raw log-probabilities of the generated tokens: the
 behaviour policy is the model itself at temperature 1 without top-p, computed by one fp32 forward pass
-over prompt + answer, i.e. the same quantity the trainer computes (see DESIGN.md §6).
+over prompt + answer, i.e. the same quantity the trainer computes (docs/objective.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tables (DESIGN.md §5). Changes go through an Alembic migration in ``shared/migrations``."""
+"""Tables (docs/data-layout.md). Changes go through an Alembic migration in ``shared/migrations``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training objective against values computed by hand (DESIGN.md §6)."""
+"""The training objective against values computed by hand (docs/objective.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training objective (DESIGN.md §6): pure functions over tensors, no I/O, no model.
+"""The training objective (docs/objective.md): pure functions over tensors, no I/O, no model.
 
 One rated response is one rollout with reward ``r`` (+1 good, -1 bad). Three policies appear:
 ``ref`` (the base, adapter disabled: the KL anchor), ``beh`` (the policy that produced the answer)

@@ -1,13 +1,10 @@
-"""Training presets and the resolved per-run configuration (DESIGN.md §6).
+"""Training presets and the resolved per-run configuration (the objective: docs/objective.md).
 
-The DESIGN starting points (lr 5e-6 for ~31B models) are scaled to the model's size: measured on
-SmolLM2-135M, lr 2e-4 with about 8 optimizer steps per run of 16-32 ratings moved a preference
-without collapse, 16 steps collapsed. So the learning rate falls with the square root of size.
-The sequence bands are wider than DESIGN.md's starting points ([0.994, 1.002] for balanced):
-measured in tests/test_trainer.py's setting, the first optimizer step alone moves every sequence's
-ratio past ±0.2 %, so those bands accept only step 1 of 8 (accepted_seq_frac 0.125) and a run learns
-about as much as a single step. The DESIGN says to keep the filter only at a width that does not
-starve learning. The learning benchmark (bench/learning) is what should settle these numbers.
+The learning rate is scaled to the model's size (it falls with the square root of the parameter
+count): a rate that moves a preference on a small model collapses a large one. The sequence bands
+are wide enough that an optimizer step does not push every sequence out of them after the first
+step (a band that narrow would make a run learn about as much as one step). Why these values: the
+measurements in bench/RESULTS.md (the learning benchmark, bench/learning, is what settles them).
 """
 
 from __future__ import annotations
