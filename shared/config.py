@@ -73,7 +73,8 @@ class ChatSettings(BaseModel):
 
 
 class BotSettings(BaseModel):
-    """One platform's bot (who may do what: docs/ingress.md). Ids are the platform's own user ids (Teams: the AAD object id)."""
+    """One platform's bot (who may do what: docs/ingress.md). Ids are the platform's own user ids
+    (Teams: the AAD object id)."""
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
