@@ -107,13 +107,13 @@ def fresh_database(postgres_admin: str | None) -> Iterator[str | None]:
     admin = sa.create_engine(postgres_admin, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = postgres_admin.rsplit("/", 1)[0] + f"/{name}"
     try:
-        yield postgres_admin.rsplit("/", 1)[0] + f"/{name}"
+        yield url
     finally:
         from rlfleet.shared import store as store_mod
 
-        for url in [u for u in store_mod._ENGINES if u.endswith(f"/{name}")]:
-            store_mod._ENGINES.pop(url).dispose()
+        store_mod.forget(url)
         with admin.connect() as c:
             c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

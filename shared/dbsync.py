@@ -7,42 +7,33 @@ applied again by the next drain. Waiting for the disk at every commit is what bo
 latency (a flush per batch of two or three ratings; see bench/RESULTS.md, ``bench.ingest``); one sync
 now covers every commit made before it, and it runs beside the drain, not in its way.
 
-- PostgreSQL: ``synchronous_commit = off`` for the deferred transaction only (``SET LOCAL``); a sync is
-  a transaction that takes a transaction id and commits synchronously, which flushes the WAL up to its
-  own commit record and so every commit before it.
-- SQLite (WAL mode): ``PRAGMA synchronous=NORMAL`` for the deferred transaction (a commit is written
-  to the WAL, not fsynced), set back to FULL when the connection goes back to the pool; a sync is an
-  fsync of the WAL file (and of the database file, which a checkpoint may have written to).
+Deferred commits go through an engine of their own (``Store.session(durable=False)``), so no
+connection that others use ever carries the setting:
+- PostgreSQL: its connections run with ``synchronous_commit = off``; a sync is a transaction that
+  takes a transaction id and commits synchronously, which flushes the WAL up to its own commit
+  record and so every commit before it.
+- SQLite (WAL mode): its connections run with ``PRAGMA synchronous=NORMAL`` (a commit is written to
+  the WAL, not fsynced); a sync is an fsync of the WAL file (and of the database file, which a
+  checkpoint may have written to).
 """
 
 from __future__ import annotations
 
 import os
 
-from sqlalchemy import Engine, event
-from sqlalchemy.orm import Session
-
-_DEFERRED = "rlfleet_sync_deferred"  # connection-record flag: set back to FULL at check-in
+from sqlalchemy import Engine
 
 
-def watch_sqlite_pool(engine: Engine) -> None:
-    """A pooled SQLite connection that ran a deferred commit is FULL again before anyone else uses it."""
-
-    @event.listens_for(engine, "checkin")
-    def _full_again(dbapi_conn, record) -> None:
-        if record.info.pop(_DEFERRED, False) and dbapi_conn is not None:
-            dbapi_conn.execute("PRAGMA synchronous=FULL")
+def connect_args(url: str, deferred: bool) -> dict:
+    """The driver's connection options for a store engine whose commits wait (or not) for the disk."""
+    if deferred and url.startswith("postgresql"):
+        return {"options": "-c synchronous_commit=off"}
+    return {}
 
 
-def defer(s: Session) -> None:
-    """This transaction's commit returns without waiting for the disk (call before it writes)."""
-    conn = s.connection()
-    dialect = conn.dialect.name
-    if dialect == "postgresql":
-        conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-    elif dialect == "sqlite":
-        conn.connection.info[_DEFERRED] = True
-        conn.exec_driver_sql("PRAGMA synchronous=NORMAL")
+def sqlite_synchronous(deferred: bool) -> str:
+    """FULL: a commit is on disk when it returns; NORMAL (in WAL mode): written, fsynced by ``sync``."""
+    return "NORMAL" if deferred else "FULL"
 
 
 def sync(engine: Engine) -> None:

@@ -74,6 +74,7 @@ class RatingRow(Base):
     __table_args__ = (
         Index("ix_ratings_pending", "train_model", "state", "run_id"),
         Index("ix_ratings_actor", "actor", "created"),
+        Index("ix_ratings_capture_state", "capture_id", "state"),  # a capture's active rating, per event
     )
 
 

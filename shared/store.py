@@ -28,6 +28,7 @@ from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, Rating
 Allow = Callable[[str], tuple[frozenset[str], frozenset[str]]]
 MIGRATIONS = Path(__file__).with_name("migrations")
 _ENGINES: dict[str, Engine] = {}
+_DEFERRED_ENGINES: dict[str, Engine] = {}
 _MIGRATED: set[str] = set()  # URLs brought to head by this process: once is enough
 PING_AFTER_IDLE_S = 1.0
 
@@ -36,13 +37,16 @@ def _utc(dt: datetime) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
-def _engine(url: str) -> Engine:
-    if url in _ENGINES:
-        return _ENGINES[url]
+def _engine(url: str, deferred: bool = False) -> Engine:
+    """The process's engine for ``url``; ``deferred``: a second one whose commits do not wait for the
+    disk (shared/dbsync.py)."""
+    engines = _DEFERRED_ENGINES if deferred else _ENGINES
+    if url in engines:
+        return engines[url]
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     try:
-        engine = create_engine(url, future=True)
+        engine = create_engine(url, future=True, connect_args=dbsync.connect_args(url, deferred))
     except Exception as exc:  # bad URL or missing driver: one line with the fix
         raise ConfigError(f"cannot use DATABASE_URL: {exc}") from None
     _ping_when_idle(engine)
@@ -54,15 +58,20 @@ def _engine(url: str) -> Engine:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=10000")
             cur.execute("PRAGMA foreign_keys=ON")
-            # FULL: a commit is on disk when it returns (NORMAL in WAL mode may lose the last commits
-            # on a power cut); the events drain defers its own commits' fsync (shared/dbsync.py).
-            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute(f"PRAGMA synchronous={dbsync.sqlite_synchronous(deferred)}")
             cur.close()
 
-        dbsync.watch_sqlite_pool(engine)
-
-    _ENGINES[url] = engine
+    engines[url] = engine
     return engine
+
+
+def forget(url: str) -> None:
+    """Close this process's engines for ``url`` (a database about to be dropped)."""
+    _MIGRATED.discard(url)
+    for engines in (_ENGINES, _DEFERRED_ENGINES):
+        engine = engines.pop(url, None)
+        if engine is not None:
+            engine.dispose()
 
 
 def _ping_when_idle(engine: Engine) -> None:
@@ -171,10 +180,18 @@ class Store:
                     raise ConfigError(f"cannot reach the database ({redact_url(url)}): {_first(exc)}") from None
                 raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._deferred: sessionmaker | None = None
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
-        with self._sessions.begin() as s:
+    def session(self, durable: bool = True) -> Iterator[Session]:
+        """One transaction; not ``durable``: its commit does not wait for the disk (``sync`` does)."""
+        if durable:
+            maker = self._sessions
+        else:
+            if self._deferred is None:
+                self._deferred = sessionmaker(_engine(self.url, deferred=True), expire_on_commit=False)
+            maker = self._deferred
+        with maker.begin() as s:
             yield s
 
     # ---- events -------------------------------------------------------------------------------
@@ -359,9 +376,7 @@ class Store:
         others still apply. Raises IntegrityError when another process applied one of them meanwhile
         (then nothing of the batch is written: apply them one by one). Not ``durable``: the commit
         does not wait for the disk; ``sync`` does (see shared/dbsync.py)."""
-        with self.session() as s:
-            if not durable:
-                dbsync.defer(s)
+        with self.session(durable) as s:
             fast = _fast_apply(s.connection(), events, train_model, allow)
             return fast if fast is not None else self._apply_in(s, events, train_model, allow, refuse=False)
 

@@ -129,10 +129,7 @@ def db_url(request, tmp_path) -> str:
     finally:
         from rlfleet.shared import store as store_mod
 
-        store_mod._MIGRATED.discard(url)
-        eng = store_mod._ENGINES.pop(url, None)
-        if eng is not None:
-            eng.dispose()
+        store_mod.forget(url)
         with admin.connect() as c:
             c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

@@ -209,10 +209,7 @@ def test_import_into_a_postgresql_database_restored_from_a_dump(home, tmp_path, 
         from rlfleet.shared import store as store_mod
 
         for u in urls:
-            store_mod._MIGRATED.discard(u)
-            eng = store_mod._ENGINES.pop(u, None)
-            if eng is not None:
-                eng.dispose()
+            store_mod.forget(u)
         with admin.connect() as c:
             for n in names:
                 c.execute(sa.text(f'DROP DATABASE IF EXISTS "{n}" WITH (FORCE)'))

@@ -152,4 +152,6 @@ def test_a_deferred_commit_leaves_every_other_transaction_waiting_for_the_disk(s
     for _ in range(3):  # whichever pooled connection comes next
         with store.session() as s:
             assert str(s.execute(text(setting)).scalar()) in ("2", "on")  # FULL / on, as by default
+        with store.session(durable=False) as s:
+            assert str(s.execute(text(setting)).scalar()) in ("1", "off")  # NORMAL / off: waits for sync()
     assert store.counts(MODEL).total == 1

@@ -18,6 +18,7 @@ from rlfleet.shared.store import Store
 
 log = logging.getLogger("rlfleet.worker")
 RETRY_S = 1.0  # after a failed sync
+EVERY_S = 0.05  # at most one sync per this many seconds: each costs a flush; the events wait in Redis
 
 
 class Syncer:
@@ -54,9 +55,9 @@ class Syncer:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._work.wait()
-            self._work.clear()
-            if self._stop.is_set():
+            if self._stop.wait(EVERY_S):  # the batches of the next moments share this sync
                 return
+            self._work.clear()
             try:
                 self.sync_now()
             except Exception as exc:  # the database or Redis is away: the batches wait in Redis
