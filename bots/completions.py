@@ -10,23 +10,12 @@ computes, so they are dropped and the trainer uses the policy at the start of th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import aiohttp
 
 from rlfleet.shared.config import ChatSettings, ResponderSettings
 from rlfleet.shared.errors import ModelUnavailable
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    model: str
-    adapter_version: str | None = None
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    messages: list[dict] | None = None  # the prompt as the server built it (system prompt added), if ours
-    ours: bool = False  # answered by `rlfleet serve` (the model we train)
+from rlfleet.shared.ingress.usecases import Completion
 
 
 class ChatCompletions:

@@ -19,10 +19,9 @@ import yarl
 from discord import app_commands
 
 from rlfleet.shared.config import Config, DiscordSettings
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.ingress.grammar import reaction_value
 from rlfleet.shared.secrets_file import read_secret
 
-from .commands import reaction_value
 from .core import BotCore, Reply
 from .supervisor import Link, supervise
 
@@ -155,15 +154,16 @@ class RlfleetClient(discord.Client):
         if not text:
             return
         context = [(True, ref.content)] if replied and isinstance(ref, discord.Message) and ref.content else []
-        messages = self.core.prompt(context, text)
-        try:
-            completion = await self.core.answer(messages)
-        except RlfleetError as exc:
-            log.warning("no answer: %s", exc)
-            await message.reply(f"(no answer: {exc})")
-            return
-        sent = await message.reply(completion.text[:2000], view=self.view)
-        self.core.capture(str(message.channel.id), str(sent.id), str(message.author.id), messages, completion)
+
+        async def post(answer: str) -> str:
+            sent = await message.reply(answer[:2000], view=self.view)
+            return str(sent.id)
+
+        async def fail(why: str) -> None:
+            await message.reply(why)
+
+        await self.core.answer_and_capture(str(message.author.id), str(message.channel.id), text, post, fail,
+                                           context)
 
     # ---- reactions --------------------------------------------------------------------------------------
 

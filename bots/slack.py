@@ -19,11 +19,11 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from rlfleet.shared.config import Config, SlackSettings
-from rlfleet.shared.errors import ConfigError, RlfleetError
+from rlfleet.shared.errors import ConfigError
+from rlfleet.shared.ingress.grammar import reaction_value
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
-from .commands import reaction_value
 from .core import BotCore, Reply
 from .supervisor import Link, supervise
 
@@ -87,19 +87,17 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
                 if m.get("ts") != event["ts"]:
                     by_bot = bool(m.get("bot_id")) or m.get("user") == bot_user_id
                     context.append((by_bot, _MENTION.sub("", m.get("text") or "")))
-        messages = core.prompt(context, text)
-        try:
-            completion = await core.answer(messages)
-        except RlfleetError as exc:
-            log.warning("no answer: %s", exc)
-            await client.chat_postMessage(channel=channel, thread_ts=thread, text=f"(no answer: {exc})")
-            return
-        posted = await client.chat_postMessage(
-            channel=channel, thread_ts=thread, text=completion.text,
-            blocks=answer_blocks(completion.text, settings.buttons),
-        )
-        core.posted.remember_thread(core.source, channel, thread)
-        core.capture(channel, posted["ts"], user, messages, completion)
+
+        async def post(answer: str) -> str:
+            posted = await client.chat_postMessage(channel=channel, thread_ts=thread, text=answer,
+                                                   blocks=answer_blocks(answer, settings.buttons))
+            core.posted.remember_thread(core.source, channel, thread)
+            return posted["ts"]
+
+        async def fail(why: str) -> None:
+            await client.chat_postMessage(channel=channel, thread_ts=thread, text=why)
+
+        await core.answer_and_capture(user, channel, text, post, fail, context)
 
     @app.event("app_mention")
     async def on_mention(event: dict, client: AsyncWebClient, context: dict) -> None:

@@ -18,11 +18,10 @@ from botbuilder.integration.aiohttp import CloudAdapter, ConfigurationBotFramewo
 from botbuilder.schema import Activity, ChannelAccount, MessageReaction
 
 from rlfleet.shared.config import Config, TeamsSettings
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.ingress.grammar import is_rl, reaction_value
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
-from .commands import reaction_value
 from .core import BotCore
 from .supervisor import Link, supervise
 
@@ -72,7 +71,7 @@ class TeamsBot(ActivityHandler):
         text = (TurnContext.remove_recipient_mention(act) or "").strip()
         if not text or is_bot or not actor:
             return
-        if text.lower().startswith("/rl") or text.lower() == "rl" or text.lower().startswith("rl "):
+        if is_rl(text, slash_optional=True):
             reply = await self.core.command(actor, conversation, text, target=act.reply_to_id)
             if reply is not None:
                 await self._say(turn, reply.text)
@@ -80,19 +79,18 @@ class TeamsBot(ActivityHandler):
         is_dm = (act.conversation.conversation_type or "personal") == "personal" if act.conversation else True
         if not self.core.answers_in(conversation, is_dm) or self.core.seen(f"msg:{conversation}:{act.id}"):
             return
-        messages = self.core.prompt([], text)
-        try:
-            completion = await self.core.answer(messages)
-        except RlfleetError as exc:
-            log.warning("no answer: %s", exc)
-            await self._say(turn, f"(no answer: {exc})")
-            return
-        reply_activity = MessageFactory.text(completion.text)
-        if self.core.settings.buttons:
-            reply_activity.attachments = [rating_card()]
-        sent = await turn.send_activity(reply_activity)
-        if sent is not None and sent.id:
-            self.core.capture(conversation, sent.id, actor, messages, completion)
+
+        async def post(answer: str) -> str | None:
+            reply_activity = MessageFactory.text(answer)
+            if self.core.settings.buttons:
+                reply_activity.attachments = [rating_card()]
+            sent = await turn.send_activity(reply_activity)
+            return sent.id if sent is not None and sent.id else None
+
+        async def fail(why: str) -> None:
+            await self._say(turn, why)
+
+        await self.core.answer_and_capture(actor, conversation, text, post, fail)
 
     async def _reactions(self, reactions: list[MessageReaction], turn: TurnContext, added: bool) -> None:
         act = turn.activity

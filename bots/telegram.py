@@ -28,11 +28,11 @@ from telegram.ext import (
 )
 
 from rlfleet.shared.config import Config
-from rlfleet.shared.errors import ConfigError, RlfleetError
+from rlfleet.shared.errors import ConfigError
+from rlfleet.shared.ingress.grammar import reaction_value
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
-from .commands import reaction_value
 from .core import BotCore
 from .supervisor import Link, supervise
 
@@ -111,16 +111,15 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
         parent = msg.reply_to_message
         if parent is not None and parent.text and settings.context_messages:
             context_msgs.append((parent.from_user is not None and parent.from_user.id == context.bot.id, parent.text))
-        messages = core.prompt(context_msgs, text.strip())
-        try:
-            completion = await core.answer(messages)
-        except RlfleetError as exc:
-            log.warning("no answer: %s", exc)
-            await msg.reply_text(f"(no answer: {exc})")
-            return
-        sent = await msg.reply_text(completion.text, reply_markup=rating_keyboard() if settings.buttons else None)
-        core.capture(str(msg.chat_id), message_ref(sent.chat_id, sent.message_id), str(user.id), messages,
-                     completion)
+
+        async def post(answer: str) -> str:
+            sent = await msg.reply_text(answer, reply_markup=rating_keyboard() if settings.buttons else None)
+            return message_ref(sent.chat_id, sent.message_id)
+
+        async def fail(why: str) -> None:
+            await msg.reply_text(why)
+
+        await core.answer_and_capture(str(user.id), str(msg.chat_id), text.strip(), post, fail, context_msgs)
 
     async def on_reaction(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
         r = update.message_reaction

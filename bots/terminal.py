@@ -1,7 +1,8 @@
 """``rlfleet chat``: the terminal as a platform. It answers with the local model, captures each answer
 with its behaviour log-probs, and turns the key pressed after it into a rating event on the queue.
 
-Like every adapter it only translates: the worker decides what a rating does.
+Like every front end it only translates: the ingress use cases (`rlfleet.shared.ingress`) make the
+events, as the local user of the data dir, and the worker decides what a rating does.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from rich.markup import escape
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
-from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
+from rlfleet.shared.ingress.grammar import parse_rl
+from rlfleet.shared.ingress.usecases import Completion, Send, UseCases
 from rlfleet.shared.models import resolve_model
+from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, open_queue
 
-from .commands import parse_rl
 from .training_news import TrainingNews
 
 try:  # line editing, and the typed text a line from the background is drawn above
@@ -34,6 +36,7 @@ HELP = escape(
     "commands: /rl good|bad [comment] · /rl undo · /rl status · /rl train · /rl rollback [v] · /new · /quit"
 )
 console = Console(highlight=False, soft_wrap=True)
+ME = Actor("cli", LOCAL_ACTOR)  # the terminal's user: the owner of the data dir
 
 
 @dataclass
@@ -42,6 +45,7 @@ class ChatState:
     history: list[dict]
     screen: Screen
     news: TrainingNews
+    cases: UseCases
     last_capture: str | None = None
 
 
@@ -109,12 +113,22 @@ def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
     return dispatch(handle, cfg, event)
 
 
+def _carry_out(state: ChatState, cfg: Config, handle: QueueHandle, outcome) -> None:
+    """Send the event a use case made and say the worker's answer (or say its refusal)."""
+    if isinstance(outcome, Send):
+        _say(_dispatch(handle, cfg, outcome.event), state)
+    elif outcome is not None:
+        console.print(f"[red]{escape(outcome.text)}[/]")
+
+
 def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, screen: Screen | None = None) -> None:
     from rlfleet.shared.store import Store
 
     screen = screen or Screen(live=sys.stdin.isatty() and sys.stdout.isatty())
     news = TrainingNews(Store(cfg.db_url), handle.redis, slug, cfg.train.threshold)
-    state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[], screen=screen, news=news)
+    cases = UseCases(PermissionTable.for_config(cfg), cfg.model, handle)
+    state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[], screen=screen, news=news,
+                      cases=cases)
     active = responder.active_version
     console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
         f"adapter {active}" if active else "base model (no adapter yet)"))
@@ -163,14 +177,9 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
         if not answer.text.strip():
             console.print("[dim](empty answer: nothing to rate)[/]")
             continue
-        cap = Capture(
-            source="cli", conversation=state.conversation, owner="local",
-            # the prompt exactly as the model saw it (with any system prompt the responder added),
-            # so the trainer rebuilds the context the behaviour log-probs belong to
-            prompt=[Message(**m) for m in answer.messages], response=answer.text, model=cfg.model,
-            adapter_version=answer.adapter_version, behaviour_logprobs=answer.logprobs,
-            behaviour_token_ids=answer.token_ids,
-        )
+        cap = state.cases.capture_event(ME, state.conversation, messages, Completion(
+            text=answer.text, model=cfg.model, adapter_version=answer.adapter_version, token_ids=answer.token_ids,
+            logprobs=answer.logprobs, messages=answer.messages, ours=True))
         result = _dispatch(handle, cfg, cap)
         if not result.get("ok"):
             console.print(f"[red]not captured: {result.get('message')}[/]")
@@ -203,9 +212,7 @@ def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: int, commen
     if target is None:
         console.print("[yellow]nothing of yours to rate here yet[/]")
         return
-    result = _dispatch(handle, cfg, Rating(target=target, value=value, comment=comment,
-                                           conversation=state.conversation))
-    _say(result, state)
+    _carry_out(state, cfg, handle, state.cases.rate(ME, state.conversation, value, comment, target=target))
 
 
 def _say(result: dict, state: ChatState) -> None:
@@ -224,14 +231,14 @@ def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> N
     if cmd.verb in ("good", "bad"):
         _rate(state, cfg, handle, 1 if cmd.verb == "good" else -1, cmd.arg, state.last_capture)
     elif cmd.verb == "undo":
-        _say(_dispatch(handle, cfg, Undo()), state)
+        _carry_out(state, cfg, handle, state.cases.undo(ME))
     elif cmd.verb == "status":
         from rlfleet.shared.cli import render_status, status_dict
 
         console.print(render_status(status_dict(cfg, handle)))
     elif cmd.admin:
         args = {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {}
-        _say(_dispatch(handle, cfg, Command(name=cmd.verb, args=args)), state)
+        _carry_out(state, cfg, handle, state.cases.command(ME, cmd.verb, args))
     else:
         if cmd.unknown:
             console.print(f"[yellow]unknown command {escape(cmd.unknown)!r}[/]")

@@ -21,8 +21,11 @@ from pydantic import BaseModel, ValidationError
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
-from rlfleet.shared.events import Capture, Command, Message, Rating, Undo, describe_validation_error
+from rlfleet.shared.events import Capture, Message, describe_validation_error
+from rlfleet.shared.ingress.replies import NO_STATUS
+from rlfleet.shared.ingress.usecases import Send, UseCases
 from rlfleet.shared.models import model_slug
+from rlfleet.shared.permissions import Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
 from rlfleet.shared.secrets_file import read_secret, read_secret_file
 
@@ -61,6 +64,10 @@ class Bridge:
     def __init__(self, cfg: Config, handle: QueueHandle, keys: dict[str, Key]) -> None:
         self.cfg, self.handle, self.keys = cfg, handle, keys
         self.slug = model_slug(cfg.model)
+        # A request acts as its key: commands as the key itself, which the table makes an admin when the
+        # key is one; data events as the actor the key vouches for (default: the key).
+        table = PermissionTable.for_config(cfg, admin_keys=[k.id for k in keys.values() if k.admin])
+        self.cases = UseCases(table, cfg.model, handle)
 
     # ---- the checks every signed request passes -------------------------------------------------
 
@@ -116,30 +123,34 @@ class Bridge:
         body = self._parse(model, raw)
         if isinstance(body, web.Response):
             return body
-        actor = body.actor or key.id
-        extra = {"event_id": body.event_id} if body.event_id else {}
+        who = Actor(body.source, body.actor or key.id)
         try:
             if isinstance(body, CaptureIn):
-                prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
-                if body.capture_id:
-                    extra["capture_id"] = body.capture_id
-                ev = Capture(source=body.source, actor=actor, owner=body.owner or actor,
-                             conversation=body.conversation, message_ref=body.message_ref, prompt=prompt,
-                             response=body.response, model=body.model, **extra)
-                return ev, ev.capture_id
+                return self._capture(body, who)
             if isinstance(body, RatingIn):
                 value = 1 if body.value in ("good", 1) else -1
-                return Rating(source=body.source, actor=actor, target=body.target, conversation=body.conversation,
-                              value=value, comment=body.comment, **extra), None
-            if isinstance(body, UndoIn):
-                return Undo(source=body.source, actor=actor, target=body.target, conversation=body.conversation,
-                            **extra), None
+                out = self.cases.rate(who, body.conversation, value, body.comment, target=body.target,
+                                      event_id=body.event_id)
+            elif isinstance(body, UndoIn):
+                out = self.cases.undo(who, body.conversation, body.target, body.event_id)
+            else:  # a command is the key's own act, whoever it names
+                out = self.cases.command(Actor(body.source, key.id), body.name, body.args, body.event_id)
+                if not isinstance(out, Send):
+                    return _error(403, f"/rl {body.name} needs an admin key; key {key.id} is not one")
         except ValidationError as exc:
             return _error(422, describe_validation_error(exc, "invalid body"))
-        if not key.admin:
-            return _error(403, f"/rl {body.name} needs an admin key; key {key.id} is not one")
-        # The worker checks admin rights again by source and actor: an admin key acts as the CLI does.
-        return Command(source="cli", actor="local", name=body.name, args=body.args, **extra), None
+        if not isinstance(out, Send):  # not reached: a named actor may always rate its own answers and undo
+            return _error(403, "not permitted")
+        return out.event, None
+
+    @staticmethod
+    def _capture(body: CaptureIn, who: Actor) -> tuple[Capture, str]:
+        """An answer produced elsewhere, recorded as the sender says (no permission needed)."""
+        prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
+        extra = {k: v for k, v in (("event_id", body.event_id), ("capture_id", body.capture_id)) if v}
+        ev = Capture(source=body.source, actor=who.id, owner=body.owner or who.id, conversation=body.conversation,
+                     message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model, **extra)
+        return ev, ev.capture_id
 
     async def submit(self, request: web.Request) -> web.Response:
         auth = await self.authenticate(request)
@@ -175,7 +186,7 @@ class Bridge:
             return auth
         raw = self.handle.redis.get(status_key(self.slug))
         if not raw:
-            return _error(503, "no status yet: is the rlfleet worker running (`rlfleet up`)?")
+            return _error(503, NO_STATUS)
         return web.json_response(json.loads(raw))
 
 

@@ -140,11 +140,12 @@ def _state_file(h: Path, agent: str, session: str) -> Path:
 
 def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None:
     """UserPromptSubmit: handle `/rl`, else remember the prompt. Returns the JSON to print, if any."""
-    from rlfleet.bots.commands import HELP, parse_rl, status_line
+    from rlfleet.shared.ingress.grammar import HELP, is_rl, parse_rl
+    from rlfleet.shared.ingress.replies import status_line
 
     prompt = str(payload.get("prompt") or "")
     session = str(payload.get("session_id") or "default")
-    if not prompt.lstrip().lower().startswith("/rl"):
+    if not is_rl(prompt):
         path = _state_file(h, agent, session)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
@@ -172,7 +173,7 @@ def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None
             reason = f"/rl {cmd.verb} is off in agents: set bridge.agent_admin = true, or run `rlfleet {cmd.verb}`"
         else:
             args = {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {}
-            status, data = bridge.send("POST", "/v1/commands", {"name": cmd.verb, "args": args})
+            status, data = bridge.send("POST", "/v1/commands", {"source": agent, "name": cmd.verb, "args": args})
             reason = _said(status, data, f"/rl {cmd.verb} sent")
     else:
         reason = (f"unknown command {cmd.unknown!r}. " if cmd.unknown else "") + HELP

@@ -114,13 +114,16 @@ class Capture(_Event):
 
 
 class Rating(_Event):
-    """+1 / -1 on a capture, addressed by message ref or ``last`` in a conversation."""
+    """+1 / -1 on a capture, addressed by message ref or ``last`` in a conversation. ``scope`` is what the
+    ingress's permission decision granted (shared/permissions.py): the actor's ``own`` answers only, or
+    ``any`` one (an allowlisted rater); the store resolves the target within it."""
 
     type: Literal["rating"] = "rating"
     target: Ident = "last"
     conversation: Ident | None = None
     value: Literal[1, -1]
     comment: str | None = None
+    scope: Literal["own", "any"] = "own"
 
     @field_validator("comment")
     @classmethod

@@ -21,11 +21,8 @@ from . import dbsync
 from .config import redact_url
 from .errors import BadInput, ConfigError, NotFound
 from .events import PLATFORMS, Capture, Rating, Undo
-from .permissions import may_rate
 from .schema import AdapterVersion, Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
 
-# (raters, admins) allowlisted for a source
-Allow = Callable[[str], tuple[frozenset[str], frozenset[str]]]
 MIGRATIONS = Path(__file__).with_name("migrations")
 _ENGINES: dict[str, Engine] = {}
 _DEFERRED_ENGINES: dict[str, Engine] = {}
@@ -150,11 +147,6 @@ class _Batch:
     # the prefetched captures: the session's identity map holds its objects weakly, this keeps them there
     held: list[CaptureRow]
     fresh: RatingRow | None = None  # the rating row the current event added
-
-
-def _nobody(_source: str) -> tuple[frozenset[str], frozenset[str]]:
-    """No allowlisted raters or admins: only owners rate their own answers."""
-    return frozenset(), frozenset()
 
 
 @dataclass(frozen=True)
@@ -286,13 +278,12 @@ class Store:
             ).first()
         return (row[0], row[1]) if row else None
 
-    def _apply_rating(self, s: Session, ev: Rating, train_model: str, raters: frozenset[str],
-                      admins: frozenset[str], b: _Batch) -> Applied:
+    def _apply_rating(self, s: Session, ev: Rating, train_model: str, b: _Batch) -> Applied:
         if ev.event_id in b.done:  # applied before: the repeat is ignored
             return Applied(True, "already recorded", duplicate=True)
-        privileged = ev.actor in raters or ev.actor in admins
-        cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, privileged)
-        if not may_rate(ev.actor, cap.owner, raters, admins):
+        anyones = ev.scope == "any"  # what the ingress's permission decision granted
+        cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, anyones)
+        if not anyones and cap.owner != ev.actor:
             raise NotFound("nothing of yours to rate here")
         current = self._active(s, cap.id, b)
         self._claim(s, ev.event_id, "rating", b)
@@ -342,15 +333,14 @@ class Store:
         return Applied(True, f"undid your {word} rating", capture_id=row.capture_id, rating_id=row.id,
                        value=row.value)
 
-    def _apply(self, s: Session, ev: Capture | Rating | Undo, train_model: str, allow: Allow, b: _Batch) -> Applied:
+    def _apply(self, s: Session, ev: Capture | Rating | Undo, train_model: str, b: _Batch) -> Applied:
         if isinstance(ev, Capture):
             return self._apply_capture(s, ev, b)
         if isinstance(ev, Rating):
-            raters, admins = allow(ev.source)
-            return self._apply_rating(s, ev, train_model, raters, admins, b)
+            return self._apply_rating(s, ev, train_model, b)
         return self._apply_undo(s, ev, b)
 
-    def _apply_in(self, s: Session, events: Sequence[Capture | Rating | Undo], train_model: str, allow: Allow,
+    def _apply_in(self, s: Session, events: Sequence[Capture | Rating | Undo], train_model: str,
                   refuse: bool) -> list[Applied]:
         b = self._prefetch(s, events)
         out: list[Applied] = []
@@ -358,7 +348,7 @@ class Store:
         for ev in events:
             b.fresh = None
             try:
-                out.append(self._apply(s, ev, train_model, allow, b))
+                out.append(self._apply(s, ev, train_model, b))
             except (BadInput, NotFound) as exc:
                 if refuse:
                     raise
@@ -370,27 +360,26 @@ class Store:
             out[i] = replace(out[i], rating_id=row.id)
         return out
 
-    def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str,
-                   allow: Allow = _nobody, *, durable: bool = True) -> list[Applied]:
+    def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str, *,
+                   durable: bool = True) -> list[Applied]:
         """Apply events in order in one transaction; a refused event is an ``ok=False`` answer and the
         others still apply. Raises IntegrityError when another process applied one of them meanwhile
         (then nothing of the batch is written: apply them one by one). Not ``durable``: the commit
         does not wait for the disk; ``sync`` does (see shared/dbsync.py)."""
         with self.session(durable) as s:
-            fast = _fast_apply(s.connection(), events, train_model, allow)
-            return fast if fast is not None else self._apply_in(s, events, train_model, allow, refuse=False)
+            fast = _fast_apply(s.connection(), events, train_model)
+            return fast if fast is not None else self._apply_in(s, events, train_model, refuse=False)
 
     def sync(self) -> None:
         """Every commit made before this call, deferred ones included, is on disk when it returns."""
         dbsync.sync(self.engine)
 
-    def apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", allow: Allow = _nobody,
-                  refuse: bool = True) -> Applied:
+    def apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", refuse: bool = True) -> Applied:
         """One event in its own transaction; refusals raise (or, without ``refuse``, are ``ok=False``
         answers). A concurrent worker that applied the same event first makes this a duplicate."""
         try:
             with self.session() as s:
-                return self._apply_in(s, [ev], train_model, allow, refuse=refuse)[0]
+                return self._apply_in(s, [ev], train_model, refuse=refuse)[0]
         except IntegrityError:
             return Applied(True, "already recorded", duplicate=True,
                            capture_id=ev.capture_id if isinstance(ev, Capture) else None)
@@ -398,10 +387,8 @@ class Store:
     def apply_capture(self, ev: Capture) -> Applied:
         return self.apply_one(ev)
 
-    def apply_rating(
-        self, ev: Rating, train_model: str, raters: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()
-    ) -> Applied:
-        return self.apply_one(ev, train_model, lambda _source: (raters, admins))
+    def apply_rating(self, ev: Rating, train_model: str) -> Applied:
+        return self.apply_one(ev, train_model)
 
     def apply_undo(self, ev: Undo) -> Applied:
         return self.apply_one(ev)
@@ -768,8 +755,8 @@ _ADD_RATINGS = insert(_RATINGS).returning(_RATINGS.c.id, sort_by_parameter_order
 _REPLACE = update(_RATINGS).where(_RATINGS.c.id == bindparam("rid")).values(state="replaced")
 
 
-def _fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], train_model: str,
-                allow: Allow) -> list[Applied] | None:
+def _fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], train_model: str
+                ) -> list[Applied] | None:
     """The common batch (captures, and ratings addressing stored captures by id) in SQLAlchemy Core:
     the answers ``Store._apply_in`` gives, at a fraction of the ORM's cost per batch. None (and
     nothing written) when the batch holds anything else: an undo, a ``last`` or message-ref target, a
@@ -811,8 +798,7 @@ def _fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], tra
         if ev.target == "last" or ev.target not in caps:  # a ref, or a capture of this batch: the ORM resolves it
             return None
         owner, version, response = caps[ev.target]
-        raters, admins = allow(ev.source)
-        if not may_rate(ev.actor, owner, raters, admins):
+        if ev.scope != "any" and owner != ev.actor:  # what the ingress's permission decision granted
             out.append(Applied(False, "nothing of yours to rate here"))
             continue
         done.add(ev.event_id)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, bot_rig, run
 
-from rlfleet.bots.commands import parse_rl, reaction_value
 from rlfleet.bots.completions import Completion
 
 BOT_USER = "1999"
@@ -104,24 +103,3 @@ def test_allowlists_are_per_platform(queued_home):
             assert await discord.reaction(RATER, CONV, REF, None, 1) is False  # a Slack answer is not Discord's
             assert await r.core.reaction(RATER, CONV, REF, None, 1) is True
     run(go())
-
-
-@pytest.mark.parametrize("text,verb,arg", [
-    ("good", "good", None), ("/rl good  nice one ", "good", "nice one"), ("/rl@rlfleet_bot bad", "bad", None),
-    ("rl undo", "undo", None), ("+1", "good", None), ("rollback v0003", "rollback", "v0003"),
-    ("STATUS", "status", None), ("", "help", None), ("dance", "help", None), ("x" * 5000, "help", None),
-])
-def test_parse_rl(text, verb, arg):
-    cmd = parse_rl(text)
-    assert (cmd.verb, cmd.arg) == (verb, arg)
-    assert cmd.admin == (verb in ("train", "rollback", "reset"))
-
-
-@pytest.mark.parametrize("name,value", [
-    ("+1", 1), ("thumbsup", 1), ("+1::skin-tone-4", 1), ("👍", 1), ("👍🏽", 1), ("like", 1),
-    ("1f44d_thumbsup", 1), ("1f44d_thumbsup_2", 1), (":thumbsup:", 1),
-    ("-1", -1), ("thumbsdown", -1), ("👎🏻", -1), ("1f44e_thumbsdown_5", -1),
-    ("heart", None), ("🔥", None), ("", None), (None, None), ("laugh", None),
-])
-def test_reaction_value(name, value):
-    assert reaction_value(name) == value

@@ -31,7 +31,7 @@ def _rated_store(url: str) -> Store:
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-0", value=1, comment="crisp"), "tiny")
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=1), "tiny")
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=-1), "tiny")
-    store.apply_rating(Rating(source="slack", actor="U2", target="cap-2", value=1), "tiny", raters=frozenset({"U2"}))
+    store.apply_rating(Rating(source="slack", actor="U2", target="cap-2", value=1, scope="any"), "tiny")
     store.apply_undo(Undo(source="slack", actor="U2"))
     return store
 

@@ -51,12 +51,12 @@ def test_unknown_target_changes_nothing(store):
     assert store.counts(MODEL).total == 0
 
 
-def test_other_peoples_answers_are_not_rateable_unless_allowlisted(store):
+def test_other_peoples_answers_are_rateable_only_in_a_rating_of_scope_any(store):
     c = cap(owner="alice")
     store.apply_capture(c)
     with pytest.raises(NotFound, match="nothing of yours"):
         store.apply_rating(Rating(value=1, target=c.capture_id, actor="mallory"), MODEL)
-    ok = store.apply_rating(Rating(value=1, target=c.capture_id, actor="bob"), MODEL, raters=frozenset({"bob"}))
+    ok = store.apply_rating(Rating(value=1, target=c.capture_id, actor="bob", scope="any"), MODEL)  # a rater's
     assert ok.ok
 
 

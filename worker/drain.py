@@ -71,28 +71,14 @@ def _command(ctx, conn: redis.Redis, cmd: Command, run_command: Callable[[object
         return {"ok": False, "message": f"the worker failed on /rl {cmd.name}: {type(exc).__name__}: {exc}"}
 
 
-def _allowlists(ctx) -> Callable[[str], tuple[frozenset[str], frozenset[str]]]:
-    cache: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
-
-    def allow(source: str) -> tuple[frozenset[str], frozenset[str]]:
-        if source not in cache:
-            lists = ctx.cfg.allowlists(source)
-            cache[source] = (lists.raters, lists.admins)
-        return cache[source]
-
-    return allow
-
-
 def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
                trigger: Trigger, durable: bool) -> dict[str, dict]:
-    allow = _allowlists(ctx)
     try:
-        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, allow,
-                                                                  durable=durable))
+        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, durable=durable))
     except DATABASE_DOWN:
         raise
     except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time
-        applied = [_apply_alone(ctx, conn, raw, ev, allow) for raw, ev in run]
+        applied = [_apply_alone(ctx, conn, raw, ev) for raw, ev in run]
     out: dict[str, dict] = {}
     last_new_rating, new_ratings = None, 0
     for (_, ev), a in zip(run, applied, strict=True):
@@ -111,9 +97,9 @@ def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
     return out
 
 
-def _apply_alone(ctx, conn: redis.Redis, raw: bytes, ev: DataEvent, allow) -> Applied | None:
+def _apply_alone(ctx, conn: redis.Redis, raw: bytes, ev: DataEvent) -> Applied | None:
     try:
-        return ctx.store.apply_one(ev, ctx.slug, allow, refuse=False)
+        return ctx.store.apply_one(ev, ctx.slug, refuse=False)
     except DATABASE_DOWN:
         raise
     except Exception as exc:

@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, held  # noqa: E402
 from test_bridge import running  # noqa: E402
 
-from rlfleet.bots.commands import parse_rl, reaction_value  # noqa: E402
 from rlfleet.bridge import hook  # noqa: E402
 from rlfleet.bridge.app import Key, make_app  # noqa: E402
 from rlfleet.bridge.auth import sign  # noqa: E402
 from rlfleet.shared import inbox  # noqa: E402
 from rlfleet.shared.config import load_config  # noqa: E402
+from rlfleet.shared.ingress.grammar import parse_rl, reaction_value  # noqa: E402
 from rlfleet.shared.queue import EVENTS_QUEUE, open_queue  # noqa: E402
 from rlfleet.shared.ratings_io import ImportReport, read_jsonl  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""What people type and react with, as plain values: `/rl` command text and reaction names.
+"""The one `/rl` grammar, and the thumbs reactions: what people type and react with, as plain values.
 
-Pure functions shared by every platform adapter (and the terminal chat), so `/rl good` and 👍 mean
-the same thing everywhere.
+Pure functions (standard library only) shared by every front end: the platform bots, the terminal chat
+and the coding-agent hooks, so `/rl good` and 👍 mean the same thing everywhere.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class RlCommand:
 _PREFIX = re.compile(r"^\s*/?rl(?:@\S+)?(?:\s+|$)", re.IGNORECASE)
 
 
+def is_rl(text: str, slash_optional: bool = False) -> bool:
+    """Whether a message is an `/rl` command rather than something for the model: it starts with ``/rl``
+    (leading spaces aside). ``slash_optional`` also takes a bare ``rl`` and ``rl ...``, for front ends
+    whose compose box keeps ``/`` for commands of its own (Teams)."""
+    head = (text or "").lstrip().lower()
+    return head.startswith("/rl") or (slash_optional and (head == "rl" or head.startswith("rl ")))
+
+
 def parse_rl(text: str) -> RlCommand:
     """``"good nice one"`` or ``"/rl good nice one"`` (``/rl@botname`` too) -> a command; anything we
     do not know -> ``help`` with ``unknown`` set, so the reply can say what was not understood."""
@@ -76,24 +84,3 @@ def reaction_value(name: str | None) -> Literal[1, -1] | None:
     if key in _BAD or key.startswith("1f44e_thumbsdown"):
         return -1
     return None
-
-
-def status_line(st: dict | None) -> str:
-    """The one-paragraph status a chat user sees (the full dict is `rlfleet status --json`)."""
-    if not st:
-        return "no status yet: is the rlfleet worker running (`rlfleet up`)?"
-    current = (st.get("adapter") or {}).get("current") or "the base model"
-    r = st.get("ratings") or {}
-    t = st.get("training") or {}
-    line = (f"serving {current} of {st.get('model')} · {r.get('total', 0)} ratings "
-            f"({r.get('good', 0)} good, {r.get('bad', 0)} bad), {r.get('pending', 0)}/{st.get('threshold')} "
-            "toward the next training run")
-    state = t.get("state")
-    if state == "running" and t.get("progress"):
-        p = t["progress"]
-        line += f" · training {p.get('phase') or ''} {p.get('step', 0)}/{p.get('total', 0)}".rstrip()
-    elif state in ("queued", "running"):
-        line += f" · training {state}"
-    elif state == "failed" and t.get("error"):
-        line += f" · last run: {t['error']}"
-    return line
