@@ -19,7 +19,9 @@ from sqlalchemy import func, select
 from rlfleet.bridge.app import Key, make_app
 from rlfleet.bridge.auth import sign
 from rlfleet.bridge.client import BridgeClient, BridgeError
+from rlfleet.shared import inbox
 from rlfleet.shared.config import BridgeKey, load_config
+from rlfleet.shared.events import parse_event
 from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
@@ -178,6 +180,26 @@ def test_admin_commands_need_an_admin_key(bridge):
     assert handle.waiting_events() == 0
     answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("rollback", wait=5))
     assert answer["result"]["message"] == "already on the base model: nothing to roll back"
+
+
+def test_a_command_acts_as_its_key_not_as_the_actor_it_names(queued_home):
+    cfg = load_config()
+    handle = open_queue(cfg)
+    keys = {"local": Key("local", SECRET, True), "ops": Key("ops", "o" * 64, True),
+            "gateway": Key("gateway", GATEWAY_SECRET, False)}
+    try:
+        with running(make_app(cfg, handle, keys)) as url:
+            body = json.dumps({"name": "train", "actor": "local", "source": "codex"}).encode()
+            status, reply = raw(url, "POST", "/v1/commands", body, sign(GATEWAY_SECRET, "POST", "/v1/commands",
+                                                                      body, key="gateway"))
+            assert status == 403 and "key gateway is not one" in reply["error"]  # naming `local` changes nothing
+            assert handle.waiting_events() == 0
+            BridgeClient(url, "o" * 64, key="ops").command("rollback", version="base")
+            [queued] = [parse_event(e) for e in handle.redis.lrange(inbox.INBOX, 0, -1)]
+            assert (queued.type, queued.source, queued.actor, queued.args) == ("command", "bridge", "ops",
+                                                                              {"version": "base"})
+    finally:
+        handle.close()
 
 
 def test_health_and_openapi_need_no_auth(bridge):

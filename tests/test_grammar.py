@@ -1,0 +1,64 @@
+"""The one `/rl` grammar (rlfleet.shared.ingress.grammar) and the reply wording every front end shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.shared.ingress.grammar import is_rl, parse_rl, reaction_value
+from rlfleet.shared.ingress.replies import NOT_YET_RECORDED, status_line, worker_answer
+
+
+@pytest.mark.parametrize("text,verb,arg", [
+    ("good", "good", None), ("/rl good  nice one ", "good", "nice one"), ("/rl@rlfleet_bot bad", "bad", None),
+    ("rl undo", "undo", None), ("+1", "good", None), ("rollback v0003", "rollback", "v0003"),
+    ("STATUS", "status", None), ("", "help", None), ("dance", "help", None), ("x" * 5000, "help", None),
+])
+def test_parse_rl(text, verb, arg):
+    cmd = parse_rl(text)
+    assert (cmd.verb, cmd.arg) == (verb, arg)
+    assert cmd.admin == (verb in ("train", "rollback", "reset"))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("+1", 1), ("thumbsup", 1), ("+1::skin-tone-4", 1), ("👍", 1), ("👍🏽", 1), ("like", 1),
+    ("1f44d_thumbsup", 1), ("1f44d_thumbsup_2", 1), (":thumbsup:", 1),
+    ("-1", -1), ("thumbsdown", -1), ("👎🏻", -1), ("1f44e_thumbsdown_5", -1),
+    ("heart", None), ("🔥", None), ("", None), (None, None), ("laugh", None),
+])
+def test_reaction_value(name, value):
+    assert reaction_value(name) == value
+
+
+@pytest.mark.parametrize("text,plain,slash_optional", [
+    ("/rl good", True, True), ("  /RL bad meh", True, True), ("/rl@rlfleet_bot undo", True, True),
+    ("/rlfoo", True, True),  # still ours: the grammar answers with what it did not understand
+    ("rl good", False, True), ("RL", False, True), ("rl", False, True),
+    ("rlfleet is great", False, False), ("world /rl", False, False), ("", False, False), ("rl\tgood", False, False),
+])
+def test_is_rl_tells_commands_from_messages_for_the_model(text, plain, slash_optional):
+    assert is_rl(text) is plain
+    assert is_rl(text, slash_optional=True) is slash_optional
+
+
+def test_every_rl_text_parses_the_same_with_and_without_its_prefix():
+    for text in ("good nice one", "bad", "undo", "status", "rollback v0002", "train", "reset", "dance"):
+        assert parse_rl("/rl " + text) == parse_rl(text) == parse_rl("rl " + text) == parse_rl("/rl@bot " + text)
+
+
+def test_the_workers_answer_in_one_line():
+    assert worker_answer(None) == NOT_YET_RECORDED
+    assert worker_answer({"ok": True, "message": "rated good: hi"}) == "rated good: hi"
+    assert worker_answer({"ok": True, "message": "rated bad: x", "training": "training run 3 queued"}) == \
+        "rated bad: x · training run 3 queued"
+    assert worker_answer({"ok": False}) == "failed"
+    assert worker_answer({"ok": True}) == "done"
+
+
+def test_status_line():
+    assert status_line(None).startswith("no status yet")
+    st = {"model": "m", "threshold": 32, "adapter": {"current": "v0002"},
+          "ratings": {"total": 5, "good": 3, "bad": 2, "pending": 4},
+          "training": {"state": "running", "progress": {"phase": "training", "step": 2, "total": 8}}}
+    assert status_line(st) == ("serving v0002 of m · 5 ratings (3 good, 2 bad), 4/32 toward the next training "
+                               "run · training training 2/8")
+    assert status_line({**st, "training": {"state": "failed", "error": "boom"}}).endswith(" · last run: boom")
