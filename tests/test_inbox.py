@@ -96,8 +96,7 @@ def test_a_batch_does_exactly_what_one_event_at_a_time_does(tmp_path_factory, ev
     assert [a.rating_id for a in got] == [a.rating_id for a in expected]
 
 
-def _raters(_source: str) -> tuple[frozenset[str], frozenset[str]]:
-    return frozenset({"cy"}), frozenset()
+RATER = "cy"  # allowlisted: the ingress grants their ratings scope "any"
 
 
 @st.composite
@@ -112,8 +111,10 @@ def plain_streams(draw) -> list:
             events.append(_capture(draw(st.sampled_from([n_caps, 0])), draw(st.sampled_from(OWNERS))))
             n_caps += 1
         elif kind == "rating":
-            events.append(Rating(target=f"c{draw(st.integers(0, 3))}", actor=draw(st.sampled_from(OWNERS + ("cy",))),
-                                 value=draw(st.sampled_from([1, -1])), comment=draw(st.sampled_from([None, "meh"]))))
+            actor = draw(st.sampled_from((*OWNERS, RATER)))
+            events.append(Rating(target=f"c{draw(st.integers(0, 3))}", actor=actor, scope="any" if actor == RATER
+                                 else "own", value=draw(st.sampled_from([1, -1])),
+                                 comment=draw(st.sampled_from([None, "meh"]))))
         elif events:
             events.append(events[draw(st.integers(0, len(events) - 1))])
     return events
@@ -137,9 +138,9 @@ def test_a_batch_of_plain_ratings_does_what_one_at_a_time_does_on_each_database(
         _wipe(store)
         store.apply_many([_capture(i, OWNERS[i % 2]) for i in range(4)], "m")
         if batched:
-            got = [a for i in range(0, len(events), cut) for a in store.apply_many(events[i:i + cut], "m", _raters)]
+            got = [a for i in range(0, len(events), cut) for a in store.apply_many(events[i:i + cut], "m")]
         else:
-            got = [store.apply_one(ev, "m", _raters, refuse=False) for ev in events]
+            got = [store.apply_one(ev, "m", refuse=False) for ev in events]
         return [astuple(a) for a in got], _ratings(store)
 
     assert run(batched=True) == run(batched=False)
