@@ -192,11 +192,8 @@ class UseCases:
         if not decision.allowed:
             return None
         if reply_to:
-            posted = self._lookup(who, conversation or "", reply_to)
-            refused = self._refusal(decision, posted, "that message is not an answer of this bot's")
-            if refused is not None:
-                return refused
-            target = posted.capture_id  # type: ignore[union-attr]
+            return self._rate_posted(who, decision, conversation or "", reply_to, value, comment,
+                                     "that message is not an answer of this bot's")
         return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=target, value=value,
                            comment=comment, scope=decision.scope, **_event_id(event_id)))
 
@@ -205,12 +202,7 @@ class UseCases:
         decision = self.decide(who, "rate")
         if not decision.allowed:
             return None
-        posted = self._lookup(who, conversation, message_ref)
-        refused = self._refusal(decision, posted, "that answer was not captured")
-        if refused is not None or posted is None:
-            return refused
-        return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=posted.capture_id,
-                           value=value, scope=decision.scope))
+        return self._rate_posted(who, decision, conversation, message_ref, value, None, "that answer was not captured")
 
     def react(self, who: Actor, conversation: str, message_ref: str, old: Value | None,
               new: Value | None) -> Rating | Undo | None:
@@ -276,13 +268,17 @@ class UseCases:
     def _lookup(self, who: Actor, conversation: str, message_ref: str) -> Posted | None:
         return self.posted.lookup(who.source, conversation, message_ref) if self.posted is not None else None
 
-    @staticmethod
-    def _refusal(decision: Decision, posted: Posted | None, not_ours: str) -> Reply | None:
+    def _rate_posted(self, who: Actor, decision: Decision, conversation: str, message_ref: str, value: Value,
+                     comment: str | None, not_ours: str) -> Outcome:
+        """A permitted rating of the answer this front end posted as ``message_ref``, if it is one and
+        the decision reaches its owner."""
+        posted = self._lookup(who, conversation, message_ref)
         if posted is None:
             return Reply(f"{NOTHING_TO_RATE}: {not_ours}")
         if not decision.reaches(posted.owner):
             return Reply(NOT_YOURS)
-        return None
+        return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=posted.capture_id,
+                           value=value, comment=comment, scope=decision.scope))
 
     def _cooldown(self, who: Actor) -> int:
         """0 and start the cooldown, or the seconds left of a running one."""
