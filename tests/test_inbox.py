@@ -14,15 +14,16 @@ from rq import Queue, SimpleWorker
 from sqlalchemy import delete, select
 from typer.testing import CliRunner
 
+from rlfleet.shared import applied as applied_mod
 from rlfleet.shared import inbox
-from rlfleet.shared import store as store_mod
+from rlfleet.shared.applied import Applied
 from rlfleet.shared.cli import app
 from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import BadInput, NotFound
 from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
 from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, ensure_drain, open_queue, wait_for
 from rlfleet.shared.schema import ProcessedEvent, RatingRow
-from rlfleet.shared.store import Applied, Store
+from rlfleet.shared.store import Store
 
 # ---- the store: one transaction for a batch == one per event -----------------------------------
 
@@ -244,14 +245,14 @@ def test_a_broken_event_is_set_aside_and_the_rest_go_on(q, monkeypatch):
     store.apply_capture(_capture(1, "local"))
     store.apply_capture(_capture(2, "local"))
     bad = Rating(target="c2", value=-1)  # the only rating of c2, whose answer the bug trips on
-    real = store_mod._preview
+    real = applied_mod.preview
 
     def breaks_on_one(text: str, *args) -> str:
         if text == "answer 2":
             raise RuntimeError("a bug on this one event")
         return real(text, *args)
 
-    monkeypatch.setattr(store_mod, "_preview", breaks_on_one)
+    monkeypatch.setattr(applied_mod, "preview", breaks_on_one)
     before, after = Rating(target="c1", value=1), Rating(target="c1", value=-1)
     tickets = [enqueue_event(handle, ev) for ev in (before, bad, after)]
     handle.redis.rpush(inbox.INBOX, b"\xff not an event")  # not from a producer of ours
@@ -272,7 +273,7 @@ def test_a_broken_event_is_set_aside_and_the_rest_go_on(q, monkeypatch):
     assert shown["dead"][0]["type"] == "unreadable" and shown["dead"][1]["event_id"] == bad.event_id
     assert "answer" not in res.output  # which event and why, not the user's text
 
-    monkeypatch.setattr(store_mod, "_preview", real)  # the cause is fixed: put them back
+    monkeypatch.setattr(applied_mod, "preview", real)  # the cause is fixed: put them back
     res = CliRunner().invoke(app, ["events", "--retry", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["requeued"] == 2
     # no worker runs here: the command applied them itself, as `rlfleet good` does

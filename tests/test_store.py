@@ -126,9 +126,9 @@ def test_migrations_are_reentrant(db_url):
 def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, monkeypatch, request):
     import sqlalchemy as sa
 
-    from rlfleet.shared import store as store_mod
+    from rlfleet.shared import engines
 
-    monkeypatch.setattr(store_mod, "PING_AFTER_IDLE_S", 0.0)  # every checkout counts as after a pause
+    monkeypatch.setattr(engines, "PING_AFTER_IDLE_S", 0.0)  # every checkout counts as after a pause
     store = Store(db_url)
     c = cap()
     store.apply_capture(c)

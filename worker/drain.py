@@ -16,9 +16,9 @@ import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from rlfleet.shared import inbox
+from rlfleet.shared.applied import Applied
 from rlfleet.shared.errors import BadInput, RlfleetError
 from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
-from rlfleet.shared.store import Applied
 
 log = logging.getLogger("rlfleet.worker")
 DATABASE_DOWN = (OperationalError, InterfaceError)

@@ -1,4 +1,4 @@
-"""Alembic environment: run by :func:`rlfleet.shared.store.migrate` with a live connection."""
+"""Alembic environment: run by :func:`rlfleet.shared.engines.migrate` with a live connection."""
 
 from alembic import context
 
