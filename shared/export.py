@@ -18,9 +18,7 @@ from pathlib import Path
 from .config import Config
 from .errors import BadInput, NotFound
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft, resolve_model
-from .registry import AdapterRegistry
-
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "meta.json")
+from .registry import EXPORTED_FILES, AdapterRegistry
 
 
 def pick_version(cfg: Config, version: str | None) -> tuple[ModelRef, AdapterRegistry, str]:
@@ -58,7 +56,7 @@ def export_adapter(cfg: Config, dest: Path, version: str | None = None) -> tuple
     _, registry, version = pick_version(cfg, version)
     staging = _staging(dest)
     src = registry.path(version)
-    for name in PEFT_FILES:
+    for name in EXPORTED_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, staging / name)
     return _finish(staging, dest), version

@@ -1,4 +1,5 @@
-"""Adapter versions on disk: ``adapters/<model-slug>/vNNNN/`` plus a ``CURRENT`` pointer.
+"""The adapter store: ``adapters/<model-slug>/vNNNN/`` plus a ``CURRENT`` pointer. This module is the
+only one that knows the folder's format; every other one asks it.
 
 Each version folder is a plain peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
 loadable by ``PeftModel.from_pretrained``) with our ``meta.json`` beside it, never inside the config.
@@ -12,12 +13,57 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NotFound
 
-_VERSION = re.compile(r"^v(\d{4,})$")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_CONFIG = "adapter_config.json"  # peft's, as peft writes it
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+LEGACY_WEIGHTS = "adapter_model.bin"  # what older peft wrote: loaded and exported, never written here
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # what a complete version holds
+WEIGHT_FILES = (ADAPTER_WEIGHTS, LEGACY_WEIGHTS)  # where a loader finds the weights, in this order
+META_FILE = "meta.json"  # ours: parent, ratings, metrics, configuration
+EXPORTED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LEGACY_WEIGHTS, META_FILE)  # a version's folder as exported
+CURRENT_FILE = "CURRENT"  # the name of the version being served; absent: the base model
+
+_VERSION = re.compile(r"^v(\d{4,})$")  # the names this registry gives its versions
+# What CURRENT may name: a plain folder name, no separators, no dots (peft adapter names become torch
+# ModuleDict keys, which must not contain '.'). Loaders serve any such folder; the registry writes vNNNN.
+_POINTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_MAX_POINTER_BYTES = 256
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a ``CURRENT`` file says: the version it names (None: the base model), or why it names none
+    though it holds something (``problem``, one line for a warning)."""
+
+    name: str | None
+    problem: str | None = None
+
+
+def read_pointer(folder: Path) -> Pointer:
+    """Read ``folder``'s ``CURRENT``. Whether the named folder exists is the caller's question."""
+    path = Path(folder) / CURRENT_FILE
+    try:
+        with path.open("rb") as fh:
+            raw = fh.read(_MAX_POINTER_BYTES + 1)
+    except FileNotFoundError:
+        return Pointer(None)
+    except OSError as exc:
+        return Pointer(None, f"cannot read {path}: {exc}")
+    if len(raw) > _MAX_POINTER_BYTES:
+        return Pointer(None, f"{path} is not a version name (too long)")
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return Pointer(None, f"{path} is not a version name (not text)")
+    if not name:
+        return Pointer(None)
+    if not _POINTER.match(name):
+        return Pointer(None, f"{path} holds {name[:40]!r}, not a version name")
+    return Pointer(name)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -40,7 +86,7 @@ class AdapterRegistry:
 
     @property
     def current_file(self) -> Path:
-        return self.dir / "CURRENT"
+        return self.dir / CURRENT_FILE
 
     def versions(self) -> list[str]:
         if not self.dir.is_dir():
@@ -73,7 +119,7 @@ class AdapterRegistry:
         missing = [f for f in ADAPTER_FILES if not (staging / f).is_file()]
         if missing:
             raise RuntimeError(f"adapter for {version} is incomplete: missing {', '.join(missing)}")
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
         for f in staging.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -86,18 +132,16 @@ class AdapterRegistry:
         shutil.rmtree(staging, ignore_errors=True)
 
     def meta(self, version: str) -> dict:
-        p = self.path(version) / "meta.json"
+        p = self.path(version) / META_FILE
         try:
             return json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
 
     def current(self) -> str | None:
-        try:
-            name = self.current_file.read_text(encoding="utf-8").strip()
-        except OSError:
-            return None
-        return name if _VERSION.match(name) and self.exists(name) else None
+        """The version being served: the one ``CURRENT`` names, when it is a complete version of ours."""
+        name = read_pointer(self.dir).name
+        return name if name is not None and _VERSION.match(name) and self.exists(name) else None
 
     def set_current(self, version: str | None) -> None:
         if version is None:
@@ -105,7 +149,7 @@ class AdapterRegistry:
             return
         if not self.exists(version):
             raise NotFound(f"adapter version {version} does not exist")
-        tmp = self.dir / f".CURRENT.{os.getpid()}"
+        tmp = self.dir / f".{CURRENT_FILE}.{os.getpid()}"
         tmp.write_text(version + "\n", encoding="utf-8")
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -22,16 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft
+from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
 
 log = logging.getLogger(__name__)
 
-CURRENT_FILE = "CURRENT"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-# A version name is a plain folder name: no separators, no dots (peft adapter names become
-# torch ModuleDict keys, which must not contain '.').
-_VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-_MAX_CURRENT_BYTES = 256
 _NEVER = object()  # matches no state key (None is a real one: the base model)
 
 
@@ -100,33 +93,17 @@ class LocalResponder:
     def current_version(self) -> str | None:
         """The version that ``CURRENT`` names, or None: file missing, empty, unreadable, not a
         plain name, or naming a folder that does not exist (the last two are logged as warnings)."""
-        path = self.adapters_dir / CURRENT_FILE
-        try:
-            with path.open("rb") as fh:
-                raw = fh.read(_MAX_CURRENT_BYTES + 1)
-        except FileNotFoundError:
+        pointer = read_pointer(self.adapters_dir)
+        if pointer.problem is not None:
+            self._warn(f"{pointer.problem}; answering with the base model")
+            return None
+        name = pointer.name
+        if name is None:
             self._warned = None
-            return None
-        except OSError as exc:
-            self._warn(f"cannot read {path}: {exc}; answering with the base model")
-            return None
-        if len(raw) > _MAX_CURRENT_BYTES:
-            self._warn(f"{path} is not a version name (too long); answering with the base model")
-            return None
-        try:
-            name = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            self._warn(f"{path} is not a version name (not text); answering with the base model")
-            return None
-        if not name:
-            self._warned = None
-            return None
-        if not _VERSION_NAME.match(name):
-            self._warn(f"{path} holds {name[:40]!r}, not a version name; answering with the base model")
             return None
         if not (self.adapters_dir / name).is_dir():
-            self._warn(f"{path} names {name}, but {self.adapters_dir / name} does not exist; "
-                       "answering with the base model")
+            self._warn(f"{self.adapters_dir / CURRENT_FILE} names {name}, but {self.adapters_dir / name} does not "
+                       "exist; answering with the base model")
             return None
         self._warned = None
         return name
@@ -168,7 +145,7 @@ class LocalResponder:
         if version is None:
             return None
         folder = self.adapters_dir / version
-        for name in ADAPTER_WEIGHTS:
+        for name in WEIGHT_FILES:
             try:
                 st = (folder / name).stat()
             except OSError:
@@ -187,8 +164,8 @@ class LocalResponder:
         folder = self.adapters_dir / version
         if not (folder / ADAPTER_CONFIG).is_file():
             raise FileNotFoundError(f"{folder / ADAPTER_CONFIG} is missing")
-        if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
-            raise FileNotFoundError(f"{folder} holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+        if not any((folder / name).is_file() for name in WEIGHT_FILES):
+            raise FileNotFoundError(f"{folder} holds no adapter weights ({' or '.join(WEIGHT_FILES)})")
 
         if self._peft is not None and version in self._peft.peft_config:
             # The same name with new files (e.g. a lineage reset reused it): start over from the base.

@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from rlfleet.shared.config import Config, PushTarget
+from rlfleet.shared.registry import ADAPTER_FILES
 
 VLLM_NAME = "rlfleet"
 OLLAMA_NO_ADAPTERS = (0, 34, 1)  # the first Ollama that refuses LoRA adapters
@@ -195,7 +196,7 @@ def push_ollama(t: PushTarget, cfg: Config, version: str | None, adapter_dir: Pa
     status, raw = _request(t, "GET", "/api/version")
     server = _version_tuple(json.loads(raw).get("version", "")) if status == 200 else ()
     if server and server < OLLAMA_NO_ADAPTERS:
-        files = {f: _upload(t, adapter_dir / f) for f in ("adapter_config.json", "adapter_model.safetensors")}
+        files = {f: _upload(t, adapter_dir / f) for f in ADAPTER_FILES}
         _create(t, {"model": name, "from": t.base, "adapters": files})
         return f"Ollama serves {version} as {name} (adapter on {t.base})"
     script = _converter(t, "convert_hf_to_gguf.py")

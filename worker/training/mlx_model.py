@@ -25,6 +25,7 @@ from typing import Any
 
 from rlfleet.shared.errors import ModelUnavailable
 from rlfleet.shared.models import ModelRef, load_tokenizer
+from rlfleet.shared.registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 INSTALL_HINT = "pip install -e '.[mlx]'"
 PEFT_PREFIX = "base_model.model."
@@ -159,14 +160,14 @@ def read_adapter(adapter_dir: Path, targets: list[str], model_spec: str) -> Lora
     from safetensors.numpy import load_file
 
     adapter_dir = Path(adapter_dir)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"adapter {adapter_dir} is not a plain LoRA; the mlx trainer cannot continue it")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"adapter {adapter_dir} has per-module ranks; the mlx trainer cannot continue it")
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    weights = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     paths = sorted({k[len(PEFT_PREFIX) :].rsplit(".lora_", 1)[0] for k in weights if ".lora_" in k})
     known = set(targets)
     unexpected = [k for k in weights if not _peft_key_ok(k, known)]
@@ -185,10 +186,10 @@ def write_adapter(out_dir: Path, spec: LoraSpec, tensors: dict[str, Any], base: 
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = dict(spec.config) if spec.config is not None else _lora_config(spec.rank, spec.alpha, spec.paths, base)
     config["inference_mode"] = True
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 
@@ -237,5 +238,5 @@ def _lora_config(rank: int, alpha: float, paths: list[str], base: str) -> dict:
     )
     with tempfile.TemporaryDirectory() as tmp:
         lora.save_pretrained(tmp)  # peft's own serialisation (enums, sets, version field)
-        return json.loads((Path(tmp) / "adapter_config.json").read_text(encoding="utf-8"))
+        return json.loads((Path(tmp) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
+from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import seeded_rng
 
 from ..batching import Encoded, _ids, collate, micro_batches
@@ -115,7 +116,7 @@ class Trainer(TrainerInterface):
             model = get_peft_model(self.base, lora)
         try:
             if adapter_dir is not None:
-                weights = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"), device=self.device)
+                weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS), device=self.device)
                 loaded = set_peft_model_state_dict(model, weights)
                 missing = [k for k in loaded.missing_keys if "lora_" in k]
                 if loaded.unexpected_keys or missing:
