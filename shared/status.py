@@ -1,10 +1,14 @@
-"""``rlfleet status``: one dict, a stable contract (documented in the README), built from the store,
-the adapter registry and Redis; the worker also publishes it to a Redis key for bots to read."""
+"""``rlfleet status``: one :class:`Status`, gathered here from the store, the adapter registry and Redis,
+and nowhere else. Its wire form (``to_dict``: the JSON of ``rlfleet status --json``, documented in the
+README) is what every front end renders; the worker also publishes it to a Redis key for bots to read."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 import redis
 from rq import Queue
@@ -14,6 +18,7 @@ from .bothealth import bots_status
 from .config import Config
 from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
+from .schema import AdapterVersion
 from .store import Store
 from .workers import live_workers
 
@@ -25,76 +30,167 @@ def _iso(dt: datetime | None) -> str | None:
     return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).isoformat()
 
 
-def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:
+@dataclass(frozen=True)
+class TrainingProgress:
+    """The running run's last report (worker/orchestrate.py writes it to ``progress_key``)."""
+
+    phase: str | None
+    step: int
+    total: int
+    tokens_per_s: float
+    version: str | None
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> TrainingProgress:
+        """From the hash's raw bytes."""
+        p = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls(p.get("phase"), int(p.get("step", 0)), int(p.get("total", 0)), float(p.get("tokens_per_s", 0)),
+                   p.get("version"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "step": self.step, "total": self.total, "tokens_per_s": self.tokens_per_s,
+                "version": self.version}
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    state: str = "idle"  # idle, queued, running or failed (a rejected version says so here too)
+    error: str | None = None
+    run_id: int | None = None
+    progress: TrainingProgress | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "error": self.error, "run_id": self.run_id,
+                "progress": self.progress.to_dict() if self.progress else None}
+
+
+def read_training(store: Store, conn: redis.Redis | None, slug: str) -> TrainingState:
     run = store.latest_run(slug)
-    out: dict = {"state": "idle", "error": None, "run_id": None, "progress": None}
     if run is None:
-        return out
-    out["run_id"] = run.id
+        return TrainingState()
+    state, error = "idle", None
     if run.state in ("queued", "running"):
         alive = conn is None or conn.exists(train_lock_key(slug))
         if alive:
-            out["state"] = run.state
+            state = run.state
         else:  # its worker died and nothing holds the run: say so instead of "running" forever
-            out["state"], out["error"] = "failed", "the training worker stopped during the run"
+            state, error = "failed", "the training worker stopped during the run"
     elif run.state == "failed":
-        out["state"], out["error"] = "failed", run.error
+        state, error = "failed", run.error
     elif run.state == "rejected":  # trained, but the gate kept it from being served
-        out["state"], out["error"] = "failed", f"{run.version} was not promoted: {run.error}"
-    if conn is not None and out["state"] == "running":
+        state, error = "failed", f"{run.version} was not promoted: {run.error}"
+    progress = None
+    if conn is not None and state == "running":
         raw = conn.hgetall(progress_key(slug))
-        if raw:
-            p = {k.decode(): v.decode() for k, v in raw.items()}
-            out["progress"] = {
-                "phase": p.get("phase"),
-                "step": int(p.get("step", 0)),
-                "total": int(p.get("total", 0)),
-                "tokens_per_s": float(p.get("tokens_per_s", 0)),
-                "version": p.get("version"),
-            }
-    return out
+        progress = TrainingProgress.from_hash(raw) if raw else None
+    return TrainingState(state, error, run.id, progress)
+
+
+def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:
+    """The ``training`` part of the status, in its wire form."""
+    return read_training(store, conn, slug).to_dict()
+
+
+@dataclass(frozen=True)
+class RatingCounts:
+    total: int
+    good: int
+    bad: int
+    pending: int
+
+
+@dataclass(frozen=True)
+class VersionEntry:
+    version: str
+    status: str
+    created: str | None
+    parent: str | None
+    metrics: dict[str, Any]
+
+    @classmethod
+    def of(cls, v: AdapterVersion) -> VersionEntry:
+        return cls(v.version, v.status, _iso(v.created), v.parent, v.metrics or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "status": self.status, "created": self.created, "parent": self.parent,
+                "metrics": self.metrics}
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    events: int = 0  # events handed over and not applied yet (not the drain job itself)
+    train: int = 0
+    dead_letters: int = 0
+
+
+@dataclass(frozen=True)
+class Status:
+    model: str
+    model_slug: str
+    ratings: RatingCounts
+    threshold: int
+    preset: str
+    ema: float | None  # None: not seeded yet (0.0 on the wire, with ema_seeded false)
+    lineage: int
+    current: str | None  # the adapter version being served; None: the base model
+    versions: list[VersionEntry]
+    training: TrainingState
+    queue: QueueCounts
+    workers: int  # live workers, not the registrations of dead ones
+    push: list[dict] = field(default_factory=list)  # the last push to each target (worker/push.py)
+    bots: dict[str, dict] = field(default_factory=dict)  # per bot (shared/bothealth.py)
+    durability: dict | None = None  # what an acknowledgement is worth (shared/durability.py); None: no Redis
+
+    def to_dict(self) -> dict[str, Any]:
+        r, q = self.ratings, self.queue
+        return {
+            "model": self.model,
+            "model_slug": self.model_slug,
+            "ratings": {"total": r.total, "good": r.good, "bad": r.bad, "pending": r.pending},
+            "threshold": self.threshold,
+            "preset": self.preset,
+            "ema": self.ema if self.ema is not None else 0.0,
+            "ema_seeded": self.ema is not None,
+            "lineage": self.lineage,
+            "adapter": {"current": self.current, "versions": [v.to_dict() for v in self.versions]},
+            "training": self.training.to_dict(),
+            "queue": {"events": q.events, "train": q.train, "dead_letters": q.dead_letters},
+            "workers": self.workers,
+            "push": self.push,
+            "bots": self.bots,
+            "durability": self.durability,
+        }
+
+
+def gather_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str) -> Status:
+    counts = store.counts(slug)
+    ema, lineage = store.baseline(slug)
+    queue, workers = QueueCounts(), 0
+    if conn is not None:
+        queue = QueueCounts(inbox.pending(conn), Queue(TRAIN_QUEUE, connection=conn).count, conn.llen(inbox.DEAD))
+        workers = len(live_workers(conn))
+    return Status(
+        model=cfg.model,
+        model_slug=slug,
+        ratings=RatingCounts(counts.total, counts.good, counts.bad, counts.pending),
+        threshold=cfg.train.threshold,
+        preset=cfg.train.preset,
+        ema=ema,
+        lineage=lineage,
+        current=AdapterRegistry(cfg.adapters_root, slug).current(),
+        versions=[VersionEntry.of(v) for v in store.versions(slug)],
+        training=read_training(store, conn, slug),
+        queue=queue,
+        workers=workers,
+        push=push_results(conn, slug),
+        bots=bots_status(cfg, conn),
+        durability=durability.check(conn).as_dict() if conn is not None else None,
+    )
 
 
 def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str) -> dict:
-    counts = store.counts(slug)
-    ema, lineage = store.baseline(slug)
-    registry = AdapterRegistry(cfg.adapters_root, slug)
-    versions = [
-        {
-            "version": v.version,
-            "status": v.status,
-            "created": _iso(v.created),
-            "parent": v.parent,
-            "metrics": v.metrics or {},
-        }
-        for v in store.versions(slug)
-    ]
-    queue = {"events": 0, "train": 0, "dead_letters": 0}
-    workers = 0
-    if conn is not None:
-        queue = {
-            "events": inbox.pending(conn),  # not the drain job itself: one waiting rating is 1, not 2
-            "train": Queue(TRAIN_QUEUE, connection=conn).count,
-            "dead_letters": conn.llen(inbox.DEAD),
-        }
-        workers = len(live_workers(conn))  # not the registrations of dead ones
-    return {
-        "model": cfg.model,
-        "model_slug": slug,
-        "ratings": {"total": counts.total, "good": counts.good, "bad": counts.bad, "pending": counts.pending},
-        "threshold": cfg.train.threshold,
-        "preset": cfg.train.preset,
-        "ema": ema if ema is not None else 0.0,
-        "ema_seeded": ema is not None,
-        "lineage": lineage,
-        "adapter": {"current": registry.current(), "versions": versions},
-        "training": training_state(store, conn, slug),
-        "queue": queue,
-        "workers": workers,
-        "push": push_results(conn, slug),
-        "bots": bots_status(cfg, conn),
-        "durability": durability.check(conn).as_dict() if conn is not None else None,
-    }
+    """The status in its wire form: what ``rlfleet status --json`` prints and the snapshot holds."""
+    return gather_status(cfg, store, conn, slug).to_dict()
 
 
 def push_results(conn: redis.Redis | None, slug: str) -> list[dict]:
