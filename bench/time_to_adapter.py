@@ -83,8 +83,8 @@ def _measure(args, home: Path, console) -> dict:
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.queue import enqueue_event, open_queue, progress_key
     from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.runs import ratings_until_run
     from rlfleet.shared.store import Store
-    from rlfleet.worker.jobs import ratings_until_run
 
     from .record import markdown_table
 

@@ -22,6 +22,7 @@ from rlfleet.shared.ingress.usecases import Completion, Send, UseCases
 from rlfleet.shared.models import resolve_model
 from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, open_queue
+from rlfleet.shared.runs import was_interrupted
 
 from .training_news import TrainingNews
 
@@ -281,7 +282,6 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
 def _stop_workers(workers, cfg: Config, slug: str) -> None:
     """Stop the workers; a training run they leave unfinished is said to run again, not lost."""
     from rlfleet.shared.store import Store
-    from rlfleet.worker.jobs import was_interrupted
 
     store = Store(cfg.db_url)
     before = store.latest_run(slug)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import redis
 
 from rlfleet.shared.queue import TRAINING_BUSY
+from rlfleet.shared.runs import ratings_until_run, was_interrupted
 from rlfleet.shared.schema import TrainRun
 from rlfleet.shared.store import Store
 
@@ -62,8 +63,6 @@ class TrainingNews:
                 "; now answering with it"
         if run.state == "stale":
             return f"✗ {run.version} set aside: a reset happened while it trained"
-        from rlfleet.worker.jobs import was_interrupted
-
         if run.state == "rejected":
             what = f"{run.version} rejected"
         else:
@@ -71,8 +70,6 @@ class TrainingNews:
         return f"✗ {what}: {run.error or 'see rlfleet status'}; {self._next()}"
 
     def _next(self) -> str:
-        from rlfleet.worker.jobs import ratings_until_run
-
         latest = self.store.latest_run(self.slug)
         if latest is not None and latest.state in ("queued", "running"):
             return "a new run is on its way"

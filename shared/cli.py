@@ -666,7 +666,7 @@ def push(
     manual step). The worker does this after every promotion; this is the retry."""
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.registry import AdapterRegistry
-    from rlfleet.worker.jobs import run_push
+    from rlfleet.worker.push_schedule import run_push
 
     cfg = _config()
     if not cfg.push:
@@ -674,7 +674,7 @@ def push(
     if target and target not in {t.name for t in cfg.push}:
         raise BadInput(f"no push target {target!r} (targets: {', '.join(t.name for t in cfg.push)})")
     with _queue(cfg) as q:
-        result = run_push(cfg, AdapterRegistry(cfg.adapters_root, model_slug(cfg.model)), q.redis, target)
+        result = run_push(cfg, AdapterRegistry(cfg.adapters_root, model_slug(cfg.model)), q.redis, target).to_dict()
     if not as_json:
         for r in result["results"]:
             mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual step[/]"}[r["ok"]]

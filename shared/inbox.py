@@ -1,7 +1,7 @@
 """The events inbox: how ratings reach the worker in batches instead of one RQ job each.
 
 A producer (bot, bridge, CLI) appends the event's JSON to one Redis list and, when no drain owns the
-inbox, queues one RQ drain job (``rlfleet.worker.jobs.drain_events``). The drain moves up to a batch of
+inbox, queues one RQ drain job (``job_names.DRAIN_JOB``). The drain moves up to a batch of
 events into a "taken" list, applies them in one database transaction, writes each event's answer
 under its own key, and empties "taken"; it keeps going until the inbox is empty and then lets go.
 
@@ -49,7 +49,6 @@ RESULT_TTL = 3600
 STAMPS = ("taken_at", "answered_at")  # when the drain took an event and answered it; for benchmarks
 BATCH = 256
 MAX_ATTEMPTS = 5
-DRAIN_JOB = "rlfleet.worker.jobs.drain_events"
 
 
 def new_drain_id() -> str:

@@ -1,7 +1,7 @@
 """The queue: Redis (an embedded server by default, or ``REDIS_URL``) and the two RQ queues.
 
-Ingresses enqueue jobs by their import path (``rlfleet.worker.jobs.handle_event``), so a bot or the
-bridge never imports the worker's code or torch.
+Ingresses enqueue jobs by their import path (shared/job_names.py), so a bot or the bridge never
+imports the worker's code or torch.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from . import inbox
 from .config import Config, redact_url
 from .errors import QueueUnavailable
 from .events import Capture, Command, Rating, Undo
+from .job_names import DRAIN_JOB
+from .job_result import JobResult
 
 EVENTS_QUEUE = "rlfleet:events"
 TRAIN_QUEUE = "rlfleet:train"
-HANDLE_EVENT = "rlfleet.worker.jobs.handle_event"
-TRAIN_JOB = "rlfleet.worker.jobs.train"
 
 # A worker killed mid-job leaves the job "started"; RQ's maintenance marks it abandoned and these
 # retries put it back, and the store's idempotency makes the repeat harmless.
@@ -50,9 +50,6 @@ def status_key(slug: str) -> str:
 def push_key(slug: str) -> str:
     """Hash: push target name -> the JSON of its last push result."""
     return f"rlfleet:push:{slug}"
-
-
-PUSH_JOB = "rlfleet.worker.jobs.push_served"
 
 
 def announce_key(slug: str) -> str:
@@ -124,7 +121,7 @@ def enqueue_event(handle: QueueHandle, event: Capture | Rating | Undo | Command)
 
 def queue_drain(conn: redis.Redis, drain_id: str) -> Job:
     return Queue(EVENTS_QUEUE, connection=conn).enqueue(
-        inbox.DRAIN_JOB, job_id=drain_id, retry=EVENT_RETRY, result_ttl=600, failure_ttl=7 * 24 * 3600,
+        DRAIN_JOB, job_id=drain_id, retry=EVENT_RETRY, result_ttl=600, failure_ttl=7 * 24 * 3600,
         job_timeout=300, description="apply the events in the inbox",  # a drain hands over after 30 s
     )
 
@@ -175,7 +172,7 @@ def _wait_for_job(job: Job, timeout: float) -> dict | None:
             return job.return_value(refresh=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
             exc = (job.latest_result().exc_string or "").strip().splitlines() if job.latest_result() else []
-            return {"ok": False, "message": f"the worker failed on it: {exc[-1] if exc else status}"}
+            return JobResult.failed(f"the worker failed on it: {exc[-1] if exc else status}").to_dict()
         if time.monotonic() >= deadline:
             return None
         time.sleep(delay)

@@ -66,9 +66,9 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("RLFLEET_HOME", str(h))
     for var in ("REDIS_URL", "DATABASE_URL", "RLFLEET_MODEL", "RLFLEET_THRESHOLD", "RLFLEET_PRESET"):
         monkeypatch.delenv(var, raising=False)
-    import rlfleet.worker.jobs as jobs
+    import rlfleet.worker.context as worker_context
 
-    monkeypatch.setattr(jobs, "_CTX", None)
+    monkeypatch.setattr(worker_context, "_CTX", None)
     return h
 
 

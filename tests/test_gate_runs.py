@@ -16,7 +16,7 @@ from rlfleet.shared.events import Capture, Rating
 from rlfleet.shared.queue import open_queue
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
-from rlfleet.worker.jobs import evaluate_candidate
+from rlfleet.worker.orchestrate import evaluate_candidate
 from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
 

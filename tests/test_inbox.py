@@ -21,6 +21,7 @@ from rlfleet.shared.cli import app
 from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import BadInput, NotFound
 from rlfleet.shared.events import Capture, Command, Message, Rating, Undo
+from rlfleet.shared.job_names import DRAIN_JOB
 from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, ensure_drain, open_queue, wait_for
 from rlfleet.shared.schema import ProcessedEvent, RatingRow
 from rlfleet.shared.store import Store
@@ -298,16 +299,16 @@ def test_a_database_outage_fails_the_drain_not_the_events(q, monkeypatch):
     assert not inbox.dead(handle.redis)
     monkeypatch.setattr(Store, "apply_many", real)  # the database is back
     owner = handle.redis.get(inbox.OWNER).decode()
-    Queue(EVENTS_QUEUE, connection=handle.redis).enqueue_call(inbox.DRAIN_JOB, job_id=owner)  # RQ's retry
+    Queue(EVENTS_QUEUE, connection=handle.redis).enqueue_call(DRAIN_JOB, job_id=owner)  # RQ's retry
     _work(handle)
     assert wait_for(ticket, 0)["ok"] and len(_ratings(store)) == 1
 
 
 def test_a_long_drain_hands_over_and_nothing_is_stranded(q, monkeypatch):
-    import rlfleet.worker.jobs as jobs
+    import rlfleet.worker.drain_job as drain_job
 
     cfg, handle, store = q
-    monkeypatch.setattr(jobs, "DRAIN_SECONDS", 0.0)  # hand over after every batch
+    monkeypatch.setattr(drain_job, "DRAIN_SECONDS", 0.0)  # hand over after every batch
     monkeypatch.setattr(inbox, "BATCH", 7)
     for i in range(40):
         store.apply_capture(_capture(i, "local"))
@@ -326,7 +327,7 @@ def test_an_event_that_arrives_as_the_drain_lets_go_is_not_stranded(q):
     late = enqueue_event(handle, Rating(target="c1", value=-1))  # appended meanwhile
     assert handle.events.count == 0  # no second drain was queued for it ...
     assert not inbox.release(conn, owner)  # ... and the owner sees it as it tries to let go, and goes on
-    Queue(EVENTS_QUEUE, connection=conn).enqueue_call(inbox.DRAIN_JOB, job_id=owner)
+    Queue(EVENTS_QUEUE, connection=conn).enqueue_call(DRAIN_JOB, job_id=owner)
     _work(handle)
     assert wait_for(late, 0)["ok"] and handle.waiting_events() == 0
 

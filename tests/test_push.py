@@ -16,7 +16,7 @@ from rlfleet.shared.events import Command
 from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, open_queue
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.status import push_results
-from rlfleet.worker.jobs import run_push
+from rlfleet.worker.push_schedule import run_push
 
 
 def _adapter(folder: Path, seed: int) -> None:
@@ -37,7 +37,7 @@ def setup(queued_home, rconn):
 
 def _push(cfg, registry, conn, *targets: PushTarget, only=None) -> dict:
     cfg.push = list(targets)
-    return run_push(cfg, registry, conn, only)
+    return run_push(cfg, registry, conn, only).to_dict()
 
 
 def test_vllm_gets_each_version_under_one_name_in_place(setup):

@@ -201,7 +201,7 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
     import redis as redis_mod
 
     import rlfleet.worker.training.torch_backend as trainer_mod
-    from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW
+    from rlfleet.shared.runs import INTERRUPTED_IN_A_ROW
     from rlfleet.worker.runner import recover
 
     cfg = load_config()
@@ -264,7 +264,7 @@ def test_stopping_the_workers_mid_run_is_quiet_and_the_run_goes_on_at_the_next_s
     rule allows still leave the run to go on."""
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.queue import progress_key
-    from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW
+    from rlfleet.shared.runs import INTERRUPTED_IN_A_ROW
     from rlfleet.worker.runner import BackgroundWorkers
 
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)

@@ -1,11 +1,11 @@
-"""When the next training run starts by itself (worker/jobs.ratings_until_run): the rule the worker
+"""When the next training run starts by itself (shared/runs.ratings_until_run): the rule the worker
 applies and bench/time_to_adapter plans with."""
 
 from __future__ import annotations
 
 from rlfleet.shared.events import Capture, Message, Rating
+from rlfleet.shared.runs import INTERRUPTED_IN_A_ROW, STOPPED_ON_REQUEST, fail_interrupted, ratings_until_run
 from rlfleet.shared.store import Store
-from rlfleet.worker.jobs import INTERRUPTED_IN_A_ROW, STOPPED_ON_REQUEST, fail_interrupted, ratings_until_run
 
 
 def _rate(store: Store, n: int, start: int) -> None:

@@ -9,7 +9,6 @@ job is retried, and TAKEN keeps the batch meanwhile), so an outage never dead-le
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict
 
 import redis
@@ -19,20 +18,23 @@ from rlfleet.shared import inbox
 from rlfleet.shared.applied import Applied
 from rlfleet.shared.errors import BadInput, RlfleetError
 from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
+from rlfleet.shared.job_result import JobResult
+
+from .context import Context
+from .trigger import Countdown
+from .version_commands import run_command
 
 log = logging.getLogger("rlfleet.worker")
 DATABASE_DOWN = (OperationalError, InterfaceError)
 DataEvent = Capture | Rating | Undo
-Trigger = Callable[[object, redis.Redis, int], str | None]  # (ctx, conn, new ratings) -> training message
 
 
-def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
-                run_command: Callable[[object, Command], dict],
-                trigger: Trigger, durable: bool = True) -> dict[str, dict]:
+def apply_batch(ctx: Context, conn: redis.Redis, items: list[bytes], trigger: Countdown,
+                durable: bool = True) -> dict[str, JobResult]:
     """Each applied event's answer by event id. Events retried later have none yet. ``trigger`` is
     called once per run of data events that added ratings, with how many it added. Not ``durable``:
     the runs' commits do not wait for the disk (the caller syncs; shared/dbsync.py)."""
-    results: dict[str, dict] = {}
+    results: dict[str, JobResult] = {}
     run: list[tuple[bytes, DataEvent]] = []
 
     def apply_run() -> None:
@@ -49,55 +51,56 @@ def apply_batch(ctx, conn: redis.Redis, items: list[bytes],
             continue
         if isinstance(ev, Command):
             apply_run()  # the command sees every event sent before it
-            results[ev.event_id] = _command(ctx, conn, ev, run_command)
+            results[ev.event_id] = _command(ctx, conn, ev)
         else:
             run.append((raw, ev))
     apply_run()
     return results
 
 
-def _command(ctx, conn: redis.Redis, cmd: Command, run_command: Callable[[object, Command], dict]) -> dict:
+def _command(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
     # at most once: a drain killed after running it must not roll back twice when its batch is repeated
     if not conn.set(inbox.command_key(cmd.event_id), 1, nx=True, ex=7 * 24 * 3600):
-        return {"ok": True, "message": f"/rl {cmd.name} was already carried out", "duplicate": True}
+        return JobResult.done(f"/rl {cmd.name} was already carried out", duplicate=True)
     try:
-        return run_command(ctx, cmd)
+        return run_command(ctx, conn, cmd)
     except RlfleetError as exc:  # a refusal found on the way (a version name that is not one, say)
-        return {"ok": False, "message": str(exc)}
+        return JobResult.failed(str(exc))
     except DATABASE_DOWN:
         raise
     except Exception as exc:
         log.exception("command %s failed", cmd.name)
-        return {"ok": False, "message": f"the worker failed on /rl {cmd.name}: {type(exc).__name__}: {exc}"}
+        return JobResult.failed(f"the worker failed on /rl {cmd.name}: {type(exc).__name__}: {exc}")
 
 
-def _apply_run(ctx, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
-               trigger: Trigger, durable: bool) -> dict[str, dict]:
+def _apply_run(ctx: Context, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
+               trigger: Countdown, durable: bool) -> dict[str, JobResult]:
     try:
         applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, durable=durable))
     except DATABASE_DOWN:
         raise
     except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time
         applied = [_apply_alone(ctx, conn, raw, ev) for raw, ev in run]
-    out: dict[str, dict] = {}
+    out: dict[str, JobResult] = {}
     last_new_rating, new_ratings = None, 0
     for (_, ev), a in zip(run, applied, strict=True):
         if a is None:
             continue  # retried later
         if not a.ok:  # a refusal is its reason, nothing more
-            out[ev.event_id] = {"ok": False, "message": a.message}
+            out[ev.event_id] = JobResult.failed(a.message)
             continue
-        out[ev.event_id] = asdict(a)
+        answer = asdict(a)
         if isinstance(ev, Rating):
-            out[ev.event_id]["training"] = None
+            answer["training"] = None  # the trigger's word, for the last new rating of the run
             if not a.duplicate:
                 last_new_rating, new_ratings = ev.event_id, new_ratings + 1
+        out[ev.event_id] = JobResult.from_dict(answer)
     if last_new_rating is not None:  # the threshold is checked once per batch, not once per rating
-        out[last_new_rating]["training"] = trigger(ctx, conn, new_ratings)
+        out[last_new_rating] = out[last_new_rating].with_extra(training=trigger(ctx, conn, new_ratings))
     return out
 
 
-def _apply_alone(ctx, conn: redis.Redis, raw: bytes, ev: DataEvent) -> Applied | None:
+def _apply_alone(ctx: Context, conn: redis.Redis, raw: bytes, ev: DataEvent) -> Applied | None:
     try:
         return ctx.store.apply_one(ev, ctx.slug, refuse=False)
     except DATABASE_DOWN:

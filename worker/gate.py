@@ -1,6 +1,6 @@
 """The evaluation gate: which ratings a run holds out, and whether its candidate may be served.
 
-Pure functions over plain numbers; `worker/training/scoring.py` measures the models, `worker/jobs.py` acts
+Pure functions over plain numbers; `worker/training/scoring.py` measures the models, `worker/orchestrate.py` acts
 on the verdict. A candidate is compared with its parent (the version served when the run started,
 or the base) on ratings the run never trained on:
 

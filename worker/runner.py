@@ -23,8 +23,10 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
 from rlfleet.shared.config import Config, redact_url
+from rlfleet.shared.job_names import train_job_id
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
+from rlfleet.shared.runs import fail_interrupted, was_interrupted, was_stopped
 from rlfleet.shared.store import Store
 from rlfleet.shared.workers import forget_dead_workers, live_workers
 
@@ -41,7 +43,9 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       and training is queued again if the ratings are still there (so it resumes by itself);
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.jobs import context, fail_interrupted, maybe_trigger, reconcile, was_interrupted, was_stopped
+    from rlfleet.worker.context import context
+    from rlfleet.worker.trigger import maybe_trigger
+    from rlfleet.worker.version_commands import reconcile
 
     notes: list[str] = []
     reconcile(cfg)
@@ -54,7 +58,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     lock = train_lock_key(slug)
     released = False
     if run is not None and run.state in ("queued", "running"):
-        if _train_job_lost(conn, f"rlfleet-train-{slug}-{run.id}"):
+        if _train_job_lost(conn, train_job_id(slug, run.id)):
             fail_interrupted(store, slug, run.id, "the training worker stopped during the run")
             conn.delete(lock)
             notes.append(f"run {run.id} was interrupted; marked failed")
@@ -216,11 +220,11 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
         _schedulers_stop_with_worker()
         # not MLX: its arrays belong to the stream of the thread that made them
         if which in ("train", "all") and cfg.train.preload and cfg.train.device != "mlx":
-            from rlfleet.worker.jobs import preload_trainer
+            from rlfleet.worker.trainer_cache import preload_trainer
 
             preload_trainer(cfg)
         if which in ("events", "all"):
-            from rlfleet.worker.jobs import warm_up
+            from rlfleet.worker.drain_job import warm_up
 
             try:
                 warm_up()

@@ -116,7 +116,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.responder import LocalResponder
-    from rlfleet.worker import jobs
+    from rlfleet.worker import trainer_cache
     from rlfleet.worker.gate import GateConfig
     from rlfleet.worker.training.scoring import score_model
 
@@ -138,12 +138,12 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     say("loading models", 0, 1)
     responder = LocalResponder(ref, registry.dir, device=device, max_new_tokens=bc.max_new_tokens,
                                temperature=cfg.chat.temperature, top_p=cfg.chat.top_p)
-    trainer = jobs.get_trainer(cfg)
+    trainer = trainer_cache.get_trainer(cfg)
     if bc.objective == "kto":
         from .kto import KtoTrainer
 
-        key = next(k for k, v in jobs._TRAINERS.items() if v is trainer)
-        jobs._TRAINERS[key] = KtoTrainer(trainer)
+        key = next(k for k, v in trainer_cache._TRAINERS.items() if v is trainer)
+        trainer_cache._TRAINERS[key] = KtoTrainer(trainer)
 
     held = heldout_prompts(bc.heldout)
     eval_cfg = GateConfig(eval_samples=0)

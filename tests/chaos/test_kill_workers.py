@@ -19,7 +19,8 @@ from sqlalchemy import func, select
 from rlfleet.shared import inbox
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Message, Rating
-from rlfleet.shared.queue import EVENT_RETRY, EVENTS_QUEUE, HANDLE_EVENT, enqueue_event, open_queue
+from rlfleet.shared.job_names import HANDLE_EVENT
+from rlfleet.shared.queue import EVENT_RETRY, EVENTS_QUEUE, enqueue_event, open_queue
 from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.store import Store
 

@@ -19,7 +19,8 @@ from rq.registry import ScheduledJobRegistry, StartedJobRegistry
 from rlfleet.shared import inbox
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Message, Rating
-from rlfleet.shared.queue import EVENTS_QUEUE, HANDLE_EVENT, enqueue_event, open_queue
+from rlfleet.shared.job_names import HANDLE_EVENT
+from rlfleet.shared.queue import EVENTS_QUEUE, enqueue_event, open_queue
 from rlfleet.shared.store import Store
 
 RATINGS, RESTARTS = 240, 4

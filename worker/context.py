@@ -1,0 +1,50 @@
+"""What every job of a worker process works with, and how a job gets it.
+
+One :class:`Context` per process, built on first use and rebuilt when ``config.toml`` changes (so
+`rlfleet init` applies without restarting the workers). A job's Redis connection is not part of it:
+RQ hands each job its own (:func:`current_job`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rq import get_current_job
+from rq.job import Job
+
+from rlfleet.shared.config import Config, load_config
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.store import Store
+
+
+@dataclass(frozen=True)
+class Context:
+    cfg: Config
+    store: Store
+    slug: str  # the model this worker trains and serves: ratings, runs and versions are kept per model
+    registry: AdapterRegistry  # that model's adapter versions
+    config_mtime: float  # of the config.toml it was built from (0.0: none)
+
+
+_CTX: Context | None = None
+
+
+def context() -> Context:
+    """This process's context, rebuilt when config.toml changed since it was built."""
+    global _CTX
+    cfg_path = load_config().config_path
+    mtime = cfg_path.stat().st_mtime if cfg_path.exists() else 0.0
+    if _CTX is None or _CTX.config_mtime != mtime:
+        cfg = load_config()
+        slug = model_slug(cfg.model)
+        _CTX = Context(cfg, Store(cfg.db_url), slug, AdapterRegistry(cfg.adapters_root, slug), mtime)
+    return _CTX
+
+
+def current_job() -> Job:
+    """The RQ job running now: its id, and the Redis connection RQ gave it."""
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("rlfleet jobs run inside an RQ worker")
+    return job

@@ -1,0 +1,252 @@
+"""One training run end to end: the pending ratings in, a new adapter version out, promoted when the
+run's own checks and the evaluation gate (worker/gate.py) pass.
+
+A run trains in a staging folder and commits it as ``vNNNN`` only when complete; a failed run leaves
+``CURRENT`` alone and says why in status. Retractions (ratings undone or replaced after they were
+trained on) always train; fresh ratings lose their newest slice to the gate's held-out set, which
+stays pending (never trained on in this run) and trains the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.job_result import JobResult
+from rlfleet.shared.queue import progress_key, train_lock_key
+from rlfleet.shared.runs import STOPPED_ON_REQUEST, fail_interrupted
+from rlfleet.shared.schema import CaptureRow, RatingRow
+from rlfleet.shared.status import publish_snapshot
+
+from .context import Context
+from .gate import GateConfig, Verdict, judge, split_holdout
+from .presets import TrainConfig, resolve
+from .push_schedule import schedule_push
+from .samples import Progress, RunResult, TrainSample
+from .trainer_cache import get_trainer
+from .trigger import LOCK_TTL
+
+log = logging.getLogger("rlfleet.worker")
+
+
+def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) -> JobResult:
+    """Run ``run_id`` and record how it ended, whatever happens; the training lock is let go after."""
+    try:
+        if slug != ctx.slug:
+            raise RlfleetError(f"this worker trains {ctx.slug}, not {slug}; start one with that model")
+        return train_once(ctx, conn, run_id)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # Redis went away mid-run: nothing was wrong with the ratings, so the run counts as interrupted
+        # (queued again as soon as the worker is back on Redis: runner.recover), not as failed (which
+        # would wait for half a threshold of new ratings first).
+        fail_interrupted(ctx.store, ctx.slug, run_id, f"lost Redis during the run ({type(exc).__name__})")
+        raise
+    except Exception as exc:  # a failed run leaves CURRENT alone and says why in status
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not isinstance(exc, RlfleetError):
+            log.exception("training run %s failed", run_id)
+            msg = f"{type(exc).__name__}: {msg}"
+        ctx.store.fail_run(run_id, msg)
+        return JobResult.failed(f"training run {run_id} failed: {msg}")
+    except SystemExit:
+        # RQ's stop on a second SIGTERM/Ctrl-C (its first waits for the job): a user's stop, not a fault.
+        # Returning (not raising) ends the job quietly: RQ would log the exception with its whole
+        # traceback. The worker then sees its stop request and exits; the next start runs it again.
+        fail_interrupted(ctx.store, ctx.slug, run_id, f"{STOPPED_ON_REQUEST}; it runs again on the next start")
+        log.warning("stopped during training run %s; it runs again on the next start", run_id)
+        return JobResult.failed(f"training run {run_id} stopped")
+    except BaseException:  # stopped mid-run another way (KeyboardInterrupt, say): say so, keep CURRENT, re-raise
+        fail_interrupted(ctx.store, ctx.slug, run_id, "the training worker stopped during the run")
+        raise
+    finally:
+        try:
+            conn.delete(train_lock_key(slug))
+            conn.delete(progress_key(slug))
+            publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # Redis is gone: runner.recover releases the lock of this ended job once it is back
+
+
+def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
+    parent = ctx.registry.current()
+    ctx.store.start_run(run_id, parent)
+    board = ProgressBoard.start(conn, ctx.slug, run_id)
+    rows = ctx.store.pending_ratings(ctx.slug, ctx.cfg.train.max_ratings)
+    if not rows:
+        ctx.store.fail_run(run_id, "nothing to train on: no pending ratings", state="skipped")
+        return JobResult.done("nothing to train on")
+    gcfg = gate_config(ctx.cfg)
+    inputs = RunInputs.of(rows, ctx.cfg.model, gcfg)
+    candidate = train_candidate(ctx, run_id, inputs, parent, gcfg, board)
+    return conclude(ctx, conn, run_id, inputs, candidate)
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """The pending ratings of one run, split the way the run uses them."""
+
+    train: list[TrainSample]  # what the run trains on: fresh ratings and retractions
+    held: list[TrainSample]  # the gate's held-out slice of the fresh ratings
+    retracted: list[int]  # rating ids whose earlier update this run takes back
+
+    @classmethod
+    def of(cls, rows: list[tuple[RatingRow, CaptureRow]], model: str, gcfg: GateConfig) -> RunInputs:
+        samples, retracted = [], []
+        for rating, cap in rows:
+            retraction = rating.state != "active"
+            if retraction:
+                retracted.append(rating.id)
+            ours = cap.model == model  # stored log-probs describe the policy that answered: ours, or useless
+            samples.append(TrainSample(
+                rating_id=rating.id, prompt=cap.prompt, response=cap.response, reward=float(rating.value),
+                behaviour_logprobs=cap.behaviour_logprobs if ours else None,
+                behaviour_token_ids=cap.behaviour_token_ids if ours else None,
+                fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
+            ))
+        fresh = [s for s in samples if s.fixed_advantage is None]
+        held: list[TrainSample] = []
+        if gcfg.enabled:
+            _, held = split_holdout(fresh, [s.reward for s in fresh], gcfg.holdout_frac, gcfg.min_holdout)
+        held_ids = {s.rating_id for s in held}
+        return cls([s for s in samples if s.rating_id not in held_ids], held, retracted)
+
+    @property
+    def fresh(self) -> list[TrainSample]:
+        """The trained samples that are new ratings (not retractions)."""
+        return [s for s in self.train if s.fixed_advantage is None]
+
+
+class ProgressBoard:
+    """The run's progress in Redis, where status reads it (``shared.status.TrainingProgress``)."""
+
+    def __init__(self, conn: redis.Redis, key: str) -> None:
+        self.conn, self.key = conn, key
+
+    @classmethod
+    def start(cls, conn: redis.Redis, slug: str, run_id: int) -> ProgressBoard:
+        board = cls(conn, progress_key(slug))
+        conn.hset(board.key, mapping={"run_id": run_id, "phase": "loading", "step": 0, "total": 0, "tokens_per_s": 0})
+        conn.expire(board.key, LOCK_TTL)
+        return board
+
+    def reporter(self, version: str) -> Callable[[Progress], None]:
+        def report(p: Progress) -> None:
+            self.conn.hset(self.key, mapping={"phase": p.phase, "step": p.step, "total": p.total,
+                                              "tokens_per_s": round(p.tokens_per_s, 1), "version": version})
+
+        return report
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A trained version, committed to the registry, and what it takes to promote it or not."""
+
+    version: str
+    parent: str | None
+    metrics: dict[str, Any]
+    advantages: dict[int, float]  # per trained fresh rating: the advantage its update used
+    new_ema: float
+    promote: bool
+    reason: str | None
+
+
+def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | None, gcfg: GateConfig,
+                    board: ProgressBoard) -> Candidate:
+    """Train, evaluate and commit the next version (a failure leaves no folder behind)."""
+    trainer = get_trainer(ctx.cfg)
+    tcfg = resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
+    ema, _lineage = ctx.store.baseline(ctx.slug)
+    version = ctx.registry.next_version()
+    staging = ctx.registry.staging(version)
+    started = time.time()
+    report = board.reporter(version)
+    try:
+        parent_dir = ctx.registry.path(parent) if parent else None
+        result = trainer.run(inputs.train, ema, tcfg, parent_dir, staging, progress=report)
+        verdict = None
+        if inputs.held and result.promoted_ok:
+            report(Progress(0, 1, 0.0, phase="evaluating"))
+            verdict = evaluate_candidate(trainer, inputs.held, parent_dir, staging, gcfg, tcfg.max_tokens)
+        candidate = _judge(result, verdict, inputs, ema, tcfg, version, parent)
+        ctx.registry.commit(staging, version, _meta(ctx, run_id, inputs, candidate, tcfg, started))
+    except BaseException:
+        ctx.registry.discard(staging)
+        raise
+    return candidate
+
+
+def _judge(result: RunResult, verdict: Verdict | None, inputs: RunInputs, ema: float | None, tcfg: TrainConfig,
+           version: str, parent: str | None) -> Candidate:
+    from .objective import update_ema
+
+    trained = [s.reward for s in inputs.fresh]
+    new_ema = update_ema(ema, trained, tcfg.ema_decay) if trained else (ema if ema is not None else 0.0)
+    reason = result.reason or (verdict.reason if verdict else None)
+    gate_metrics = verdict.metrics if verdict else {"verdict": "unchecked" if not inputs.held else "rejected"}
+    return Candidate(
+        version=version, parent=parent,
+        metrics={**result.metrics, **gate_metrics, "ema_before": ema, "ema_after": new_ema, "reason": reason},
+        advantages={rid: adv for rid, adv in result.advantages.items() if rid not in inputs.retracted},
+        new_ema=new_ema, promote=result.promoted_ok and (verdict is None or verdict.promote), reason=reason,
+    )
+
+
+def _meta(ctx: Context, run_id: int, inputs: RunInputs, c: Candidate, tcfg: TrainConfig, started: float) -> dict:
+    """The version's meta.json: its lineage, the ratings it used, its metrics and its configuration."""
+    return {
+        "version": c.version, "parent": c.parent, "model": ctx.cfg.model, "slug": ctx.slug, "run_id": run_id,
+        "rating_ids": [s.rating_id for s in inputs.fresh],
+        "heldout_rating_ids": sorted(s.rating_id for s in inputs.held),
+        "retracted_rating_ids": inputs.retracted, "advantages": c.advantages, "metrics": c.metrics,
+        "config": dict(asdict(tcfg)),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": round(time.time() - started, 1),
+    }
+
+
+def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c: Candidate) -> JobResult:
+    """Record the run's end; serve the candidate when the store promoted it."""
+    status = ctx.store.finish_run(
+        run_id, model=ctx.slug, version=c.version, parent=c.parent, metrics=c.metrics, advantages=c.advantages,
+        retracted=inputs.retracted, new_ema=c.new_ema, promote=c.promote, reason=c.reason,
+    )
+    if status == "active":
+        ctx.registry.set_current(c.version)
+        schedule_push(ctx, conn)
+        checked = f", held-out check passed on {len(inputs.held)}" if inputs.held else ""
+        return JobResult.done(f"{c.version} is live (trained on {len(inputs.train)} ratings{checked})",
+                              version=c.version)
+    return JobResult.failed(f"{c.version} was not promoted: {c.reason or status}", version=c.version)
+
+
+def gate_config(cfg: Config) -> GateConfig:
+    return GateConfig(
+        enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout,
+        max_kl_one_class=cfg.train.gate_one_class_kl,
+    )
+
+
+def evaluate_candidate(
+    trainer: Any, held: list[TrainSample], parent_dir: Path | None, candidate_dir: Path, gcfg: GateConfig,
+    max_tokens: int,
+) -> Verdict:
+    """Measure base, parent and candidate on the held-out ratings and judge the candidate."""
+    from .training.scoring import score_model
+
+    pairs = [(s.prompt, s.response) for s in held]
+    rewards = [s.reward for s in held]
+    base = score_model(trainer, pairs, None, gcfg, max_tokens)
+    # The parent is only needed for its margin: no sampling.
+    parent = base if parent_dir is None else score_model(
+        trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
+    )
+    cand = score_model(trainer, pairs, candidate_dir, gcfg, max_tokens)
+    return judge(rewards, base, parent, cand, gcfg)
