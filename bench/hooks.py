@@ -36,7 +36,7 @@ def main() -> None:
     from test_bridge import running  # the tests' thread runner: the bridge on a free port
 
     from rlfleet.bridge.app import make_app
-    from rlfleet.shared.cli import write_secret
+    from rlfleet.cli.setup import write_secret
     from rlfleet.shared.config import load_config
     from rlfleet.shared.queue import open_queue
 

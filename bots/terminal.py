@@ -10,7 +10,9 @@ from __future__ import annotations
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -39,6 +41,18 @@ HELP = escape(
 console = Console(highlight=False, soft_wrap=True)
 ME = Actor("cli", LOCAL_ACTOR)  # the terminal's user: the owner of the data dir
 
+# Sends an event and returns the worker's answer; `rlfleet chat` passes the CLI's, which works the queue
+# right here when no events worker runs (`--no-worker`).
+Dispatch = Callable[[QueueHandle, Config, Any], dict]
+
+
+class Workers(Protocol):
+    """The background workers the chat runs beside it (`rlfleet chat` passes its fleet)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
 
 @dataclass
 class ChatState:
@@ -47,6 +61,7 @@ class ChatState:
     screen: Screen
     news: TrainingNews
     cases: UseCases
+    dispatch: Dispatch
     last_capture: str | None = None
 
 
@@ -108,28 +123,23 @@ def _watch_training(news: TrainingNews, screen: Screen, stop: threading.Event) -
         screen.progress(update.progress)
 
 
-def _dispatch(handle: QueueHandle, cfg: Config, event) -> dict:
-    from rlfleet.shared.cli import dispatch
-
-    return dispatch(handle, cfg, event)
-
-
 def _carry_out(state: ChatState, cfg: Config, handle: QueueHandle, outcome) -> None:
     """Send the event a use case made and say the worker's answer (or say its refusal)."""
     if isinstance(outcome, Send):
-        _say(_dispatch(handle, cfg, outcome.event), state)
+        _say(state.dispatch(handle, cfg, outcome.event), state)
     elif outcome is not None:
         console.print(f"[red]{escape(outcome.text)}[/]")
 
 
-def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, screen: Screen | None = None) -> None:
+def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, dispatch: Dispatch,
+              screen: Screen | None = None) -> None:
     from rlfleet.shared.store import Store
 
     screen = screen or Screen(live=sys.stdin.isatty() and sys.stdout.isatty())
     news = TrainingNews(Store(cfg.db_url), handle.redis, slug, cfg.train.threshold)
     cases = UseCases(PermissionTable.for_config(cfg), cfg.model, handle)
     state = ChatState(conversation=f"chat-{uuid.uuid4().hex[:8]}", history=[], screen=screen, news=news,
-                      cases=cases)
+                      cases=cases, dispatch=dispatch)
     active = responder.active_version
     console.print(f"[bold]rlfleet chat[/] · {cfg.model} · " + (
         f"adapter {active}" if active else "base model (no adapter yet)"))
@@ -181,7 +191,7 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
         cap = state.cases.capture_event(ME, state.conversation, messages, Completion(
             text=answer.text, model=cfg.model, adapter_version=answer.adapter_version, token_ids=answer.token_ids,
             logprobs=answer.logprobs, messages=answer.messages, ours=True))
-        result = _dispatch(handle, cfg, cap)
+        result = state.dispatch(handle, cfg, cap)
         if not result.get("ok"):
             console.print(f"[red]not captured: {result.get('message')}[/]")
             continue
@@ -234,7 +244,8 @@ def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> N
     elif cmd.verb == "undo":
         _carry_out(state, cfg, handle, state.cases.undo(ME))
     elif cmd.verb == "status":
-        from rlfleet.shared.cli import render_status, status_dict
+        from rlfleet.shared.status import status_dict
+        from rlfleet.shared.status_view import render_status
 
         console.print(render_status(status_dict(cfg, handle)))
     elif cmd.admin:
@@ -246,13 +257,10 @@ def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> N
         console.print(HELP)
 
 
-def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
+def run_chat(cfg: Config, dispatch: Dispatch, workers: Workers | None = None, responder=None) -> None:
     """Open the queue, start the workers, load the model, chat; stop everything on the way out."""
-    from rlfleet.worker.runner import BackgroundWorkers
-
     ref = resolve_model(cfg.model)
     handle = open_queue(cfg)
-    workers = BackgroundWorkers(cfg) if start_workers else None
     try:
         if workers:
             workers.start()
@@ -267,7 +275,7 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
                     max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature,
                     top_p=cfg.chat.top_p, system_prompt=cfg.chat.system_prompt,
                 )
-        chat_loop(cfg, handle, responder, ref.slug)
+        chat_loop(cfg, handle, responder, ref.slug, dispatch)
     except RlfleetError:
         raise
     except KeyboardInterrupt:
@@ -279,7 +287,7 @@ def run_chat(cfg: Config, start_workers: bool = True, responder=None) -> None:
         console.print("[dim]bye[/]")
 
 
-def _stop_workers(workers, cfg: Config, slug: str) -> None:
+def _stop_workers(workers: Workers, cfg: Config, slug: str) -> None:
     """Stop the workers; a training run they leave unfinished is said to run again, not lost."""
     from rlfleet.shared.store import Store
 

@@ -16,7 +16,7 @@ from rq import Queue
 from . import durability, inbox
 from .bothealth import bots_status
 from .config import Config
-from .queue import TRAIN_QUEUE, progress_key, push_key, status_key, train_lock_key
+from .queue import TRAIN_QUEUE, QueueHandle, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
 from .schema import AdapterVersion
 from .store import Store
@@ -191,6 +191,14 @@ def gather_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str
 def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str) -> dict:
     """The status in its wire form: what ``rlfleet status --json`` prints and the snapshot holds."""
     return gather_status(cfg, store, conn, slug).to_dict()
+
+
+def status_dict(cfg: Config, handle: QueueHandle | None) -> dict:
+    """The status of this data dir's model, as ``rlfleet status`` and the chat's ``/rl status`` show it."""
+    from .models import model_slug
+
+    slug = model_slug(cfg.model)
+    return build_status(cfg, Store(cfg.db_url), handle.redis if handle else None, slug)
 
 
 def push_results(conn: redis.Redis | None, slug: str) -> list[dict]:

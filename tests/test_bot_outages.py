@@ -37,9 +37,10 @@ from slack_sdk.signature import SignatureVerifier
 
 from rlfleet.bots.runner import platform_module
 from rlfleet.shared.bothealth import HEARTBEAT_TTL_S, BotHealth, bots_status, health_key, read
-from rlfleet.shared.cli import render_status, status_dict
 from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import ConfigError
+from rlfleet.shared.status import status_dict
+from rlfleet.shared.status_view import render_status
 
 FAST = {"retry_min_s": 0.05, "retry_max_s": 0.2}
 TOKENS = {"DISCORD_BOT_TOKEN": "TEST.DISCORD.TOKEN", "SLACK_BOT_TOKEN": "xoxb-test-token",

@@ -224,9 +224,9 @@ def test_up_runs_an_enabled_bot_as_its_own_process_with_long_polling(queued_home
     processes; the bot long-polls the fake Bot API, answers through the responder, the worker stores it."""
     from botfakes import FakeOpenAI
 
+    from rlfleet.cli.fleet import BackgroundWorkers
     from rlfleet.shared.config import load_config
     from rlfleet.shared.store import Store
-    from rlfleet.worker.runner import BackgroundWorkers
 
     async def go():
         fake, llm = await FakeTelegram(bot_id=BOT_ID).start(), await FakeOpenAI().start()

@@ -34,7 +34,7 @@ def test_training_news_reaches_the_prompt_live_and_keeps_what_was_typed(queued_h
     earlier = store.create_run(slug)
     store.start_run(earlier, None)
     _finish(store, slug, earlier, promote=False, reason="held-out margin fell from +0.100 to -0.200")
-    child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat", "--no-worker"], os.environ.copy())
+    child = PtySession([sys.executable, "-m", "rlfleet.cli", "chat", "--no-worker"], os.environ.copy())
     try:
         child.expect("✗ v0001 rejected: held-out margin fell from +0.100 to -0.200; ratings stay pending", timeout=120)
         child.expect("you> ", timeout=120)
@@ -73,7 +73,7 @@ def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(qu
         store.apply_capture(Capture(capture_id=f"c{i}", prompt=[Message(role="user", content=f"q{i}")],
                                     response=f"answer {i}", model="external"))
         store.apply_rating(Rating(target=f"c{i}", value=1 if i % 2 else -1), slug)
-    child = PtySession([sys.executable, "-m", "rlfleet.shared", "chat"], os.environ.copy())
+    child = PtySession([sys.executable, "-m", "rlfleet.cli", "chat"], os.environ.copy())
     try:
         child.expect("you> ", timeout=120)
         child.send("/rl train\r")

@@ -12,7 +12,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from rlfleet.shared.cli import app
+from rlfleet.cli.app import app
 from rlfleet.shared.config import load_config
 
 runner = CliRunner()
@@ -27,7 +27,7 @@ def rl_main(*args):
     return subprocess.run(MAIN + list(args), capture_output=True, text=True, timeout=60, env=os.environ.copy())
 
 
-MAIN = [sys.executable, "-c", "from rlfleet.shared.cli import main; main()"]
+MAIN = [sys.executable, "-c", "from rlfleet.cli import main; main()"]
 
 
 def status_json():
@@ -261,7 +261,7 @@ def test_init_configures_bots_by_flags_and_by_the_wizard(home, monkeypatch):
     assert rl_main("init", "--yes", "--no-check-model", "--admin", "irc:1").returncode == 2
 
     # the wizard: model, preset, threshold, then the platforms and per platform token env, admins, raters
-    monkeypatch.setattr("rlfleet.shared.cli._stdin_is_tty", lambda: True)
+    monkeypatch.setattr("rlfleet.cli.setup._stdin_is_tty", lambda: True)
     answers = "\n".join(["smollm2-135m", "balanced", "32", "discord, teams",
                          "MY_DISCORD_TOKEN", "111-a,222", "-", "", "-", "333"]) + "\n"
     res = rl("init", "--no-check-model", input=answers)

@@ -14,8 +14,8 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from rlfleet.cli.app import app
 from rlfleet.shared import durability
-from rlfleet.shared.cli import app
 from rlfleet.shared.embedded_redis import EmbeddedRedis, redis_server_binary
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from rlfleet.shared.cli import app
+from rlfleet.cli.app import app
 from rlfleet.shared.errors import BadInput
 from rlfleet.shared.events import Capture, Message, Rating, Undo
 from rlfleet.shared.store import Store

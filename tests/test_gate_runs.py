@@ -10,7 +10,7 @@ import pytest
 from test_spine import _work_train_queue, rl, status
 from test_trainer import BAD, GOOD, LEARN, TEMPLATES, chat
 
-from rlfleet.shared.cli import dispatch
+from rlfleet.cli import dispatch
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
 from rlfleet.shared.queue import open_queue

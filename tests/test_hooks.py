@@ -19,7 +19,7 @@ from test_bridge import running
 from rlfleet.bridge import spool
 from rlfleet.bridge.agents import install, uninstall
 from rlfleet.bridge.app import make_app
-from rlfleet.shared.cli import write_secret
+from rlfleet.cli.setup import write_secret
 from rlfleet.shared.config import load_config
 from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
@@ -223,7 +223,7 @@ def test_unmerge_after_the_user_edited_the_file_removes_only_ours(home, tmp_path
 def test_init_and_uninstall_from_the_cli(home, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from rlfleet.shared.cli import app
+    from rlfleet.cli.app import app
 
     monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex"))
     res = CliRunner().invoke(app, ["init", "--yes", "--no-check-model", "--agent", "codex"], catch_exceptions=False)

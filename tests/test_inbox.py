@@ -14,10 +14,10 @@ from rq import Queue, SimpleWorker
 from sqlalchemy import delete, select
 from typer.testing import CliRunner
 
+from rlfleet.cli.app import app
 from rlfleet.shared import applied as applied_mod
 from rlfleet.shared import inbox
 from rlfleet.shared.applied import Applied
-from rlfleet.shared.cli import app
 from rlfleet.shared.config import load_config
 from rlfleet.shared.errors import BadInput, NotFound
 from rlfleet.shared.events import Capture, Command, Message, Rating, Undo

@@ -171,7 +171,7 @@ def test_promotion_through_the_worker_pushes_and_a_dead_server_does_not_block_it
 def test_rlfleet_push_is_the_retry(setup):
     from typer.testing import CliRunner
 
-    from rlfleet.shared.cli import app
+    from rlfleet.cli.app import app
     from rlfleet.shared.errors import BadInput
 
     cfg, registry, conn = setup

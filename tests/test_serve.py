@@ -34,7 +34,7 @@ def _free_port() -> int:
 def served(home, tiny_model_dir):
     port = _free_port()
     env = {**os.environ, "RLFLEET_HOME": str(home), "RLFLEET_MODEL": str(tiny_model_dir), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.shared", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     deadline = time.monotonic() + 90

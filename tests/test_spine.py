@@ -10,7 +10,8 @@ import pytest
 from rq import Queue, SimpleWorker
 from typer.testing import CliRunner
 
-from rlfleet.shared.cli import app, dispatch
+from rlfleet.cli import dispatch
+from rlfleet.cli.app import app
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating, Undo
 from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
@@ -233,7 +234,7 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
     """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)
-    from rlfleet.worker.runner import BackgroundWorkers
+    from rlfleet.cli.fleet import BackgroundWorkers
 
     handle = open_queue(cfg)
     workers = BackgroundWorkers(cfg)
@@ -262,10 +263,10 @@ def test_stopping_the_workers_mid_run_is_quiet_and_the_run_goes_on_at_the_next_s
     the stop's grace, says so in one line of its log (no traceback), and the next start runs the run
     again by itself. A user's stop is not a crash: more stops in a row than the three-interrupted-runs
     rule allows still leave the run to go on."""
+    from rlfleet.cli.fleet import BackgroundWorkers
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.queue import progress_key
     from rlfleet.shared.runs import INTERRUPTED_IN_A_ROW
-    from rlfleet.worker.runner import BackgroundWorkers
 
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)
     cfg.train.steps = 10_000  # long enough to be stopped in the middle

@@ -111,7 +111,7 @@ Report = Callable[[str, int, int], None]  # (what, done, total)
 def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     from rq import Queue, SimpleWorker
 
-    from rlfleet.shared.cli import dispatch
+    from rlfleet.cli import dispatch
     from rlfleet.shared.models import pick_device, resolve_model
     from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
     from rlfleet.shared.registry import AdapterRegistry

@@ -84,7 +84,7 @@ def test_killed_bridge_loses_and_doubles_no_acknowledged_rating(chaos_home, tmp_
     url = f"http://127.0.0.1:{cfg.bridge.port}"
 
     def start_bridge():
-        proc = spawn(["rlfleet.shared", "bridge"], env, log)  # `rlfleet bridge`
+        proc = spawn(["rlfleet.cli", "bridge"], env, log)  # `rlfleet bridge`
         deadline = time.monotonic() + 20
         while True:
             try:

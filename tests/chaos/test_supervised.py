@@ -9,13 +9,13 @@ import time
 
 from chaosrig import kill9, stored_counts
 
+from rlfleet.cli.fleet import BackgroundWorkers, RestartPolicy
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Message, Rating
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import enqueue_event, open_queue, progress_key
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.store import Store
-from rlfleet.worker.runner import BackgroundWorkers, RestartPolicy
 
 THRESHOLD, STEPS = 4, 12
 

@@ -129,9 +129,10 @@ def our_crashes(records: Iterable[logging.LogRecord]) -> list[str]:
     """Error records that report an exception raised in rlfleet's own code (an SDK logs a crashed
     handler and carries on: the person just never gets a reply), and rlfleet's own error lines."""
     import rlfleet.bots
+    import rlfleet.cli
     import rlfleet.shared
 
-    ours = [os.path.dirname(m.__file__) + os.sep for m in (rlfleet.bots, rlfleet.shared)]
+    ours = [os.path.dirname(m.__file__) + os.sep for m in (rlfleet.bots, rlfleet.cli, rlfleet.shared)]
     fmt = logging.Formatter()
     found = []
     for r in records:

@@ -30,7 +30,7 @@ from hostile import SECRET, fuzz, odd_text, secrets_in, tally  # noqa: E402
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from rlfleet.shared import cli  # noqa: E402
+from rlfleet.cli import app as cli  # noqa: E402
 from rlfleet.shared.events import PLATFORMS  # noqa: E402
 
 ROOT = typer.main.get_command(cli.app)
@@ -338,7 +338,7 @@ def test_bad_values_are_refused_before_anything_changes(queued_home, monkeypatch
 
 def _entry_point() -> list[str]:
     script = Path(sys.executable).with_name("rlfleet")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlfleet.shared"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlfleet.cli"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,0 +1,38 @@
+"""How an rlfleet process stops: a ``kill`` or a closed terminal unwinds it like Ctrl-C, and a child of
+``chat`` or ``up`` stops when the parent that started it is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background children: they stop when that process is gone
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def interrupt_on_stop_signals() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, so they unwind like Ctrl-C: workers stopped, the
+    embedded Redis released (an orphaned server would outlive us). RQ's own worker installs its own
+    handlers while it works."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+
+def stop_with_parent(poll: float = 2.0) -> None:
+    """In a background child: when the parent that started us dies without stopping us (killed
+    with SIGKILL), stop like on SIGTERM (RQ finishes the job in hand) instead of running orphaned."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,161 @@
+"""The ``rlfleet`` Typer root, its entry point, and the helpers every command uses: the data dir and
+config, dispatching an event to the worker, printing a result, and errors on one line.
+
+Heavy imports (torch, the worker) happen inside the commands that need them, so ``rlfleet good`` and
+``rlfleet status`` start in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from rlfleet.shared.config import Config, data_dir, load_config
+from rlfleet.shared.errors import BadInput, RlfleetError
+from rlfleet.shared.home import check_home, open_home
+from rlfleet.shared.lifecycle import interrupt_on_stop_signals
+from rlfleet.shared.queue import EVENTS_QUEUE, QueueHandle, enqueue_event, wait_for
+
+try:  # typer >= 0.2x carries its own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException
+
+app = typer.Typer(
+    name="rlfleet",
+    help="Self-improving RL for your local model: rate answers, a LoRA adapter trains in the background.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+
+
+@app.callback()
+def _root(
+    home: Annotated[
+        str | None, typer.Option("--home", help="Data dir (default: $RLFLEET_HOME or ~/.rlfleet).")
+    ] = None,
+) -> None:
+    if home is not None:
+        # A str, not a Path: Path("") is ".", and an empty --home would quietly use the current folder.
+        if not home.strip():
+            raise BadInput("--home is empty: give the data dir's path, or leave --home out for ~/.rlfleet")
+        os.environ["RLFLEET_HOME"] = str(Path(home).expanduser().resolve())
+    check_home(data_dir())
+
+
+def command_config(read_only: bool = False, **overrides: Any) -> Config:
+    # Flags travel as env vars so the workers this process starts (or runs inline) see the same values.
+    if overrides.get("threshold") is not None:
+        os.environ["RLFLEET_THRESHOLD"] = str(overrides["threshold"])
+    if overrides.get("model"):
+        os.environ["RLFLEET_MODEL"] = str(overrides["model"])
+    if overrides.get("preset"):
+        os.environ["RLFLEET_PRESET"] = str(overrides["preset"])
+    path = data_dir()
+    if open_home(path, read_only):
+        err.print(f"new data dir created at {escape(str(path))}")
+    return load_config()
+
+
+def _events_worker_alive(handle: QueueHandle) -> bool:
+    from rlfleet.shared.workers import serving
+
+    return serving(handle.redis, EVENTS_QUEUE)
+
+
+def work_if_nobody_does(handle: QueueHandle, cfg: Config) -> None:
+    if not _events_worker_alive(handle):
+        from rlfleet.worker.runner import run_worker
+
+        run_worker(cfg, "events", burst=True, handle=handle)
+
+
+def dispatch(handle: QueueHandle, cfg: Config, event: Any, timeout: float = 15.0) -> dict:
+    """Enqueue an event and return what the worker made of it.
+
+    With no events worker alive (nothing running), the queue is worked right here, so commands
+    work on their own; the event is in Redis (append-only) before anything else happens.
+    """
+    ticket = enqueue_event(handle, event)
+    work_if_nobody_does(handle, cfg)
+    result = wait_for(ticket, timeout)
+    if result is None:
+        return {"ok": True, "message": "queued; a worker will apply it shortly", "queued": True}
+    return result
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps(result, default=str))
+    elif result.get("ok"):
+        out.print(escape(str(result.get("message", "ok"))))
+        if result.get("training"):
+            out.print(f"[cyan]{escape(str(result['training']))}[/]")
+    if not result.get("ok"):
+        if not as_json:
+            err.print(f"[red]error:[/] {one_line(str(result.get('message', 'failed')))}")
+        raise typer.Exit(2)
+
+
+ERROR_CHARS = 500
+
+
+def one_line(text: str, limit: int = ERROR_CHARS) -> str:
+    """An error message as one printable line. Messages echo what the user typed: a newline or a control
+    character in it would break the one-line error, a 100 kB argument would bury it, and rich markup in
+    it (``[/x]``) made rich raise MarkupError, a traceback instead of the error."""
+    flat = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    if len(flat) > limit:
+        flat = flat[:limit] + "…"
+    return escape(flat)
+
+
+def _usage_line(exc: ClickException) -> str:
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    return one_line(exc.format_message()) + escape(hint)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``rlfleet`` entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    interrupt_on_stop_signals()
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        for n, arg in enumerate(args, 1):
+            # Bytes that are not UTF-8 arrive as lone surrogates; pydantic refused some fields and crashed
+            # serialising others (rollback's version): refuse them here, before anything runs.
+            if not arg.isascii():
+                try:
+                    arg.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadInput(f"argument {n} is not valid UTF-8 text") from None
+        # standalone_mode=False: click's usage errors come to us and print as one line (click's own
+        # format is a usage block and a boxed panel), like every other error.
+        code = app(args=args, prog_name="rlfleet", standalone_mode=False)
+    except ClickException as exc:
+        if type(exc).__name__ != "NoArgsIsHelpError":  # that one printed the help already (typer's own test)
+            err.print(f"[red]error:[/] {_usage_line(exc)}")
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(1)
+    except RlfleetError as exc:
+        err.print(f"[red]error:[/] {one_line(str(exc))}")
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    if isinstance(code, int) and code:
+        sys.exit(code)

@@ -1,0 +1,106 @@
+"""``rlfleet capture``, ``good``, ``bad`` and ``undo``: answers produced elsewhere, and their ratings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from rlfleet.shared.errors import BadInput
+from rlfleet.shared.events import Capture, Message, Rating, Undo, describe_validation_error
+from rlfleet.shared.queue import queue_for
+
+from .app import JsonOpt, app, command_config, dispatch, emit, out
+
+
+def _read_text(value: str) -> str:
+    """``@file`` reads a file, ``-`` reads stdin: long answers don't have to fit in an argument."""
+    if value == "-":
+        data = sys.stdin.buffer.read()
+    elif value.startswith("@"):
+        try:
+            data = Path(value[1:]).read_bytes()
+        except OSError as exc:
+            raise BadInput(f"cannot read {value[1:]}: {exc.strerror}") from None
+    else:
+        return value
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput("input is not valid UTF-8") from None
+
+
+@app.command()
+def capture(
+    prompt: Annotated[str, typer.Option(help="The user's message (or @file, or - for stdin).")],
+    response: Annotated[str, typer.Option(help="The answer that was given (or @file, or -).")],
+    conversation: Annotated[str, typer.Option(help="Conversation or session id.")] = "default",
+    message_ref: Annotated[str | None, typer.Option(help="Your id for this answer, to rate it by later.")] = None,
+    source: Annotated[str, typer.Option(help="Where it came from (cli, claude-code, codex, bridge…).")] = "cli",
+    model: Annotated[str, typer.Option(help="What produced the answer.")] = "external",
+    as_json: JsonOpt = False,
+) -> None:
+    """Record an answer produced elsewhere so it can be rated; prints the capture id."""
+    cfg = command_config()
+    try:
+        ev = Capture(
+            source=source, conversation=conversation, message_ref=message_ref,
+            prompt=[Message(role="user", content=_read_text(prompt))], response=_read_text(response), model=model,
+        )
+    except Exception as exc:
+        raise BadInput(_validation_line(exc)) from None
+    with queue_for(cfg) as q:
+        result = dispatch(q, cfg, ev)
+    if as_json:
+        emit(result, True)
+    elif result.get("ok"):
+        out.print(result.get("capture_id") or ev.capture_id)
+    else:
+        emit(result, False)
+
+
+def _rate(value: int, target: str, comment: str | None, conversation: str | None, as_json: bool) -> None:
+    cfg = command_config()
+    try:
+        ev = Rating(target=target, value=value, comment=comment, conversation=conversation)
+    except Exception as exc:
+        raise BadInput(_validation_line(exc)) from None
+    with queue_for(cfg) as q:
+        result = dispatch(q, cfg, ev)
+    emit(result, as_json)
+
+
+TargetOpt = Annotated[str, typer.Option("--target", help="A capture id or message ref, or 'last'.")]
+CommentOpt = Annotated[str | None, typer.Option("--comment", help="Why (kept with the rating).")]
+ConvOpt = Annotated[str | None, typer.Option("--conversation", help="With --target last: in this conversation.")]
+
+
+@app.command()
+def good(target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
+         as_json: JsonOpt = False) -> None:
+    """Rate an answer good (the last one by default)."""
+    _rate(1, target, comment, conversation, as_json)
+
+
+@app.command()
+def bad(target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
+        as_json: JsonOpt = False) -> None:
+    """Rate an answer bad (the last one by default)."""
+    _rate(-1, target, comment, conversation, as_json)
+
+
+@app.command()
+def undo(as_json: JsonOpt = False) -> None:
+    """Take back your most recent rating."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, Undo()), as_json)
+
+
+def _validation_line(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return describe_validation_error(exc)
+    return str(exc).splitlines()[0]

@@ -1,0 +1,148 @@
+"""``rlfleet train``, ``rollback``, ``promote`` and ``push``: training runs and the version served."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.errors import BadInput
+from rlfleet.shared.events import Command
+from rlfleet.shared.queue import QueueHandle, queue_for
+
+from .app import JsonOpt, app, command_config, dispatch, emit, err, out
+
+
+@app.command()
+def train(
+    wait: Annotated[bool, typer.Option("--wait", help="Stay until the run ends (runs it here if no worker).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a training run now on the pending ratings (below the threshold too)."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        result = dispatch(q, cfg, Command(name="train"))
+        if not (wait and result.get("ok")):
+            if result.get("ok") and not as_json and not _train_worker_alive(q):
+                result["message"] += "; it runs when `rlfleet up` or `rlfleet chat` is running (or use --wait)"
+            emit(result, as_json)
+            return
+        emit(_wait_for_training(cfg, q, as_json), as_json)
+
+
+def _train_worker_alive(handle: QueueHandle) -> bool:
+    from rlfleet.shared.queue import TRAIN_QUEUE
+    from rlfleet.shared.workers import serving
+
+    return serving(handle.redis, TRAIN_QUEUE)
+
+
+def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool) -> dict:
+    import threading
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.status import training_state
+    from rlfleet.shared.store import Store
+
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    run = store.latest_run(slug)
+    run_id = run.id if run else None
+    done = threading.Event()
+
+    def watch() -> None:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err,
+                      disable=quiet) as bar:
+            task = bar.add_task("waiting for the training worker", total=None, rate="")
+            while not done.is_set():
+                current = store.get_run(run_id) if run_id else None
+                if current is None or current.state not in ("queued", "running"):
+                    break
+                tr = training_state(store, q.redis, slug)
+                if tr["state"] == "failed":
+                    break
+                p = tr.get("progress")
+                if p:
+                    bar.update(task, description=f"training {p.get('version') or ''} ({p['phase']})",
+                               total=p["total"] or None, completed=p["step"],
+                               rate=f"{p['tokens_per_s']:.0f} tok/s" if p["tokens_per_s"] else "")
+                done.wait(0.5)
+
+    if _train_worker_alive(q):
+        watch()
+    else:
+        # Nobody would pick the job up: train here, in the foreground (RQ wants the main thread).
+        from rlfleet.worker.runner import run_worker
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            run_worker(cfg, "train", burst=True, handle=q)
+        finally:
+            done.set()
+            watcher.join(timeout=5)
+    run = store.get_run(run_id) if run_id else None
+    if run is None:
+        return {"ok": False, "message": "no training run found"}
+    if run.state == "succeeded":
+        return {"ok": True, "message": f"{run.version} is live", "version": run.version, "metrics": run.metrics}
+    return {"ok": False, "message": f"run {run.id} {run.state}: {run.error or 'see rlfleet status'}",
+            "version": run.version}
+
+
+@app.command()
+def rollback(
+    version: Annotated[
+        str | None, typer.Argument(help="Version to serve (v0003), or 'base'. Default: the parent.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve an earlier adapter version (instant)."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, Command(name="rollback", args={"version": version})), as_json)
+
+
+@app.command()
+def promote(
+    version: Annotated[str, typer.Argument(help="Version to serve (v0003).")],
+    force: Annotated[bool, typer.Option("--force", help="Serve it even though the gate rejected it.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Serve a version; one the evaluation gate rejected only with --force."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, Command(name="promote", args={"version": version, "force": force})), as_json)
+
+
+@app.command()
+def push(
+    target: Annotated[str | None, typer.Option(help="Only this push target (its name in config.toml).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Push the served adapter to the configured inference servers now (vLLM, Ollama; LM Studio gets the
+    manual step). The worker does this after every promotion; this is the retry."""
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.worker.push_schedule import run_push
+
+    cfg = command_config()
+    if not cfg.push:
+        raise BadInput("no push targets: add a [[push]] section to config.toml (see the README)")
+    if target and target not in {t.name for t in cfg.push}:
+        raise BadInput(f"no push target {target!r} (targets: {', '.join(t.name for t in cfg.push)})")
+    with queue_for(cfg) as q:
+        result = run_push(cfg, AdapterRegistry(cfg.adapters_root, model_slug(cfg.model)), q.redis, target).to_dict()
+    if not as_json:
+        for r in result["results"]:
+            mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual step[/]"}[r["ok"]]
+            out.print(f"{r['target']}: {mark} {escape(r['message'])}")
+        if result["ok"]:
+            return
+        raise typer.Exit(2)
+    emit(result, as_json)
