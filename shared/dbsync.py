@@ -20,8 +20,17 @@ connection that others use ever carries the setting:
 from __future__ import annotations
 
 import os
+import threading
 
 from sqlalchemy import Engine
+
+# The database files this process fsyncs, each through one descriptor opened once and never closed:
+# SQLite's locks are POSIX record locks, and closing any descriptor of a file drops every lock the
+# process holds on it. A connection in WAL mode keeps a shared lock on the database file while it is
+# open; without it, another process that closes its connection takes itself for the last one and
+# deletes the WAL under ours, which then read a stale database.
+_DB_FDS: dict[str, int] = {}
+_DB_FDS_LOCK = threading.Lock()
 
 
 def connect_args(url: str, deferred: bool) -> dict:
@@ -46,11 +55,13 @@ def sync(engine: Engine) -> None:
     elif dialect == "sqlite":
         db = engine.url.database
         if db and db != ":memory:":
-            for path in (f"{db}-wal", db):
-                _fsync(path)
+            _fsync_wal(f"{db}-wal")
+            _fsync_database(db)
 
 
-def _fsync(path: str) -> None:
+def _fsync_wal(path: str) -> None:
+    # SQLite locks the shared-memory index and the database file, never the WAL: this descriptor
+    # may come and go (and a WAL is deleted and made anew, so a kept one would sync a dead file).
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:  # no WAL: checkpointed and removed, its frames are in the database file
@@ -59,3 +70,18 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_database(path: str) -> None:
+    with _DB_FDS_LOCK:
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            return
+        fd = _DB_FDS.get(path)
+        if fd is not None and os.fstat(fd).st_ino != inode:  # a new file at that path: the old one is gone
+            os.close(fd)  # (its locks were on the old file: nothing of the new one's is dropped)
+            fd = None
+        if fd is None:
+            fd = _DB_FDS[path] = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
