@@ -96,14 +96,15 @@ def _latencies(conn: redis.Redis, sent: dict[str, tuple[float, float]]) -> dict[
 
 
 @contextmanager
-def fresh_database(postgres_admin: str | None) -> Iterator[str | None]:
-    """A new empty PostgreSQL database for one case (dropped after it), or None: SQLite in the data dir."""
+def fresh_database(postgres_admin: str | None, prefix: str = "rlfleet_ingest_") -> Iterator[str | None]:
+    """A new empty PostgreSQL database for one case (dropped after it), or None: SQLite in the data dir.
+    The tests' databases come from here too (their own ``prefix``)."""
     if postgres_admin is None:
         yield None
         return
     import sqlalchemy as sa
 
-    name = f"rlfleet_ingest_{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}{uuid.uuid4().hex[:8]}"
     admin = sa.create_engine(postgres_admin, isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))

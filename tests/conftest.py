@@ -10,7 +10,6 @@ import os
 import shutil
 import sys
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,22 +116,10 @@ def db_url(request, tmp_path) -> str:
         return
     if not _pg_available():
         pytest.skip(f"no PostgreSQL answers at {PG_ADMIN_URL}")
-    import sqlalchemy as sa
+    from bench.ingest import fresh_database
 
-    name = f"rlfleet_t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    try:
+    with fresh_database(PG_ADMIN_URL, prefix="rlfleet_t_") as url:
         yield url
-    finally:
-        from rlfleet.shared import store as store_mod
-
-        store_mod.forget(url)
-        with admin.connect() as c:
-            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,11 @@ import torch
 pytest.importorskip("trl", reason="the KTO baseline needs TRL: pip install -e '.[bench]'")
 
 from test_trainer import (  # noqa: E402
-    BAD,
     GOOD,
-    HELD_OUT,
     LEARN,
-    TEMPLATES,
     base_logits,
     chat,
+    held_out_shifts,
     preference_samples,
     prompt_ids,
 )
@@ -93,15 +91,7 @@ def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(kto, learned):
 
 def test_kto_moves_held_out_preferences(kto, learned):
     out, result, _, _ = learned
-    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
-    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
-
-    def mean(pairs, adapter):
-        values = kto.mean_logprobs(pairs, adapter)
-        return sum(values) / len(values)
-
-    good_shift = mean(good, out) - mean(good, None)
-    bad_shift = mean(bad, out) - mean(bad, None)
+    good_shift, bad_shift = held_out_shifts(kto, out)
     assert good_shift > 0.3, (good_shift, result.metrics)
     assert bad_shift < -0.5, (bad_shift, result.metrics)
     assert 0 < result.metrics["final_mean_kl"] < KTO_LEARN.max_mean_kl

@@ -18,7 +18,7 @@ pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX trainer need
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from test_trainer import BAD, GOOD, HELD_OUT, LEARN, TEMPLATES, chat, preference_samples  # noqa: E402
+from test_trainer import GOOD, LEARN, chat, held_out_shifts, preference_samples  # noqa: E402
 
 from rlfleet.shared.config import TrainSettings  # noqa: E402
 from rlfleet.shared.models import pick_device, resolve_model, serving_device  # noqa: E402
@@ -200,15 +200,7 @@ def test_learning_moves_held_out_preferences(mlx_trainer, learned):
     assert seen[0].phase == "reference" and seen[-1].phase == "saving"
     assert [p.step for p in seen if p.phase == "training"] == list(range(0, LEARN.steps + 1))  # 0: steps begin
 
-    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
-    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
-
-    def mean(pairs, adapter):
-        values = mlx_trainer.mean_logprobs(pairs, adapter)
-        return sum(values) / len(values)
-
-    good_shift = mean(good, out) - mean(good, None)
-    bad_shift = mean(bad, out) - mean(bad, None)
+    good_shift, bad_shift = held_out_shifts(mlx_trainer, out)
     assert good_shift > 0.2, (good_shift, result.metrics)
     assert bad_shift < -0.2, (bad_shift, result.metrics)
     assert result.metrics["accepted_seq_frac"] > 0.5

@@ -30,6 +30,19 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def held_out_shifts(model, adapter) -> tuple[float, float]:
+    """How much ``adapter`` moved the mean log-prob of the good and of the bad answer on held-out
+    prompts (the base: adapter None). ``model`` is any trainer with ``mean_logprobs``."""
+    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
+    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
+
+    def mean(pairs, which):
+        values = model.mean_logprobs(pairs, which)
+        return sum(values) / len(values)
+
+    return mean(good, adapter) - mean(good, None), mean(bad, adapter) - mean(bad, None)
+
+
 @pytest.fixture(scope="module")
 def trainer(tiny_trainer) -> Trainer:
     return tiny_trainer
@@ -203,23 +216,14 @@ def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learne
 
 def test_learning_moves_held_out_preferences(trainer, learned):
     out, result, _ = learned
-    good = [(chat(TEMPLATES[i % 4].format(t)), GOOD) for i, t in enumerate(HELD_OUT)]
-    bad = [(chat(TEMPLATES[i % 4].format(t)), BAD) for i, t in enumerate(HELD_OUT)]
-
-    def mean(pairs, adapter):
-        values = trainer.mean_logprobs(pairs, adapter)
-        return sum(values) / len(values)
-
-    good_shift = mean(good, out) - mean(good, None)
-    bad_shift = mean(bad, out) - mean(bad, None)
+    good_shift, bad_shift = held_out_shifts(trainer, out)
     assert good_shift > 0.2, (good_shift, result.metrics)
     assert bad_shift < -0.2, (bad_shift, result.metrics)
     assert result.metrics["accepted_seq_frac"] > 0.5
     assert 0 < result.metrics["mean_kl"] < LEARN.max_mean_kl
     # sequence_logprobs is the single-pair form of the same measurement.
-    assert trainer.sequence_logprobs(good[0][0], GOOD, out) == pytest.approx(
-        trainer.mean_logprobs(good[:1], out)[0]
-    )
+    first = (chat(TEMPLATES[0].format(HELD_OUT[0])), GOOD)
+    assert trainer.sequence_logprobs(first[0], GOOD, out) == pytest.approx(trainer.mean_logprobs([first], out)[0])
 
 
 def test_first_step_accepts_every_sequence_even_in_the_narrowest_band(trainer, tmp_path):
