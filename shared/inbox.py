@@ -135,7 +135,7 @@ end
 return 0
 """
 
-# Claiming the inbox for a new drain; true again when repeated by the same producer.
+# Claiming a key (SET NX EX) so that a resent claim is still the claimer's: true again for the same holder.
 _CLAIM = """
 local owner = redis.call('GET', KEYS[1])
 if not owner then
@@ -187,6 +187,11 @@ class Ticket:
         for stamp in STAMPS:
             result.pop(stamp, None)
         return result
+
+
+def claim(conn: redis.Redis, key: str, holder: str, ttl: int) -> bool:
+    """``SET key holder NX EX ttl`` that stays true when redis-py resends it: whether ``holder`` has it."""
+    return bool(conn.eval(_CLAIM, 1, key, holder, ttl))
 
 
 def push(conn: redis.Redis, event_id: str, payload: str) -> tuple[Ticket, str | None]:

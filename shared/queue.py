@@ -150,7 +150,7 @@ def ensure_drain(conn: redis.Redis) -> bool:
         conn.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
                   1, inbox.OWNER, owner)
     drain_id = inbox.new_drain_id()
-    if not conn.set(inbox.OWNER, drain_id, nx=True, ex=inbox.OWNER_TTL):
+    if not inbox.claim(conn, inbox.OWNER, drain_id, inbox.OWNER_TTL):
         return False
     queue_drain(conn, drain_id)
     return True

@@ -139,3 +139,11 @@ def test_a_repeated_hand_over_still_names_the_successor(cut_conn):
     successor = inbox.hand_over(via, me)
     assert cutter.cuts == 1
     assert successor is not None and direct.get(inbox.OWNER).decode() == successor
+
+
+def test_a_resent_claim_is_still_the_claimers_and_nobody_elses(cut_conn):
+    direct, via, cutter = cut_conn  # what a command's at-most-once key and ensure_drain's claim rely on
+    cutter.arm(b"rlfleet:command:e1")
+    assert inbox.claim(via, inbox.command_key("e1"), "drain-a", 60)
+    assert cutter.cuts == 1
+    assert not inbox.claim(direct, inbox.command_key("e1"), "drain-b", 60)  # a repeated batch: already run

@@ -9,6 +9,7 @@ job is retried, and TAKEN keeps the batch meanwhile), so an outage never dead-le
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import asdict
 
 import redis
@@ -60,7 +61,7 @@ def apply_batch(ctx: Context, conn: redis.Redis, items: list[bytes], trigger: Co
 
 def _command(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
     # at most once: a drain killed after running it must not roll back twice when its batch is repeated
-    if not conn.set(inbox.command_key(cmd.event_id), 1, nx=True, ex=7 * 24 * 3600):
+    if not inbox.claim(conn, inbox.command_key(cmd.event_id), uuid.uuid4().hex, 7 * 24 * 3600):
         return JobResult.done(f"/rl {cmd.name} was already carried out", duplicate=True)
     try:
         return run_command(ctx, conn, cmd)
