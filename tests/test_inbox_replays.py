@@ -147,3 +147,36 @@ def test_a_resent_claim_is_still_the_claimers_and_nobody_elses(cut_conn):
     assert inbox.claim(via, inbox.command_key("e1"), "drain-a", 60)
     assert cutter.cuts == 1
     assert not inbox.claim(direct, inbox.command_key("e1"), "drain-b", 60)  # a repeated batch: already run
+
+
+def test_a_resent_training_claim_still_queues_the_run(cut_conn, home):
+    from rq import Queue
+
+    from rlfleet.shared.config import load_config
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.queue import TRAIN_QUEUE, TRAINING_BUSY, train_lock_key
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.context import Context
+    from rlfleet.worker.trigger import maybe_trigger
+
+    direct, via, cutter = cut_conn
+    cfg = load_config(home)
+    slug = model_slug(cfg.model)
+    ctx = Context(cfg, Store(cfg.db_url), slug, AdapterRegistry(cfg.adapters_root, slug), 0.0)
+    caps = [inbox_capture(i) for i in range(2)]
+    ctx.store.apply_many(caps, slug)
+    ctx.store.apply_many([Rating(target=c.capture_id, value=1) for c in caps], slug)
+    lock = train_lock_key(slug)
+    cutter.arm(lock.encode())
+    said = maybe_trigger(ctx, via, force=True)
+    assert cutter.cuts == 1  # the claim ran twice
+    assert said is not None and said != TRAINING_BUSY and "queued" in said, said
+    assert Queue(TRAIN_QUEUE, connection=direct).count == 1
+    assert direct.get(lock).decode().startswith("rlfleet-train-")  # the queued job holds it, not a claim
+
+
+def inbox_capture(i: int):
+    from rlfleet.shared.events import Capture, Message
+
+    return Capture(capture_id=f"t{i}", prompt=[Message(role="user", content="q")], response="a", model="m")

@@ -41,7 +41,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     - a training lock that names an abandoned job is released.
     """
     from rlfleet.worker.context import context
-    from rlfleet.worker.trigger import maybe_trigger
+    from rlfleet.worker.trigger import CLAIMING, maybe_trigger
     from rlfleet.worker.version_commands import reconcile
 
     notes: list[str] = []
@@ -63,7 +63,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     elif run is not None and was_interrupted(run):
         released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
     holder = conn.get(lock)
-    if holder and holder != b"claiming" and _train_job_lost(conn, holder.decode()):
+    if holder and not holder.startswith(CLAIMING.encode()) and _train_job_lost(conn, holder.decode()):
         # its run ended, but the worker died before letting go (killed in `train`'s cleanup)
         conn.delete(lock)
         notes.append("released the training lock of a dead worker")

@@ -1,17 +1,20 @@
 """Starting a training run: one queued job per model when the rule says so (shared/runs.py), never two.
 
-The training lock (``train_lock_key``) says who holds the model's training: ``claiming`` for the moment
-between claiming it and queueing the job, then the job's id until the run has ended.
+The training lock (``train_lock_key``) says who holds the model's training: ``claiming:<token>`` for the
+moment between claiming it and queueing the job, then the job's id until the run has ended. The token
+is the claimer's own, so a claim redis-py resent after a lost reply still reads as this claimer's.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 
 import redis
 from rq import Queue
 
+from rlfleet.shared import inbox
 from rlfleet.shared.job_names import TRAIN_JOB, train_job_id
 from rlfleet.shared.queue import TRAIN_QUEUE, TRAINING_BUSY, job_is_over, train_lock_key
 from rlfleet.shared.runs import ratings_until_run
@@ -20,6 +23,7 @@ from .context import Context
 
 LOCK_TTL = 24 * 3600  # a training run longer than this is treated as dead
 CLAIM_TTL = 60  # seconds a trigger may take from claiming the training lock to queueing the job
+CLAIMING = "claiming:"  # the lock's value before the job has an id
 RECHECK = 1.0  # seconds a drain trusts its own count of ratings until the next training run
 
 
@@ -30,16 +34,16 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     pending = ctx.store.pending_count(ctx.slug)
     if force and not ctx.store.pending_ratings(ctx.slug, 1):
         return "nothing to train on: no pending ratings"
-    key = train_lock_key(ctx.slug)
-    # "claiming" lives only for the moment between claiming and queueing: a worker killed in between
+    key, token = train_lock_key(ctx.slug), f"{CLAIMING}{uuid.uuid4().hex}"
+    # A claim lives only for the moment between claiming and queueing: a worker killed in between
     # must not block training for a day (no job id to check it against); the job's id then holds it.
-    if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
+    if not inbox.claim(conn, key, token, CLAIM_TTL):
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
-        if holder == b"claiming" or (holder is not None and not job_is_over(conn, holder.decode())):
+        if holder is not None and (holder.startswith(CLAIMING.encode()) or not job_is_over(conn, holder.decode())):
             return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
-        if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
+        if not inbox.claim(conn, key, token, CLAIM_TTL):
             return TRAINING_BUSY
     run_id = ctx.store.create_run(ctx.slug)
     job_id = train_job_id(ctx.slug, run_id)
