@@ -78,12 +78,20 @@ def _wait_rows(store: Store, n: int, timeout: float) -> float:
 PARTS = ("ack", "wait", "apply")
 
 
-def _latencies(conn: redis.Redis, sent: dict[str, tuple[float, float]]) -> dict[str, list[float]]:
-    """Milliseconds per answered event: "total" (created to answered) and each of ``PARTS``."""
+def _latencies(conn: redis.Redis, sent: dict[str, tuple[float, float]], timeout: float = 10.0
+               ) -> dict[str, list[float]]:
+    """Milliseconds per answered event: "total" (created to answered) and each of ``PARTS``. A batch's
+    answers are written just after its commit, so the last ones may come a moment after the rows."""
     ids = list(sent)
     at: dict[str, dict[str, float]] = {}
-    for i in range(0, len(ids), 1000):
-        at.update(inbox.stamps(conn, ids[i:i + 1000]))
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [e for e in ids if e not in at]
+        for i in range(0, len(missing), 1000):
+            at.update(inbox.stamps(conn, missing[i:i + 1000]))
+        if len(at) == len(ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     out: dict[str, list[float]] = {"total": [], **{p: [] for p in PARTS}}
     for e in ids:
         if e not in at:

@@ -33,15 +33,28 @@ def test_every_rating_is_stored_once_and_timed(queued_home, redis_url, monkeypat
 
 
 def test_the_postgres_leg_uses_a_fresh_database_and_drops_it(queued_home, redis_url, pg_admin_url, monkeypatch):
+    import contextlib
+
     import sqlalchemy as sa
 
     for var in ("RLFLEET_HOME", "REDIS_URL", "RLFLEET_MODEL", "DATABASE_URL"):
         monkeypatch.setenv(var, "unset-by-the-test")
+    used: list[str] = []  # this case's database only: other runs may hold databases of their own meanwhile
+    fresh = ingest.fresh_database
+
+    @contextlib.contextmanager
+    def noting(admin_url: str | None, *args, **kw):
+        with fresh(admin_url, *args, **kw) as url:
+            used.append(url.rsplit("/", 1)[1])
+            yield url
+
+    monkeypatch.setattr(ingest, "fresh_database", noting)
     row = ingest.run_case(1, 200, None, redis_url, pg_admin_url)
     assert row["answered"] == 200 and row["ratings_per_s"] > 0
+    assert len(used) == 1 and used[0].startswith("rlfleet_ingest_")
     admin = sa.create_engine(pg_admin_url)
     with admin.connect() as c:
-        left = c.execute(sa.text("SELECT datname FROM pg_database WHERE datname LIKE 'rlfleet_ingest_%'")).all()
+        left = c.execute(sa.text("SELECT datname FROM pg_database WHERE datname = :n"), {"n": used[0]}).all()
     admin.dispose()
     assert left == []
 
