@@ -19,6 +19,7 @@ from test_trainer import (  # noqa: E402
     base_logits,
     chat,
     held_out_shifts,
+    learning_run,
     preference_samples,
 )
 
@@ -39,10 +40,7 @@ def kto(tiny_trainer) -> KtoTrainer:
 def learned(kto, tmp_path_factory):
     """One KTO learning run shared by the tests that inspect it, with the base's logits before it."""
     before = base_logits(kto.trainer)
-    out = tmp_path_factory.mktemp("kto-runs") / "v0001"
-    seen = []
-    result = kto.run(preference_samples(), None, KTO_LEARN, None, out, progress=seen.append)
-    return out, result, seen, before
+    return *learning_run(kto, tmp_path_factory.mktemp("kto-runs"), KTO_LEARN), before
 
 
 def test_interface_delegates_to_the_wrapped_trainer(kto):

@@ -25,6 +25,7 @@ from test_trainer import (  # noqa: E402
     check_still_at_parent,
     check_stored_behaviour_is_used,
     held_out_shifts,
+    learning_run,
     preference_samples,
 )
 
@@ -61,10 +62,7 @@ def torch_trainer(tiny_model_dir) -> Trainer:
 @pytest.fixture(scope="module")
 def learned(mlx_trainer, tmp_path_factory):
     """One MLX learning run shared by the tests that inspect it."""
-    out = tmp_path_factory.mktemp("mlx-runs") / "v0001"
-    seen = []
-    result = mlx_trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
-    return out, result, seen
+    return learning_run(mlx_trainer, tmp_path_factory.mktemp("mlx-runs"))
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
 from rlfleet.worker.presets import TrainConfig, preset
-from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.samples import Progress, RunResult, TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
 
 GOOD, BAD = "yes yes yes yes", "no no no no"
@@ -179,13 +180,19 @@ def preference_samples() -> list[TrainSample]:
     return samples
 
 
+def learning_run(trainer, folder: Path, cfg: TrainConfig = LEARN) -> tuple[Path, RunResult, list[Progress]]:
+    """A run of ``cfg`` over every preference sample into ``folder``/v0001: the adapter's folder, the
+    result, and the progress the run reported."""
+    out = folder / "v0001"
+    seen: list[Progress] = []
+    result = trainer.run(preference_samples(), None, cfg, None, out, progress=seen.append)
+    return out, result, seen
+
+
 @pytest.fixture(scope="module")
 def learned(trainer, tmp_path_factory):
     """One learning run shared by the tests that inspect it."""
-    out = tmp_path_factory.mktemp("runs") / "v0001"
-    seen = []
-    result = trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
-    return out, result, seen
+    return learning_run(trainer, tmp_path_factory.mktemp("runs"))
 
 
 def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learned, tmp_path):
