@@ -50,7 +50,7 @@ def answer_blocks(text: str, buttons: bool) -> list[dict] | None:
 
 
 def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: str | None = None) -> AsyncApp:
-    settings: SlackSettings = core.settings  # type: ignore[assignment]
+    """Bolt's app with the bot's listeners registered: `/rl`, messages, reactions and rating buttons."""
     client = AsyncWebClient(token=token, base_url=api_base) if api_base else AsyncWebClient(token=token)
     app = AsyncApp(
         client=client,
@@ -58,10 +58,20 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
         # Socket Mode has no signatures to check; HTTP mode always checks them.
         request_verification_enabled=signing_secret is not None,
     )
+    register_command(app, core)
+    register_messages(app, core)
+    register_reactions(app, core)
+    register_buttons(app, core)
+    return app
 
-    async def respond_private(respond: Any, reply: Reply | None) -> None:
-        if reply is not None:
-            await respond(text=reply.text, response_type="ephemeral", replace_original=False)
+
+async def respond_private(respond: Any, reply: Reply | None) -> None:
+    if reply is not None:
+        await respond(text=reply.text, response_type="ephemeral", replace_original=False)
+
+
+def register_command(app: AsyncApp, core: BotCore) -> None:
+    """`/rl`, answered privately to whoever ran it."""
 
     @app.command("/rl")
     async def rl_command(ack: Any, body: dict, respond: Any) -> None:
@@ -69,40 +79,48 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
         reply = await core.command(body.get("user_id"), body.get("channel_id", ""), body.get("text") or "")
         await respond_private(respond, reply)
 
-    async def answer(event: dict, client: AsyncWebClient, bot_user_id: str | None) -> None:
-        channel, user = event.get("channel"), event.get("user")
-        if not channel or not user or event.get("bot_id") or event.get("subtype"):
-            return
-        if core.seen(f"msg:{channel}:{event.get('ts')}"):
-            return  # a DM mention arrives as both `message` and `app_mention`; retries too
-        text = _MENTION.sub("", event.get("text") or "").strip()
-        if not text:
-            return
-        thread = event.get("thread_ts") or event["ts"]
-        context: list[tuple[bool, str]] = []
-        if event.get("thread_ts") and settings.context_messages:
-            replies = await client.conversations_replies(channel=channel, ts=event["thread_ts"],
-                                                         limit=settings.context_messages + 1)
-            for m in replies.get("messages", []):
-                if m.get("ts") != event["ts"]:
-                    by_bot = bool(m.get("bot_id")) or m.get("user") == bot_user_id
-                    context.append((by_bot, _MENTION.sub("", m.get("text") or "")))
 
-        async def post(answer: str) -> str:
-            posted = await client.chat_postMessage(channel=channel, thread_ts=thread, text=answer,
-                                                   blocks=answer_blocks(answer, settings.buttons))
-            core.posted.remember_thread(core.source, channel, thread)
-            return posted["ts"]
+async def answer_message(core: BotCore, settings: SlackSettings, event: dict, client: AsyncWebClient,
+                         bot_user_id: str | None) -> None:
+    """Answer the message ``event`` in its thread (with the thread so far as context) and capture it."""
+    channel, user = event.get("channel"), event.get("user")
+    if not channel or not user or event.get("bot_id") or event.get("subtype"):
+        return
+    if core.seen(f"msg:{channel}:{event.get('ts')}"):
+        return  # a DM mention arrives as both `message` and `app_mention`; retries too
+    text = _MENTION.sub("", event.get("text") or "").strip()
+    if not text:
+        return
+    thread = event.get("thread_ts") or event["ts"]
+    context: list[tuple[bool, str]] = []
+    if event.get("thread_ts") and settings.context_messages:
+        replies = await client.conversations_replies(channel=channel, ts=event["thread_ts"],
+                                                     limit=settings.context_messages + 1)
+        for m in replies.get("messages", []):
+            if m.get("ts") != event["ts"]:
+                by_bot = bool(m.get("bot_id")) or m.get("user") == bot_user_id
+                context.append((by_bot, _MENTION.sub("", m.get("text") or "")))
 
-        async def fail(why: str) -> None:
-            await client.chat_postMessage(channel=channel, thread_ts=thread, text=why)
+    async def post(answer: str) -> str:
+        posted = await client.chat_postMessage(channel=channel, thread_ts=thread, text=answer,
+                                               blocks=answer_blocks(answer, settings.buttons))
+        core.posted.remember_thread(core.source, channel, thread)
+        return posted["ts"]
 
-        await core.answer_and_capture(user, channel, text, post, fail, context)
+    async def fail(why: str) -> None:
+        await client.chat_postMessage(channel=channel, thread_ts=thread, text=why)
+
+    await core.answer_and_capture(user, channel, text, post, fail, context)
+
+
+def register_messages(app: AsyncApp, core: BotCore) -> None:
+    """Mentions anywhere the bot answers; DMs, and replies in the threads it answered in."""
+    settings: SlackSettings = core.settings  # type: ignore[assignment]
 
     @app.event("app_mention")
     async def on_mention(event: dict, client: AsyncWebClient, context: dict) -> None:
         if core.answers_in(event.get("channel", ""), is_dm=False):
-            await answer(event, client, context.get("bot_user_id"))
+            await answer_message(core, settings, event, client, context.get("bot_user_id"))
 
     @app.event("message")
     async def on_message(event: dict, client: AsyncWebClient, context: dict) -> None:
@@ -112,7 +130,11 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
                                                                                 event["thread_ts"])
         mentioned = f"<@{context.get('bot_user_id')}>" in (event.get("text") or "")
         if (is_dm or (in_our_thread and not mentioned)) and core.answers_in(channel, is_dm):
-            await answer(event, client, context.get("bot_user_id"))
+            await answer_message(core, settings, event, client, context.get("bot_user_id"))
+
+
+def register_reactions(app: AsyncApp, core: BotCore) -> None:
+    """A thumb added to an answer rates it; removing it takes the rating back."""
 
     async def on_reaction(event: dict, added: bool) -> None:
         item = event.get("item") or {}
@@ -130,6 +152,10 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
     async def reaction_removed(event: dict) -> None:
         await on_reaction(event, added=False)
 
+
+def register_buttons(app: AsyncApp, core: BotCore) -> None:
+    """The good/bad buttons under an answer, answered privately to whoever pressed one."""
+
     async def on_button(ack: Any, body: dict, respond: Any, value: int) -> None:
         await ack()
         reply = await core.button(
@@ -145,8 +171,6 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
     @app.action(BAD_ACTION)
     async def bad_button(ack: Any, body: dict, respond: Any) -> None:
         await on_button(ack, body, respond, -1)
-
-    return app
 
 
 def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from aiohttp import web
@@ -37,6 +37,9 @@ def free_port() -> int:
 
 DROP = "drop"  # an outage that closes the connection without an answer
 GARBAGE = "garbage"  # an outage that answers 200 with a body no client can read
+
+
+_Fake = TypeVar("_Fake", bound="FakeServer")
 
 
 @dataclass
@@ -80,6 +83,14 @@ class FakeServer:
 
     async def stop(self) -> None:
         await self._stack.aclose()
+
+    async def __aenter__(self: _Fake) -> _Fake:
+        """Started on a free port for the ``async with`` block, stopped after it."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def record(self, request: web.Request) -> dict[str, Any]:
         if request.method == "GET":

@@ -112,20 +112,19 @@ class LiveWorker:
 
 @asynccontextmanager
 async def bot_rig(platform: str, **settings: Any):
-    llm = await FakeOpenAI().start()
-    cfg = load_config()
-    cfg.responder.url = f"{llm.url}/v1"
-    for k, v in {"raters": [RATER], "admins": [ADMIN], **settings}.items():
-        setattr(cfg.bots.get(platform), k, v)
-    cfg.save()  # the worker reads the allowlists from config.toml, as in production
-    handle = open_queue(cfg)
-    store = Store(cfg.db_url)
-    core = BotCore(platform, cfg, handle, store, wait_s=10.0)  # type: ignore[arg-type]
-    try:
-        yield BotRig(cfg, handle, store, core, llm)
-    finally:
-        await llm.stop()
-        handle.close()
+    async with FakeOpenAI() as llm:
+        cfg = load_config()
+        cfg.responder.url = f"{llm.url}/v1"
+        for k, v in {"raters": [RATER], "admins": [ADMIN], **settings}.items():
+            setattr(cfg.bots.get(platform), k, v)
+        cfg.save()  # the worker reads the allowlists from config.toml, as in production
+        handle = open_queue(cfg)
+        store = Store(cfg.db_url)
+        core = BotCore(platform, cfg, handle, store, wait_s=10.0)  # type: ignore[arg-type]
+        try:
+            yield BotRig(cfg, handle, store, core, llm)
+        finally:
+            handle.close()
 
 
 def run(coro) -> Any:

@@ -81,11 +81,10 @@ class DiscordRig:
 
 @asynccontextmanager
 async def rig(home, monkeypatch, token: str = "TEST.TOKEN", **settings):
-    fake = await FakeDiscord(bot_id=BOT).start()
-    monkeypatch.setattr(discord.http.Route, "BASE", f"{fake.url}/api/v10")
-    monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
-                        yarl.URL(fake.url.replace("http://", "ws://") + "/gateway"))
-    try:
+    async with FakeDiscord(bot_id=BOT) as fake:
+        monkeypatch.setattr(discord.http.Route, "BASE", f"{fake.url}/api/v10")
+        monkeypatch.setattr(discord.gateway.DiscordWebSocket, "DEFAULT_GATEWAY",
+                            yarl.URL(fake.url.replace("http://", "ws://") + "/gateway"))
         async with bot_rig("discord", **settings) as base:
             client = RlfleetClient(base.core, sync_commands=True, guild_ready_timeout=0.1)
             task = asyncio.create_task(client.start(token))
@@ -95,8 +94,6 @@ async def rig(home, monkeypatch, token: str = "TEST.TOKEN", **settings):
             finally:
                 await client.close()
                 await asyncio.wait_for(task, 10)
-    finally:
-        await fake.stop()
 
 
 def test_start_syncs_the_rl_command_and_a_mention_is_answered_with_buttons(queued_home, monkeypatch):

@@ -102,12 +102,8 @@ class SlackRig:
 
 @asynccontextmanager
 async def rig(home, **slack_settings):
-    slack = await FakeSlack().start()
-    try:
-        async with bot_rig("slack", **slack_settings) as base:
-            yield SlackRig(base, build_app(base.core, "xoxb-test", SECRET, f"{slack.url}/api/"), slack)
-    finally:
-        await slack.stop()
+    async with FakeSlack() as slack, bot_rig("slack", **slack_settings) as base:
+        yield SlackRig(base, build_app(base.core, "xoxb-test", SECRET, f"{slack.url}/api/"), slack)
 
 
 def test_a_mention_is_answered_in_thread_with_buttons_and_captured(queued_home):

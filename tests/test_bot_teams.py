@@ -68,18 +68,12 @@ class TeamsRig:
 
 @asynccontextmanager
 async def rig(home, app_id: str | None = None, password: str = "pw", **settings):
-    connector = await FakeTeamsConnector().start()
-    try:
-        async with bot_rig("teams", app_id=app_id, **settings) as base:
-            app = web_app(base.core, base.cfg.bots.teams, password if app_id else None)
-            async with listening(app, "127.0.0.1", 0) as port:
-                url = f"http://127.0.0.1:{port}/api/messages"
-                async with aiohttp.ClientSession() as http:
-                    r = TeamsRig(base, url, connector, http)
-                    yield r
-                    assert all(s < 400 for s in await asyncio.gather(*r.pending))
-    finally:
-        await connector.stop()
+    async with FakeTeamsConnector() as connector, bot_rig("teams", app_id=app_id, **settings) as base:
+        app = web_app(base.core, base.cfg.bots.teams, password if app_id else None)
+        async with listening(app, "127.0.0.1", 0) as port, aiohttp.ClientSession() as http:
+            r = TeamsRig(base, f"http://127.0.0.1:{port}/api/messages", connector, http)
+            yield r
+            assert all(s < 400 for s in await asyncio.gather(*r.pending))
 
 
 def test_a_mention_is_answered_with_a_rating_card_and_captured(queued_home):

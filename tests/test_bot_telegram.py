@@ -85,25 +85,21 @@ class TelegramRig:
 
 @asynccontextmanager
 async def rig(home, **settings):
-    fake = await FakeTelegram(bot_id=BOT_ID).start()
-    try:
-        async with bot_rig("telegram", **settings) as base:
-            application = build_application(base.core, "123:TEST", fake.url)
-            r = TelegramRig(base, application, fake)
+    async with FakeTelegram(bot_id=BOT_ID) as fake, bot_rig("telegram", **settings) as base:
+        application = build_application(base.core, "123:TEST", fake.url)
+        r = TelegramRig(base, application, fake)
 
-            async def fail(update, context):
-                r.errors.append(context.error)
+        async def fail(update, context):
+            r.errors.append(context.error)
 
-            application.add_error_handler(fail)  # PTB only logs handler errors: make them fail the test
-            await application.initialize()
-            try:
-                yield r
-                await asyncio.gather(*r.tasks)
-            finally:
-                await application.shutdown()
-                assert not r.errors, r.errors
-    finally:
-        await fake.stop()
+        application.add_error_handler(fail)  # PTB only logs handler errors: make them fail the test
+        await application.initialize()
+        try:
+            yield r
+            await asyncio.gather(*r.tasks)
+        finally:
+            await application.shutdown()
+            assert not r.errors, r.errors
 
 
 OWNER_ID, STRANGER_ID, RATER_ID, ADMIN_ID = (int(u) for u in (OWNER, STRANGER, RATER, ADMIN))
@@ -229,31 +225,30 @@ def test_up_runs_an_enabled_bot_as_its_own_process_with_long_polling(queued_home
     from rlfleet.shared.store import Store
 
     async def go():
-        fake, llm = await FakeTelegram(bot_id=BOT_ID).start(), await FakeOpenAI().start()
-        cfg = load_config()
-        cfg.bots.telegram.enabled, cfg.bots.telegram.api_base = True, fake.url
-        cfg.responder.url = f"{llm.url}/v1"
-        cfg.save()
-        monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:TEST")
-        fake.updates.append({"update_id": 1, "message": {
-            "message_id": 5, "date": int(time.time()), "text": "hello from polling",
-            "chat": {"id": OWNER_ID, "type": "private"}, "from": {"id": OWNER_ID, "is_bot": False, "first_name": "o"}}})
-        workers = BackgroundWorkers(cfg, which=("events",), bots=("telegram",))
-        workers.start()
-        try:
-            sent = await fake.wait_for("sendMessage", timeout=90)
-            assert sent[0]["text"] == "answer to: hello from polling"
-            assert json.loads(fake.of("getUpdates")[0]["allowed_updates"]) == ALLOWED_UPDATES
-            store = Store(cfg.db_url)
-            deadline = time.monotonic() + 30
-            while not store.find_capture("telegram", str(OWNER_ID), f"{OWNER_ID}:1000"):
-                assert time.monotonic() < deadline, "the events worker did not store the capture"
-                await asyncio.sleep(0.1)
-            assert all(workers.alive().values())
-        finally:
-            workers.stop()
-            await fake.stop()
-            await llm.stop()
+        async with FakeTelegram(bot_id=BOT_ID) as fake, FakeOpenAI() as llm:
+            cfg = load_config()
+            cfg.bots.telegram.enabled, cfg.bots.telegram.api_base = True, fake.url
+            cfg.responder.url = f"{llm.url}/v1"
+            cfg.save()
+            monkeypatch.setenv("TELEGRAM_BOT_TOKEN", "123:TEST")
+            fake.updates.append({"update_id": 1, "message": {
+                "message_id": 5, "date": int(time.time()), "text": "hello from polling",
+                "chat": {"id": OWNER_ID, "type": "private"},
+                "from": {"id": OWNER_ID, "is_bot": False, "first_name": "o"}}})
+            workers = BackgroundWorkers(cfg, which=("events",), bots=("telegram",))
+            workers.start()
+            try:
+                sent = await fake.wait_for("sendMessage", timeout=90)
+                assert sent[0]["text"] == "answer to: hello from polling"
+                assert json.loads(fake.of("getUpdates")[0]["allowed_updates"]) == ALLOWED_UPDATES
+                store = Store(cfg.db_url)
+                deadline = time.monotonic() + 30
+                while not store.find_capture("telegram", str(OWNER_ID), f"{OWNER_ID}:1000"):
+                    assert time.monotonic() < deadline, "the events worker did not store the capture"
+                    await asyncio.sleep(0.1)
+                assert all(workers.alive().values())
+            finally:
+                workers.stop()
         assert (cfg.home / "logs" / "bot-telegram.log").exists()
 
     asyncio.run(asyncio.wait_for(go(), 150))

@@ -7,13 +7,12 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_spine import _work_train_queue, rl, status
+from test_spine import _work_train_queue, opened_queue, rl, status
 from test_trainer import BAD, GOOD, LEARN, TEMPLATES, chat
 
 from rlfleet.cli import dispatch
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
-from rlfleet.shared.queue import open_queue
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.orchestrate import evaluate_candidate
@@ -88,18 +87,19 @@ def _rate(cfg, handle, topic: str, answer: str, value: int) -> dict:
     return dispatch(handle, cfg, Rating(value=value, target=cap.capture_id))
 
 
+def _prefer(cfg, handle, topics, liked: str, disliked: str) -> None:
+    """For each topic, rate ``liked`` good and ``disliked`` bad."""
+    for t in topics:
+        _rate(cfg, handle, t, liked, 1)
+        _rate(cfg, handle, t, disliked, -1)
+
+
 def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(gated_home):
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
+    with opened_queue() as (cfg, handle):
         # The user first liked "no" answers, then changed their mind: the newest ratings (held out)
         # say "yes" is good, so a candidate trained on the older ones does worse on them.
-        for t in TOPICS[:4]:
-            _rate(cfg, handle, t, BAD, 1)
-            _rate(cfg, handle, t, GOOD, -1)
-        for t in HELD[:2]:
-            _rate(cfg, handle, t, GOOD, 1)
-            _rate(cfg, handle, t, BAD, -1)
+        _prefer(cfg, handle, TOPICS[:4], BAD, GOOD)
+        _prefer(cfg, handle, HELD[:2], GOOD, BAD)
         _work_train_queue(handle)
         st = status()
         (v,) = st["adapter"]["versions"]
@@ -132,17 +132,11 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
         st = status()
         assert st["adapter"]["versions"][0]["status"] == "active"
         assert st["ratings"]["pending"] == 18 - 8  # the forced version consumed what it trained on
-    finally:
-        handle.close()
 
 
 def test_a_good_run_is_promoted_and_its_held_out_ratings_train_the_next(gated_home):
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
-        for t in TOPICS[:6]:
-            _rate(cfg, handle, t, GOOD, 1)
-            _rate(cfg, handle, t, BAD, -1)
+    with opened_queue() as (cfg, handle):
+        _prefer(cfg, handle, TOPICS[:6], GOOD, BAD)
         _work_train_queue(handle)
         st = status()
         assert st["adapter"]["current"] == "v0001", st["training"]
@@ -152,5 +146,3 @@ def test_a_good_run_is_promoted_and_its_held_out_ratings_train_the_next(gated_ho
         assert st["ratings"]["pending"] == 4
         meta = AdapterRegistry(cfg.adapters_root, st["model_slug"]).meta("v0001")
         assert set(meta["heldout_rating_ids"]).isdisjoint(meta["rating_ids"])
-    finally:
-        handle.close()

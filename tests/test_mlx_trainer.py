@@ -18,13 +18,21 @@ pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX trainer need
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from test_trainer import GOOD, LEARN, chat, held_out_shifts, preference_samples  # noqa: E402
+from test_trainer import (  # noqa: E402
+    GOOD,
+    LEARN,
+    chat,
+    check_still_at_parent,
+    check_stored_behaviour_is_used,
+    held_out_shifts,
+    learning_run,
+    preference_samples,
+)
 
 from rlfleet.shared.config import TrainSettings  # noqa: E402
 from rlfleet.shared.models import pick_device, resolve_model, serving_device  # noqa: E402
 from rlfleet.worker import objective, objective_mlx  # noqa: E402
-from rlfleet.worker.presets import TrainConfig, preset  # noqa: E402
-from rlfleet.worker.samples import TrainSample  # noqa: E402
+from rlfleet.worker.presets import preset  # noqa: E402
 from rlfleet.worker.training.mlx_backend import MlxTrainer  # noqa: E402
 from rlfleet.worker.training.mlx_model import hf_folder, legacy_rope_fields  # noqa: E402
 from rlfleet.worker.training.torch_backend import Trainer  # noqa: E402
@@ -54,10 +62,7 @@ def torch_trainer(tiny_model_dir) -> Trainer:
 @pytest.fixture(scope="module")
 def learned(mlx_trainer, tmp_path_factory):
     """One MLX learning run shared by the tests that inspect it."""
-    out = tmp_path_factory.mktemp("mlx-runs") / "v0001"
-    seen = []
-    result = mlx_trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
-    return out, result, seen
+    return learning_run(mlx_trainer, tmp_path_factory.mktemp("mlx-runs"))
 
 
 @pytest.fixture(scope="module")
@@ -221,29 +226,12 @@ def test_first_step_ratios_are_one_and_runs_repeat(mlx_trainer, tmp_path):
 
 
 def test_stored_behaviour_logprobs_are_used(mlx_trainer, tmp_path):
-    tok = mlx_trainer.tokenizer
-    ids = tok(GOOD, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    p = chat("Tell me about cats.")
-    true = mlx_trainer.token_logprobs([(p, GOOD)])[0]
-    cfg = replace(preset("careful"), steps=1)
-
-    def first_step(lps, token_ids):
-        s = TrainSample(1, p, GOOD, 1.0, behaviour_logprobs=lps, behaviour_token_ids=token_ids)
-        return mlx_trainer.run([s], None, cfg, None, tmp_path / "a").metrics
-
-    assert first_step(true, ids)["accepted_seq_frac"] == 1.0
-    shifted = first_step([x - 1.0 for x in true], ids)  # every ratio e = 2.7: outside [0.5, 2]
-    assert shifted["accepted_token_frac"] == 0.0 and shifted["accepted_seq_frac"] == 0.0
+    check_stored_behaviour_is_used(mlx_trainer, tmp_path / "a")
 
 
 def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):
     parent, _, _ = learned
-    # lr 0 keeps the weights; a band of +-1e-5 keeps a sequence only if the run-start policy equals
-    # the behaviour policy, i.e. the parent's weights were loaded before the behaviour pass.
-    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
-    result = mlx_trainer.run(preference_samples()[:8], None, cfg, parent, tmp_path / "v2")
-    assert result.metrics["accepted_seq_frac"] == 1.0
-    assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
+    check_still_at_parent(mlx_trainer, parent, tmp_path / "v2")
     w1 = mx.load(str(parent / "adapter_model.safetensors"))
     w2 = mx.load(str(tmp_path / "v2" / "adapter_model.safetensors"))
     assert w1.keys() == w2.keys() and all(mx.array_equal(w1[k], w2[k]).item() for k in w1)

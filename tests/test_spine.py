@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from rq import Queue, SimpleWorker
@@ -12,9 +14,9 @@ from typer.testing import CliRunner
 
 from rlfleet.cli import dispatch
 from rlfleet.cli.app import app
-from rlfleet.shared.config import load_config
+from rlfleet.shared.config import Config, load_config
 from rlfleet.shared.events import Capture, Rating, Undo
-from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
+from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.store import Store
 
@@ -62,10 +64,26 @@ def _work_train_queue(handle):
     SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(burst=True)
 
 
-def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
+@contextmanager
+def opened_queue() -> Iterator[tuple[Config, QueueHandle]]:
+    """The test home's configuration and a queue handle on it, closed when the block ends."""
     cfg = load_config()
     handle = open_queue(cfg)
     try:
+        yield cfg, handle
+    finally:
+        handle.close()
+
+
+def _first_version(cfg, handle) -> None:
+    """Rate a threshold's worth (4) and run the training they trigger: v0001 serves."""
+    _rate_some(cfg, handle, 4)
+    _work_train_queue(handle)
+    assert status()["adapter"]["current"] == "v0001"
+
+
+def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
+    with opened_queue() as (cfg, handle):
         results = _rate_some(cfg, handle, 3)
         assert all("training" not in r or r["training"] is None for r in results)
         assert status()["ratings"]["pending"] == 3
@@ -109,17 +127,11 @@ def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
         assert reg.current() is None
         assert rl("rollback", "v0002").exit_code == 0
         assert reg.current() == "v0002"
-    finally:
-        handle.close()
 
 
 def test_undo_of_a_trained_rating_is_retracted_by_the_next_run(tiny_home):
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
-        _rate_some(cfg, handle, 4)
-        _work_train_queue(handle)
-        assert status()["adapter"]["current"] == "v0001"
+    with opened_queue() as (cfg, handle):
+        _first_version(cfg, handle)
         assert dispatch(handle, cfg, Undo())["ok"]
         store = Store(cfg.db_url)
         slug = status()["model_slug"]
@@ -130,17 +142,11 @@ def test_undo_of_a_trained_rating_is_retracted_by_the_next_run(tiny_home):
         meta = AdapterRegistry(cfg.adapters_root, slug).meta("v0002")
         assert meta["retracted_rating_ids"] == [pending[0][0].id] and meta["rating_ids"] == []
         assert store.pending_ratings(slug, 10) == []
-    finally:
-        handle.close()
 
 
 def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch):
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
-        _rate_some(cfg, handle, 4)
-        _work_train_queue(handle)
-        assert status()["adapter"]["current"] == "v0001"
+    with opened_queue() as (cfg, handle):
+        _first_version(cfg, handle)
         _rate_some(cfg, handle, 3)
 
         import rlfleet.worker.training.torch_backend as trainer_mod
@@ -158,8 +164,6 @@ def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch
         reg = AdapterRegistry(cfg.adapters_root, st["model_slug"])
         assert reg.versions() == ["v0001"]
         assert not [p for p in reg.dir.iterdir() if p.name.startswith(".staging")]
-    finally:
-        handle.close()
 
 
 def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_home, monkeypatch):
@@ -169,9 +173,7 @@ def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_
 
     from rlfleet.worker.runner import recover
 
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
+    with opened_queue() as (cfg, handle):
         import rlfleet.worker.training.torch_backend as trainer_mod
 
         real_run = trainer_mod.Trainer.run
@@ -192,8 +194,6 @@ def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_
         assert any("queued" in n for n in notes), notes  # no new rating was needed
         _work_train_queue(handle)
         assert status()["adapter"]["current"] == "v0001"
-    finally:
-        handle.close()
 
 
 def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home, monkeypatch):
@@ -205,9 +205,7 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
     from rlfleet.shared.runs import INTERRUPTED_IN_A_ROW
     from rlfleet.worker.runner import recover
 
-    cfg = load_config()
-    handle = open_queue(cfg)
-    try:
+    with opened_queue() as (cfg, handle):
         def lost(self, *a, **k):
             raise redis_mod.ConnectionError("Connection closed by server.")
 
@@ -227,8 +225,6 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
         assert handle.train.count == 0
         results = _rate_some(cfg, handle, 1)
         assert results[0]["training"].startswith("training run")
-    finally:
-        handle.close()
 
 
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):

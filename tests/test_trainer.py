@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
 from rlfleet.worker.presets import TrainConfig, preset
-from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.samples import Progress, RunResult, TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
 
 GOOD, BAD = "yes yes yes yes", "no no no no"
@@ -58,10 +59,27 @@ def prompt_ids(tok, messages) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def probe_ids(tok) -> torch.Tensor:
+    return torch.tensor([prompt_ids(tok, chat("probe")) + [70, 71, 72]])
+
+
 def base_logits(trainer: Trainer) -> torch.Tensor:
-    ids = torch.tensor([prompt_ids(trainer.tokenizer, chat("probe")) + [70, 71, 72]])
     with torch.no_grad():
-        return trainer.base(input_ids=ids).logits.clone()
+        return trainer.base(input_ids=probe_ids(trainer.tokenizer)).logits.clone()
+
+
+def assert_adapter_acts_and_unloads(trainer: Trainer, adapter, before: torch.Tensor) -> None:
+    """``adapter`` loaded on ``trainer``'s base changes the probe's logits (``before``: the base's own),
+    and unloading it leaves the base as it was."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(trainer.base, str(adapter))
+    try:
+        with torch.no_grad():
+            assert not torch.allclose(model(input_ids=probe_ids(trainer.tokenizer)).logits, before)
+    finally:
+        model.unload()
+    assert torch.equal(base_logits(trainer), before)
 
 
 # -- encoding and batching --------------------------------------------------------------------
@@ -162,17 +180,22 @@ def preference_samples() -> list[TrainSample]:
     return samples
 
 
-@pytest.fixture(scope="module")
-def learned(trainer, tmp_path_factory):
-    """One learning run shared by the tests that inspect it."""
-    out = tmp_path_factory.mktemp("runs") / "v0001"
-    seen = []
-    result = trainer.run(preference_samples(), None, LEARN, None, out, progress=seen.append)
+def learning_run(trainer, folder: Path, cfg: TrainConfig = LEARN) -> tuple[Path, RunResult, list[Progress]]:
+    """A run of ``cfg`` over every preference sample into ``folder``/v0001: the adapter's folder, the
+    result, and the progress the run reported."""
+    out = folder / "v0001"
+    seen: list[Progress] = []
+    result = trainer.run(preference_samples(), None, cfg, None, out, progress=seen.append)
     return out, result, seen
 
 
+@pytest.fixture(scope="module")
+def learned(trainer, tmp_path_factory):
+    """One learning run shared by the tests that inspect it."""
+    return learning_run(trainer, tmp_path_factory.mktemp("runs"))
+
+
 def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learned, tmp_path):
-    from peft import PeftModel
     from safetensors.torch import load_file
 
     out, result, seen = learned
@@ -192,14 +215,7 @@ def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learne
 
     before = base_logits(trainer)
     assert not any("lora" in name for name, _ in trainer.base.named_modules())
-    model = PeftModel.from_pretrained(trainer.base, str(out))
-    try:
-        ids = torch.tensor([prompt_ids(trainer.tokenizer, chat("probe")) + [70, 71, 72]])
-        with torch.no_grad():
-            assert not torch.allclose(model(input_ids=ids).logits, before)  # the adapter does something
-    finally:
-        model.unload()
-    assert torch.equal(base_logits(trainer), before)
+    assert_adapter_acts_and_unloads(trainer, out, before)
 
     # A second run starts from the clean base: same seed and data give the same adapter exactly.
     small = preference_samples()[:4]
@@ -236,7 +252,9 @@ def test_first_step_accepts_every_sequence_even_in_the_narrowest_band(trainer, t
     assert result.metrics["mean_kl"] == 0.0
 
 
-def test_stored_behaviour_logprobs_are_used(trainer, tmp_path):
+def check_stored_behaviour_is_used(trainer, out) -> None:
+    """A sample's stored behaviour log-probs set the ratios of ``trainer``'s first step (each run saves
+    to ``out``), and only for the tokens they were recorded for."""
     tok = trainer.tokenizer
     ids = tok(GOOD, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     p = chat("Tell me about cats.")
@@ -246,7 +264,7 @@ def test_stored_behaviour_logprobs_are_used(trainer, tmp_path):
 
     def first_step(lps, token_ids):
         s = TrainSample(1, p, GOOD, 1.0, behaviour_logprobs=lps, behaviour_token_ids=token_ids)
-        return trainer.run([s], None, cfg, None, tmp_path / "a").metrics
+        return trainer.run([s], None, cfg, None, out).metrics
 
     # Recorded exactly as the trainer computes them: every ratio is 1, even the careful band keeps it.
     assert first_step(true, ids)["accepted_seq_frac"] == 1.0
@@ -255,6 +273,10 @@ def test_stored_behaviour_logprobs_are_used(trainer, tmp_path):
     assert shifted["accepted_token_frac"] == 0.0 and shifted["accepted_seq_frac"] == 0.0
     # The same values for other tokens are ignored: the run-start policy is the behaviour.
     assert first_step([x - 1.0 for x in true], [i + 1 for i in ids])["accepted_token_frac"] == 1.0
+
+
+def test_stored_behaviour_logprobs_are_used(trainer, tmp_path):
+    check_stored_behaviour_is_used(trainer, tmp_path / "a")
 
 
 def test_retraction_keeps_its_fixed_advantage(trainer, tmp_path):
@@ -266,16 +288,21 @@ def test_retraction_keeps_its_fixed_advantage(trainer, tmp_path):
     assert (result.metrics["ratings_used"], result.metrics["retractions"]) == (3, 1)
 
 
+def check_still_at_parent(trainer, parent, out) -> None:
+    """One step of ``trainer`` from the ``parent`` adapter into ``out`` that keeps its weights and starts
+    at the parent: lr 0 keeps the weights; a band of +-1e-5 keeps a sequence only if the run-start policy
+    equals the behaviour policy, i.e. the parent's weights were loaded before the behaviour pass."""
+    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
+    result = trainer.run(preference_samples()[:8], None, cfg, parent, out)
+    assert result.metrics["accepted_seq_frac"] == 1.0
+    assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
+
+
 def test_parent_adapter_is_continued(trainer, learned, tmp_path):
     from safetensors.torch import load_file
 
     parent, _, _ = learned
-    # lr 0 keeps the weights; a band of +-1e-5 keeps a sequence only if the run-start policy equals
-    # the behaviour policy, i.e. the parent's weights were loaded before the behaviour pass.
-    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
-    result = trainer.run(preference_samples()[:8], None, cfg, parent, tmp_path / "v2")
-    assert result.metrics["accepted_seq_frac"] == 1.0
-    assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
+    check_still_at_parent(trainer, parent, tmp_path / "v2")
     w1 = load_file(parent / "adapter_model.safetensors")
     w2 = load_file(tmp_path / "v2" / "adapter_model.safetensors")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)

@@ -16,7 +16,7 @@ from test_trainer import GOOD, LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
 from rlfleet.worker.training.advantages import advantage, run_advantages
-from rlfleet.worker.training.loop import Selection, run_training
+from rlfleet.worker.training.loop import RunRequest, Selection, run_training
 from rlfleet.worker.training.policy_gradient import PolicyGradient
 
 
@@ -73,8 +73,8 @@ def backend(request, tiny_trainer, tiny_model_dir):
 def test_a_new_signal_runs_on_every_backend_through_the_same_loop(backend, tmp_path):
     samples = preference_samples()[:8]
     seen = []
-    result = run_training(backend, LikedOnly(), samples, None, replace(LEARN, steps=2), None, tmp_path / "a",
-                          progress=seen.append)  # fmt: skip
+    run = RunRequest(samples, None, replace(LEARN, steps=2), None, tmp_path / "a", progress=seen.append)
+    result = run_training(backend, LikedOnly(), run)
     assert result.advantages == {0: 1.0, 2: 1.0, 4: 1.0, 6: 1.0}  # only the liked answers trained
     assert result.metrics["ratings_used"] == 8 and result.metrics["n_tokens"] > 0
     assert result.promoted_ok and result.reason is None

@@ -48,7 +48,7 @@ from rlfleet.worker.batching import _ids
 from rlfleet.worker.presets import TrainConfig
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
 from rlfleet.worker.training.backend import Backend
-from rlfleet.worker.training.loop import Outcome, Report, RunData, Selection, run_training
+from rlfleet.worker.training.loop import Outcome, Report, RunData, RunRequest, Selection, run_training
 from rlfleet.worker.training.torch_backend import Trainer
 
 KTO_BETA = 0.1  # TRL's default; not cfg.beta, which weights our objective's KL term (a different scale)
@@ -82,7 +82,8 @@ class KtoTrainer:
 
         ``ema`` is not used: KTO has no reward baseline, only desirable/undesirable labels.
         """
-        return run_training(self.trainer, Kto(self.beta), samples, ema, cfg, parent_adapter, out_dir, progress)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress)
+        return run_training(self.trainer, Kto(self.beta), run)
 
 
 class Kto:

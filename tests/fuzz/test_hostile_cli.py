@@ -230,19 +230,38 @@ def _cwd_in_tmp(home, monkeypatch) -> None:
 def cli_home(home, monkeypatch, tmp_path) -> Path:
     """A data dir made by ``rlfleet init``, the agents' settings dirs inside the test's tmp dir, and bot
     tokens in the environment (to prove none is ever echoed)."""
+    _set_up(home, monkeypatch, tmp_path)
+    return home
+
+
+def _set_up(home: Path, monkeypatch, tmp_path: Path, *commands: list[str]) -> None:
+    """The agents' settings dirs inside the test's tmp dir, bot tokens in the environment, ``rlfleet init``
+    and then ``commands`` (each must succeed), and the bridge secret."""
     agents = tmp_path / "agents"
     monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(agents / "claude"))
     monkeypatch.setenv("CODEX_HOME", str(agents / "codex"))
     for k, v in TOKENS.items():
         monkeypatch.setenv(k, v)
-    code, out, err = run_main(["init", "--yes", "--no-check-model"])
-    assert code == 0, err
+    for argv in (["init", "--yes", "--no-check-model"], *commands):
+        code, _, err = run_main(argv)
+        assert code == 0, (argv, err)
     (home / "secret").write_text(SECRET + "\n")
-    return home
 
 
 def _state(home: Path) -> tuple:
     return files_state(home, home.parent / "agents", home.parent / "cwd"), db_state(home), queue_state()
+
+
+def _refused_and_unchanged(home: Path, caplog, argv: list[str], usage: bool) -> None:
+    """``argv``, run in this process, is refused (see assert_refused), changes nothing, and shows no secret
+    in its output or its log records."""
+    before = _state(home)
+    caplog.clear()  # the records of earlier cases are not this case's
+    with caplog.at_level(logging.DEBUG):
+        code, out, err = run_main(argv)
+    assert_refused(argv, code, out, err, usage=usage)
+    assert _state(home) == before, argv
+    assert not secrets_in([SECRET, *TOKENS.values()], [out, err], caplog.records)
 
 
 @fuzz()
@@ -250,13 +269,7 @@ def _state(home: Path) -> tuple:
 @example(argv=["fr\nob"])  # click's usage block and a boxed panel, not one line
 @example(argv=["good", "--target"])
 def test_usage_errors_are_one_line_exit_2_and_change_nothing(cli_home, caplog, argv):
-    before = _state(cli_home)
-    caplog.clear()  # the records of earlier cases are not this case's
-    with caplog.at_level(logging.DEBUG):
-        code, out, err = run_main(argv)
-    assert_refused(argv, code, out, err, usage=True)
-    assert _state(cli_home) == before, argv
-    assert not secrets_in([SECRET, *TOKENS.values()], [out, err], caplog.records)
+    _refused_and_unchanged(cli_home, caplog, argv, usage=True)
     tally("CLI usage errors", 1)
 
 
@@ -313,26 +326,11 @@ def test_bad_values_are_refused_before_anything_changes(queued_home, monkeypatch
     refuses the ones only it can judge: a rating of nothing, a version that does not exist)."""
     home = queued_home
     if not (home / "config.toml").exists():  # once per test: a capture and a rating to leave alone
-        agents = tmp_path / "agents"
-        monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(agents / "claude"))
-        monkeypatch.setenv("CODEX_HOME", str(agents / "codex"))
-        for k, v in TOKENS.items():
-            monkeypatch.setenv(k, v)
-        for setup in (["init", "--yes", "--no-check-model"],
-                      ["capture", "--prompt", "q", "--response", "a", "--message-ref", "m-1"],
-                      ["good", "--target", "m-1"]):
-            code, _, err = run_main(setup)
-            assert code == 0, (setup, err)
-        (home / "secret").write_text(SECRET + "\n")
-    argv = [a.replace("{home}", str(home)) for a in argv]
-    before = _state(home)
-    assert before[1]["ratings"] and before[1]["captures"]
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG):
-        code, out, err = run_main(argv)
-    assert_refused(argv, code, out, err, usage=False)
-    assert _state(home) == before, argv
-    assert not secrets_in([SECRET, *TOKENS.values()], [out, err], caplog.records)
+        _set_up(home, monkeypatch, tmp_path,
+                ["capture", "--prompt", "q", "--response", "a", "--message-ref", "m-1"], ["good", "--target", "m-1"])
+    db = db_state(home)
+    assert db["ratings"] and db["captures"]
+    _refused_and_unchanged(home, caplog, [a.replace("{home}", str(home)) for a in argv], usage=False)
     tally("CLI bad values", 1)
 
 

@@ -11,7 +11,7 @@ from ..presets import TrainConfig
 from ..samples import RunResult, TrainSample
 from . import scoring
 from .backend import Backend
-from .loop import Report, run_training
+from .loop import Report, RunRequest, run_training
 from .policy_gradient import PolicyGradient
 
 Pairs = Sequence[tuple[list[dict], str]]
@@ -28,7 +28,7 @@ class TrainerInterface:
         progress: Report | None = None,
     ) -> RunResult:
         """One run of the worker's learning signal; see :func:`.loop.run_training`."""
-        return run_training(self, PolicyGradient(), samples, ema, cfg, parent_adapter, out_dir, progress)
+        return run_training(self, PolicyGradient(), RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress))
 
     def token_logprobs(
         self: Backend, pairs: Pairs, adapter_dir: Path | None = None, max_tokens: int = 1024

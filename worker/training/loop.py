@@ -28,6 +28,20 @@ Report = Callable[[Progress], None]
 
 
 @dataclass(frozen=True)
+class RunRequest:
+    """What one run is handed: the rated samples, the reward baseline (None: the run's own mean), the
+    settings, the adapter it continues (None: a fresh one), the folder it saves to, and who hears of
+    its progress."""
+
+    samples: list[TrainSample]
+    ema: float | None
+    cfg: TrainConfig
+    parent_adapter: Path | None
+    out_dir: Path
+    progress: Report | None = None
+
+
+@dataclass(frozen=True)
 class Selection:
     """What a signal trains on: the samples it keeps, in order, and the advantage of each."""
 
@@ -85,33 +99,25 @@ class Signal(Protocol):
         backend's ``adapter`` yielded); the context stays open while the loop saves the adapter."""
 
 
-def run_training(
-    backend: Backend,
-    signal: Signal,
-    samples: list[TrainSample],
-    ema: float | None,
-    cfg: TrainConfig,
-    parent_adapter: Path | None,
-    out_dir: Path,
-    progress: Report | None = None,
-) -> RunResult:
-    """Train ``cfg.steps`` optimizer steps over ``samples``; save the adapter to ``out_dir``."""
+def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult:
+    """Train ``run.cfg.steps`` optimizer steps over ``run.samples``; save the adapter to ``run.out_dir``."""
+    samples, cfg = run.samples, run.cfg
     if not samples:
         raise ValueError("a training run needs at least one sample")
     started = time.perf_counter()
-    report = progress or (lambda _p: None)
-    out_dir = Path(out_dir)
+    report = run.progress or (lambda _p: None)
+    out_dir = Path(run.out_dir)
 
-    chosen = signal.select(backend, samples, ema, cfg)
+    chosen = signal.select(backend, samples, run.ema, cfg)
     encoded = [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in chosen.samples]
-    data = RunData(samples, chosen.samples, encoded, chosen.advantages, parent_adapter)
+    data = RunData(samples, chosen.samples, encoded, chosen.advantages, run.parent_adapter)
     # Recorded behaviour log-probs are raw fp32 values: lower precision alone would move the
     # importance ratios by about 1 % before any update, so a run that uses any stays in fp32.
     mixed = all(e.behaviour_logprobs is None for e in encoded)
 
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
     with (
-        backend.adapter(parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session,
+        backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session,
         signal.train(backend, session, data, cfg, report) as outcome,
     ):
         report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
