@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from slack_bolt.async_app import AsyncApp
+from slack_bolt.middleware.async_middleware import AsyncMiddleware
 from slack_bolt.request.async_request import AsyncBoltRequest
+from slack_bolt.response import BoltResponse
 from slack_sdk.errors import SlackApiError
 from slack_sdk.web.async_client import AsyncWebClient
 
@@ -58,11 +61,40 @@ def build_app(core: BotCore, token: str, signing_secret: str | None, api_base: s
         # Socket Mode has no signatures to check; HTTP mode always checks them.
         request_verification_enabled=signing_secret is not None,
     )
+    app.use(RefuseMalformed())
     register_command(app, core)
     register_messages(app, core)
     register_reactions(app, core)
     register_buttons(app, core)
     return app
+
+
+def well_formed(body: Any) -> bool:
+    """Whether bolt's own listener matching can read the payload: it indexes a button press's first
+    ``action_id`` and an event's ``type`` without checking they are there, and raised inside its
+    dispatch (an HTTP 500) on a payload that lacked them."""
+    if not isinstance(body, dict):
+        return False
+    if body.get("type") == "block_actions" and "actions" in body:
+        actions = body["actions"]
+        return (isinstance(actions, list) and bool(actions)
+                and all(isinstance(a, dict) and isinstance(a.get("action_id"), str) for a in actions))
+    if "event" in body:
+        return isinstance(body["event"], dict)
+    return True
+
+
+class RefuseMalformed(AsyncMiddleware):
+    """Bolt's first global middleware: a payload its matchers cannot read gets a 400 and reaches no
+    listener. A class, not a function: bolt builds a function middleware's arguments from the payload
+    with the same unchecked reads."""
+
+    async def async_process(self, *, req: AsyncBoltRequest, resp: BoltResponse,
+                            next: Callable[[], Awaitable[BoltResponse]]) -> BoltResponse:
+        if not well_formed(req.body):
+            return BoltResponse(status=400, body={"error": "malformed payload"})
+        await next()
+        return resp
 
 
 async def respond_private(respond: Any, reply: Reply | None) -> None:

@@ -231,6 +231,11 @@ def test_forged_stale_and_malformed_requests_change_nothing(queued_home):
                 "type": "reaction_added", "user": OWNER, "reaction": "+1",
                 "item": {"type": "message", "channel": CHANNEL, "ts": ts}}}), "application/json", secret="nope")
             assert (await r.app.async_dispatch(forged.bolt())).status == 401
+            for actions in ([3], [], [{"value": "1"}], "rl_good"):  # what bolt's own matching cannot read
+                press = urlencode({"payload": json.dumps({"type": "block_actions", "user": {"id": OWNER},
+                                                          "actions": actions})})
+                resp = await r.app.async_dispatch(r.signed(press, "application/x-www-form-urlencoded").bolt())
+                assert resp.status == 400 and "malformed" in resp.body, (actions, resp.status)
             await asyncio.sleep(0.2)
             assert r.queued() == 0 and r.ratings() == [] and len(r.slack.calls) == calls
     run(go())
