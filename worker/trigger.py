@@ -14,6 +14,7 @@ from rq import Queue
 
 from rlfleet.shared.job_names import TRAIN_JOB, train_job_id
 from rlfleet.shared.queue import TRAIN_QUEUE, TRAINING_BUSY, job_is_over, train_lock_key
+from rlfleet.shared.redis_text import as_text
 from rlfleet.shared.runs import ratings_until_run
 
 from .context import Context
@@ -36,7 +37,7 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
-        if holder == b"claiming" or (holder is not None and not job_is_over(conn, holder.decode())):
+        if holder == b"claiming" or (holder is not None and not job_is_over(conn, as_text(holder))):
             return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
         if not conn.set(key, b"claiming", nx=True, ex=CLAIM_TTL):
