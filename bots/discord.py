@@ -156,7 +156,8 @@ class RlfleetClient(discord.Client):
         context = [(True, ref.content)] if replied and isinstance(ref, discord.Message) and ref.content else []
 
         async def post(answer: str) -> str:
-            sent = await message.reply(answer[:2000], view=self.view)
+            # discord.py's overloads leave out view=None, which it takes as no view
+            sent = await message.reply(answer[:2000], view=self.view)  # type: ignore[arg-type, unused-ignore]
             return str(sent.id)
 
         async def fail(why: str) -> None:

@@ -128,7 +128,8 @@ async def answer_message(core: BotCore, settings: SlackSettings, event: dict, cl
     if event.get("thread_ts") and settings.context_messages:
         replies = await client.conversations_replies(channel=channel, ts=event["thread_ts"],
                                                      limit=settings.context_messages + 1)
-        for m in replies.get("messages", []):
+        messages: list[dict[str, Any]] = replies.get("messages", [])
+        for m in messages:
             if m.get("ts") != event["ts"]:
                 by_bot = bool(m.get("bot_id")) or m.get("user") == bot_user_id
                 context.append((by_bot, _MENTION.sub("", m.get("text") or "")))
@@ -212,7 +213,8 @@ def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         body = await request.text()
         try:
-            req = AsyncBoltRequest(body=body, query=request.query_string, headers=request.headers)
+            # a dict from the pairs: a repeated header ends as bolt's own loop over them leaves it (the last)
+            req = AsyncBoltRequest(body=body, query=request.query_string, headers=dict(request.headers.items()))
         except (ValueError, TypeError, KeyError, AttributeError):  # bolt reads fields before it verifies
             return web.json_response({"error": "malformed payload"}, status=400)
         return await to_aiohttp_response(await app.async_dispatch(req))

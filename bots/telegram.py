@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from telegram import InlineKeyboardButton, InlineKeyboardMarkup, Message, MessageEntity, ReactionTypeEmoji, Update
@@ -52,7 +52,7 @@ def rating_keyboard() -> InlineKeyboardMarkup:
                                   InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")]])
 
 
-def thumb(reactions: Any) -> int | None:
+def thumb(reactions: Any) -> Literal[1, -1] | None:
     """The thumbs value among a reaction list (the first thumb wins; other emoji do not count)."""
     for r in reactions or ():
         if isinstance(r, ReactionTypeEmoji):
@@ -187,6 +187,8 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
         raise ConfigError("telegram webhook mode needs bots.telegram.webhook_url (the public HTTPS URL)")
     link = Link("telegram", core.handle.redis, (token, secret or ""))
     application = build_application(core, token, s.api_base)
+    updater = application.updater
+    assert updater is not None  # the builder makes one unless told not to
 
     async def on_error(update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
         log.error("telegram: a handler failed: %s", link.describe(context.error or "unknown error"))
@@ -210,8 +212,12 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
         carries on, so its offset still confirms what was handled."""
         lost: asyncio.Future[TelegramError] = asyncio.get_running_loop().create_future()
         await application.bot.delete_webhook()  # polling and a webhook exclude each other
-        await application.updater.start_polling(
-            allowed_updates=ALLOWED_UPDATES, error_callback=lambda e: lost.done() or lost.set_result(e))
+
+        def failed(e: TelegramError) -> None:
+            if not lost.done():
+                lost.set_result(e)
+
+        await updater.start_polling(allowed_updates=ALLOWED_UPDATES, error_callback=failed)
         log.info("telegram: long polling")
         link.connected()
         raise await lost
@@ -222,8 +228,8 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
         try:
             await (webhook() if secret is not None else polling())
         finally:
-            if application.updater.running:
-                await application.updater.stop()
+            if updater.running:
+                await updater.stop()
             await application.stop()
 
     try:

@@ -12,6 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 from rich.console import Console
@@ -20,7 +21,7 @@ from rich.markup import escape
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.ingress.grammar import parse_rl
-from rlfleet.shared.ingress.usecases import Completion, Send, UseCases
+from rlfleet.shared.ingress.usecases import Completion, Send, UseCases, Value
 from rlfleet.shared.models import resolve_model
 from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, open_queue
@@ -28,6 +29,7 @@ from rlfleet.shared.runs import was_interrupted
 
 from .training_news import TrainingNews
 
+readline: ModuleType | None
 try:  # line editing, and the typed text a line from the background is drawn above
     import readline
 except ImportError:  # not on every platform: lines are then printed as they come
@@ -101,7 +103,7 @@ class Screen:
             self._progress = self._said = line
 
     def _above_prompt(self, text: str, replace: bool) -> None:
-        if not self.live or self._prompt is None:
+        if not self.live or self._prompt is None or readline is None:  # live implies readline
             console.print(text)
             return
         typed = readline.get_line_buffer()
@@ -212,13 +214,13 @@ def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
             comment = state.screen.read("comment> ") or None
             continue
         if key in ("1", "2", "g", "b", "good", "bad"):
-            value = 1 if key in ("1", "g", "good") else -1
+            value: Value = 1 if key in ("1", "g", "good") else -1
             _rate(state, cfg, handle, value, comment, target=state.last_capture)
             return
         console.print("[dim]press 1, 2, c, or enter[/]")
 
 
-def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: int, comment: str | None,
+def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: Value, comment: str | None,
           target: str | None) -> None:
     if target is None:
         console.print("[yellow]nothing of yours to rate here yet[/]")
@@ -239,18 +241,19 @@ def _say(result: dict, state: ChatState) -> None:
 
 def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:
     cmd = parse_rl(text)
-    if cmd.verb in ("good", "bad"):
-        _rate(state, cfg, handle, 1 if cmd.verb == "good" else -1, cmd.arg, state.last_capture)
-    elif cmd.verb == "undo":
+    verb = cmd.verb
+    if verb == "good" or verb == "bad":
+        _rate(state, cfg, handle, 1 if verb == "good" else -1, cmd.arg, state.last_capture)
+    elif verb == "undo":
         _carry_out(state, cfg, handle, state.cases.undo(ME))
-    elif cmd.verb == "status":
+    elif verb == "status":
         from rlfleet.shared.status import status_dict
         from rlfleet.shared.status_view import render_status
 
         console.print(render_status(status_dict(cfg, handle)))
-    elif cmd.admin:
-        args = {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {}
-        _carry_out(state, cfg, handle, state.cases.command(ME, cmd.verb, args))
+    elif verb == "train" or verb == "rollback" or verb == "reset":  # the admin verbs
+        args = {"version": cmd.arg} if verb == "rollback" and cmd.arg else {}
+        _carry_out(state, cfg, handle, state.cases.command(ME, verb, args))
     else:
         if cmd.unknown:
             console.print(f"[yellow]unknown command {escape(cmd.unknown)!r}[/]")

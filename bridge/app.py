@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 from aiohttp import web
@@ -23,7 +24,7 @@ from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.events import Capture, Message, describe_validation_error
 from rlfleet.shared.ingress.replies import NO_STATUS
-from rlfleet.shared.ingress.usecases import Send, UseCases
+from rlfleet.shared.ingress.usecases import Send, UseCases, Value
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
@@ -36,6 +37,9 @@ from .auth import KEY_HEADER, MAX_SKEW_S, SIGNATURE_HEADER, verify
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 10.0
 SPOOL_POLL_S = 5.0
+_BODIES: dict[str, type[CaptureIn | RatingIn | UndoIn | CommandIn]] = {
+    "/v1/captures": CaptureIn, "/v1/ratings": RatingIn, "/v1/undo": UndoIn, "/v1/commands": CommandIn}
+_In = TypeVar("_In", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ def load_keys(cfg: Config) -> dict[str, Key]:
     keys = {"local": Key("local", read_secret_file(cfg.secret_path, "the bridge secret"), True)}
     for k in cfg.bridge.keys:
         secret = read_secret(k.secret_env, k.secret_file, f"bridge key {k.id}")
-        keys[k.id] = Key(k.id, secret, k.admin)  # type: ignore[arg-type]
+        keys[k.id] = Key(k.id, secret, k.admin)
     return keys
 
 
@@ -107,7 +111,7 @@ class Bridge:
         body = {"ok": True, "event_id": event.event_id, "capture_id": capture_id, "result": result}
         return web.json_response(body, status=202)
 
-    def _parse(self, model: type[BaseModel], raw: bytes) -> BaseModel | web.Response:
+    def _parse(self, model: type[_In], raw: bytes) -> _In | web.Response:
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as exc:
@@ -118,9 +122,7 @@ class Bridge:
     def build_event(self, path: str, raw: bytes, key: Key):
         """The typed event a signed request (or a spooled one) stands for: ``(event, capture_id)``, or
         the error response."""
-        model = {"/v1/captures": CaptureIn, "/v1/ratings": RatingIn, "/v1/undo": UndoIn,
-                 "/v1/commands": CommandIn}[path]
-        body = self._parse(model, raw)
+        body = self._parse(_BODIES[path], raw)
         if isinstance(body, web.Response):
             return body
         who = Actor(body.source, body.actor or key.id)
@@ -128,7 +130,7 @@ class Bridge:
             if isinstance(body, CaptureIn):
                 return self._capture(body, who)
             if isinstance(body, RatingIn):
-                value = 1 if body.value in ("good", 1) else -1
+                value: Value = 1 if body.value in ("good", 1) else -1
                 out = self.cases.rate(who, body.conversation, value, body.comment, target=body.target,
                                       event_id=body.event_id)
             elif isinstance(body, UndoIn):

@@ -39,10 +39,10 @@ def home() -> Path:
 
 
 def settings(h: Path) -> dict:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # pragma: no cover - Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
     try:
         cfg = tomllib.loads((h / "config.toml").read_text(encoding="utf-8"))
     except (OSError, ValueError):

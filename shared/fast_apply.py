@@ -13,9 +13,9 @@ from sqlalchemy import Connection, bindparam, insert, select, update
 
 from .applied import Applied, capture_values, rated
 from .events import Capture, Rating, Undo
-from .schema import CaptureRow, ProcessedEvent, RatingRow
+from .schema import CaptureRow, ProcessedEvent, RatingRow, table_of
 
-_RATINGS, _EVENTS, _CAPTURES = RatingRow.__table__, ProcessedEvent.__table__, CaptureRow.__table__
+_RATINGS, _EVENTS, _CAPTURES = table_of(RatingRow), table_of(ProcessedEvent), table_of(CaptureRow)
 # built once: composing a statement costs more Python than running it on SQLite
 _DONE = select(_EVENTS.c.event_id).where(_EVENTS.c.event_id.in_(bindparam("ids", expanding=True)))
 _TARGETS = (
@@ -65,11 +65,12 @@ def fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], trai
     """Each event's answer, written on ``conn``; None (and nothing written) when the batch holds
     anything but captures and ratings of stored answers by id: an undo, a ``last`` or message-ref
     target, a capture rated or its id reused in the same batch."""
-    if any(isinstance(ev, Undo) for ev in events):
+    kept = [ev for ev in events if not isinstance(ev, Undo)]
+    if len(kept) < len(events):
         return None
-    b = _look_up(conn, events)
+    b = _look_up(conn, kept)
     try:
-        for ev in events:
+        for ev in kept:
             if ev.event_id in b.done:  # applied before: the repeat is ignored
                 b.out.append(Applied(True, "already recorded", duplicate=True,
                                      capture_id=ev.capture_id if isinstance(ev, Capture) else None))
@@ -128,6 +129,7 @@ def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
         if current.new is not None:
             current.new.update(state="replaced", changed=now)
         else:
+            assert current.id is not None  # a stored row: read with its id
             b.replaced.append((current.id, now))
     row = _Active(None, ev.value, ev.comment, new={
         "event_id": ev.event_id, "capture_id": ev.target, "train_model": train_model, "actor": ev.actor,
@@ -148,7 +150,7 @@ def _write(conn: Connection, b: _Batch) -> None:
     if b.replaced:
         conn.execute(_REPLACE, [{"rid": rid, "changed": at} for rid, at in b.replaced])
     if b.new_ratings:
-        got = conn.execute(_ADD_RATINGS, [r.new for r in b.new_ratings])
+        got = conn.execute(_ADD_RATINGS, [r.new for r in b.new_ratings if r.new is not None])  # each has its values
         for row, (rid,) in zip(b.new_ratings, got, strict=True):
             for i in row.waiting or []:
                 b.out[i] = replace(b.out[i], rating_id=rid)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import redis
 
+from .redis_text import as_text
+
 INBOX = "rlfleet:inbox"  # event JSON, oldest first
 TAKEN = "rlfleet:inbox:taken"  # the batch the owning drain is applying
 OWNER = "rlfleet:inbox:drain"  # id of the drain job that owns the inbox
@@ -228,7 +230,7 @@ def answer_and_take(conn: redis.Redis, results: dict[str, dict], batch: Batch, d
 
 def unsynced(conn: redis.Redis) -> list[str]:
     """Tokens of the answered batches still waiting for a database sync, oldest first."""
-    return [t.decode() for t in conn.lrange(UNSYNCED, 0, -1)]
+    return [as_text(t) for t in conn.lrange(UNSYNCED, 0, -1)]
 
 
 def confirm(conn: redis.Redis, tokens: list[str]) -> None:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 
-from sqlalchemy import select, update
+from sqlalchemy import Insert, select, update
 from sqlalchemy.orm import Session
 
 from .errors import BadInput, NotFound
-from .schema import AdapterVersion, Baseline, RatingRow, TrainRun
+from .schema import AdapterVersion, Baseline, RatingRow, TrainRun, table_of
 
 
 class RunLedger:
@@ -102,7 +102,7 @@ class RunLedger:
 
     @staticmethod
     def _consume(
-        s: Session, base: Baseline, run_id: int, advantages: dict[int, float], retracted: list[int],
+        s: Session, base: Baseline, run_id: int | None, advantages: dict[int, float], retracted: list[int],
         new_ema: float,
     ) -> None:
         for rid, adv in advantages.items():
@@ -169,15 +169,19 @@ class RunLedger:
             from sqlalchemy.dialects import postgresql, sqlite
 
             dialect = s.get_bind().dialect.name
-            insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
-            if insert is None:  # another database: the plain insert
+            claim: Insert
+            if dialect == "sqlite":
+                claim = sqlite.insert(Baseline).on_conflict_do_nothing(index_elements=["model"])
+            elif dialect == "postgresql":
+                claim = postgresql.insert(Baseline).on_conflict_do_nothing(index_elements=["model"])
+            else:  # another database: the plain insert
                 base = Baseline(model=model, ema=None, count=0, lineage=0)
                 s.add(base)
                 s.flush()
                 return base
-            s.execute(insert(Baseline).values(model=model, ema=None, count=0, lineage=0)
-                      .on_conflict_do_nothing(index_elements=["model"]))
+            s.execute(claim.values(model=model, ema=None, count=0, lineage=0))
             base = s.get(Baseline, model)
+            assert base is not None  # inserted just now, by this session or the one that won
         return base
 
     def baseline(self, model: str) -> tuple[float | None, int]:
@@ -218,7 +222,7 @@ class RunLedger:
                 ids = list(s.scalars(select(RatingRow.id).where(RatingRow.train_model == model)))
                 purged = len(ids)
                 if ids:
-                    s.execute(RatingRow.__table__.delete().where(RatingRow.id.in_(ids)))
+                    s.execute(table_of(RatingRow).delete().where(RatingRow.id.in_(ids)))
             else:
                 # Trained ratings belong to the old lineage: nothing to retract from a fresh base.
                 s.execute(

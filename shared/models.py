@@ -154,7 +154,9 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
         # The GGUF weights are dequantised on load: a plain model in `dtype`. transformers still marks
         # it quantized, and trainers that check (TRL's, the Trainer) then refuse to train it.
         quantizer.remove_quantization_config(model)
-    model.to(device)
+    # transformers decorates PreTrainedModel.to with functools.wraps, and typeshed's wrapper does not
+    # bind self: mypy reads model.to as unbound
+    model.to(device)  # type: ignore[arg-type, unused-ignore]
     model.eval()
     return model
 

@@ -23,6 +23,7 @@ from .errors import QueueUnavailable
 from .events import Capture, Command, Rating, Undo
 from .job_names import DRAIN_JOB
 from .job_result import JobResult
+from .redis_text import as_text
 
 EVENTS_QUEUE = "rlfleet:events"
 TRAIN_QUEUE = "rlfleet:train"
@@ -144,7 +145,7 @@ def ensure_drain(conn: redis.Redis) -> bool:
         return False
     owner = conn.get(inbox.OWNER)
     if owner is not None:
-        if not job_is_over(conn, owner.decode()):
+        if not job_is_over(conn, as_text(owner)):
             return False  # queued, running, or waiting for its retry
         # compare-and-delete: a drain that took over meanwhile keeps the inbox
         conn.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
@@ -171,7 +172,8 @@ def _wait_for_job(job: Job, timeout: float) -> dict | None:
         if status == JobStatus.FINISHED:
             return job.return_value(refresh=True)
         if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-            exc = (job.latest_result().exc_string or "").strip().splitlines() if job.latest_result() else []
+            result = job.latest_result()
+            exc = (result.exc_string or "").strip().splitlines() if result else []
             return JobResult.failed(f"the worker failed on it: {exc[-1] if exc else status}").to_dict()
         if time.monotonic() >= deadline:
             return None

@@ -16,13 +16,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .events import MAX_COMMENT_CHARS, MAX_LOGPROBS, MAX_TEXT_CHARS, Ident, Message, describe_validation_error
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 MAX_LINE_BYTES = 8 << 20
 
 

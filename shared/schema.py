@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import cast
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -14,6 +15,12 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     pass
+
+
+def table_of(model: type[Base]) -> Table:
+    """The Table ``model`` maps. SQLAlchemy types ``__table__`` as any FROM clause (a class may map a
+    join or a subquery); each of ours maps one Table."""
+    return cast(Table, model.__table__)
 
 
 class ProcessedEvent(Base):

@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Literal, overload
 
 from .errors import ConfigError
 
@@ -28,6 +29,14 @@ def read_secret_file(path: Path, what: str) -> str:
     if not value:
         raise ConfigError(f"{what}: {path} is empty")
     return value
+
+
+@overload
+def read_secret(env: str | None, file: Path | None, what: str, required: Literal[True] = True) -> str: ...
+
+
+@overload
+def read_secret(env: str | None, file: Path | None, what: str, required: bool) -> str | None: ...
 
 
 def read_secret(env: str | None, file: Path | None, what: str, required: bool = True) -> str | None:

@@ -18,8 +18,8 @@ async def listening(app: web.Application, host: str, port: int) -> AsyncIterator
     site = web.TCPSite(runner, host, port)
     try:
         await site.start()
-        server = site._server
-        yield server.sockets[0].getsockname()[1] if server and server.sockets else port
+        addresses = runner.addresses  # (host, port) of each bound socket
+        yield addresses[0][1] if addresses else port
     finally:
         await runner.cleanup()
 

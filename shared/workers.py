@@ -13,15 +13,16 @@ import socket
 
 import redis
 from rq import Worker
+from rq.worker import BaseWorker
 
 from .embedded_redis import pid_alive
 
 
-def _is_dead(worker: Worker, here: str) -> bool:
+def _is_dead(worker: BaseWorker, here: str) -> bool:
     return worker.hostname == here and not (worker.pid and pid_alive(worker.pid))
 
 
-def live_workers(conn: redis.Redis) -> list[Worker]:
+def live_workers(conn: redis.Redis) -> list[BaseWorker]:
     here = socket.gethostname()
     return [w for w in Worker.all(connection=conn) if not _is_dead(w, here)]
 

@@ -72,7 +72,7 @@ def resolve(
         rank=settings.rank or rank,
         alpha=settings.rank or rank,
         beta=beta if settings.beta is None else settings.beta,
-        seq_band=tuple(settings.seq_band) if settings.seq_band else cfg.seq_band,
+        seq_band=settings.seq_band or cfg.seq_band,
         max_tokens=settings.max_tokens,
         micro_batch_tokens=settings.micro_batch_tokens
         or (CPU_MICRO_BATCH_TOKENS if device == "cpu" else cfg.micro_batch_tokens),

@@ -68,6 +68,7 @@ def _request(t: PushTarget, method: str, path: str, body: bytes | dict | None = 
     if t.api_key_env and os.environ.get(t.api_key_env):
         hdrs["Authorization"] = f"Bearer {os.environ[t.api_key_env]}"
     hdrs.update(headers or {})
+    assert t.url is not None  # push_one checked it (check_url)
     req = urllib.request.Request(t.url.rstrip("/") + path, data=data, method=method, headers=hdrs)
     try:
         with urllib.request.urlopen(req, timeout=t.timeout) as resp:
@@ -109,6 +110,7 @@ def push_vllm(t: PushTarget, version: str | None, adapter_dir: Path | None, adap
         if status not in (200, 404):
             raise PushError(f"vLLM refused to unload {name}: {status} {_error_text(raw)}")
         return f"unloaded {name} from vLLM: clients get the base model by its own name"
+    assert adapter_dir is not None  # a served version has its folder
     path = str(adapter_dir)
     if t.adapter_root:  # the server sees our adapters folder somewhere else (a container mount)
         path = str(Path(t.adapter_root) / adapter_dir.relative_to(adapters_root))
@@ -193,6 +195,7 @@ def push_ollama(t: PushTarget, cfg: Config, version: str | None, adapter_dir: Pa
         if status not in (200, 404):
             raise PushError(f"Ollama refused to delete {name}: {status} {_error_text(raw)}")
         return f"removed {name} from Ollama ({t.base} itself is untouched)"
+    assert adapter_dir is not None  # a served version has its folder
     status, raw = _request(t, "GET", "/api/version")
     server = _version_tuple(json.loads(raw).get("version", "")) if status == 200 else ()
     if server and server < OLLAMA_NO_ADAPTERS:

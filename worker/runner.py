@@ -23,6 +23,7 @@ from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.job_names import train_job_id
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
+from rlfleet.shared.redis_text import as_text
 from rlfleet.shared.runs import fail_interrupted, was_interrupted, was_stopped
 from rlfleet.shared.store import Store
 from rlfleet.shared.workers import forget_dead_workers, live_workers
@@ -63,7 +64,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     elif run is not None and was_interrupted(run):
         released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
     holder = conn.get(lock)
-    if holder and not holder.startswith(CLAIMING.encode()) and _train_job_lost(conn, holder.decode()):
+    if holder and not as_text(holder).startswith(CLAIMING) and _train_job_lost(conn, as_text(holder)):
         # its run ended, but the worker died before letting go (killed in `train`'s cleanup)
         conn.delete(lock)
         notes.append("released the training lock of a dead worker")

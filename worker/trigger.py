@@ -17,6 +17,7 @@ from rq import Queue
 from rlfleet.shared import inbox
 from rlfleet.shared.job_names import TRAIN_JOB, train_job_id
 from rlfleet.shared.queue import TRAIN_QUEUE, TRAINING_BUSY, job_is_over, train_lock_key
+from rlfleet.shared.redis_text import as_text
 from rlfleet.shared.runs import ratings_until_run
 
 from .context import Context
@@ -40,7 +41,7 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     if not inbox.claim(conn, key, token, CLAIM_TTL):
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
-        if holder is not None and (holder.startswith(CLAIMING.encode()) or not job_is_over(conn, holder.decode())):
+        if holder is not None and (as_text(holder).startswith(CLAIMING) or not job_is_over(conn, as_text(holder))):
             return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
         if not inbox.claim(conn, key, token, CLAIM_TTL):

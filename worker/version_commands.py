@@ -82,6 +82,7 @@ def promote(ctx: Context, conn: redis.Redis, version: str, force: bool) -> JobRe
     if refusal:
         return JobResult.failed(refusal)
     row = ctx.store.version(ctx.slug, version)
+    assert row is not None  # _unservable found it
     if row.status != "rejected":
         ctx.registry.set_current(version)
         ctx.store.set_active(ctx.slug, version)

@@ -60,11 +60,11 @@ def parse_rl(text: str) -> RlCommand:
         return RlCommand("help", unknown=text[:40] + "…")
     head, _, rest = text.partition(" ")
     verb = _VERBS.get(head.lower())
-    rest = rest.strip() or None
+    arg = rest.strip() or None
     if verb is None:
         return RlCommand("help", unknown=head[:40])
     if verb in ("good", "bad", "rollback"):
-        return RlCommand(verb, rest)
+        return RlCommand(verb, arg)
     return RlCommand(verb)
 
 

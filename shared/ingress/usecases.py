@@ -22,6 +22,7 @@ import redis
 
 from ..errors import RlfleetError
 from ..events import Capture, Command, Message, Rating, Undo, well_formed
+from ..inbox import Ticket
 from ..models import model_slug
 from ..permissions import Action, Actor, Decision, PermissionTable
 from ..posted import Posted, PostedMessages
@@ -145,7 +146,7 @@ class UseCases:
         worker to store."""
         ev = self.capture_event(owner, conversation, prompt, completion, message_ref)
         if self.posted is not None:
-            self.posted.remember(owner.source, conversation, message_ref, ev.capture_id, owner.id)
+            self.posted.remember(owner.source, conversation, message_ref, ev.capture_id, ev.owner)
         self.hand_over(ev)
         return ev
 
@@ -172,17 +173,18 @@ class UseCases:
         """``/rl ...`` typed by ``who``; ``reply_to`` is the message ref of the answer it replies to, when
         the platform says (else good/bad address the actor's last answer here)."""
         cmd = parse_rl(text)
-        if cmd.verb in ("good", "bad"):
-            return self.rate(who, conversation, 1 if cmd.verb == "good" else -1, cmd.arg, reply_to=reply_to)
-        if cmd.verb == "undo":
+        verb = cmd.verb
+        if verb == "good" or verb == "bad":
+            return self.rate(who, conversation, 1 if verb == "good" else -1, cmd.arg, reply_to=reply_to)
+        if verb == "undo":
             return self.undo(who)
-        if cmd.verb in ("help", "status"):
-            if not self.decide(who, cmd.verb).allowed:
+        if verb == "help" or verb == "status":
+            if not self.decide(who, verb).allowed:
                 return None
-            if cmd.verb == "status":
+            if verb == "status":
                 return Reply(status_line(self.snapshot()))
             return Reply((f"unknown command {cmd.unknown!r}. " if cmd.unknown else "") + HELP)
-        return self.command(who, cmd.verb, {"version": cmd.arg} if cmd.verb == "rollback" and cmd.arg else {})
+        return self.command(who, verb, {"version": cmd.arg} if verb == "rollback" and cmd.arg else {})
 
     def rate(self, who: Actor, conversation: str | None, value: Value, comment: str | None = None, *,
              reply_to: str | None = None, target: str = "last", event_id: str | None = None) -> Outcome:
@@ -245,7 +247,7 @@ class UseCases:
 
     # ---- the queue -------------------------------------------------------------------------------------
 
-    def hand_over(self, event: Capture | Rating | Undo | Command) -> str:
+    def hand_over(self, event: Capture | Rating | Undo | Command) -> Ticket:
         """Enqueue ``event`` without waiting for the worker; its ticket."""
         if self.handle is None:
             raise RuntimeError("this front end has no queue")

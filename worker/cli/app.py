@@ -26,7 +26,8 @@ from rlfleet.shared.queue import EVENTS_QUEUE, QueueHandle, enqueue_event, wait_
 try:  # typer >= 0.2x carries its own copy of click
     from typer._click.exceptions import ClickException
 except ImportError:  # older typer runs on click itself
-    from click.exceptions import ClickException
+    # mypy reads this as a second class under the same name: it sees the installed typer, with its copy
+    from click.exceptions import ClickException  # type: ignore[assignment, unused-ignore]
 
 app = typer.Typer(
     name="rlfleet",

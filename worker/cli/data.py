@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -124,7 +124,8 @@ def events(
             ensure_drain(q.redis)
             work_if_nobody_does(q, cfg)  # as `rlfleet good` does: applied now, not when a worker starts
         aside = inbox.dead(q.redis)
-        report = {"ok": True, "waiting": q.waiting_events(), "set_aside": len(aside), "requeued": requeued}
+        report: dict[str, Any] = {"ok": True, "waiting": q.waiting_events(), "set_aside": len(aside),
+                                  "requeued": requeued}
         if dead:
             report["dead"] = [_dead_line(d) for d in aside]
     if as_json:

@@ -122,7 +122,7 @@ class BackgroundWorkers:
 
     def supervise(self, now: float | None = None) -> list[str]:
         """Restart the children that died and are due; returns the names started again."""
-        restarted = []
+        restarted: list[str] = []
         with self._lock:
             if self._stopping.is_set():
                 return restarted

@@ -22,7 +22,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rlfleet.shared.errors import ConfigError, ModelUnavailable
 from rlfleet.shared.models import ModelRef, load_tokenizer
@@ -79,7 +79,10 @@ class MlxTrainer(TrainerInterface):
         self.model.freeze()  # the base is never trained; only LoRA weights are
         self.model.eval()
         mx.eval(self.model.parameters())
-        self._n_params = sum(v.size for _, v in tree_flatten(self.model.parameters()))
+        # a list of (path, array) pairs: mlx annotates the return as that or a dict, which it returns
+        # only when given a dict to fill
+        flat = cast("list[tuple[str, Any]]", tree_flatten(self.model.parameters()))
+        self._n_params = sum(v.size for _, v in flat)
         self._targets = self._lora_targets(nn)
 
     @property

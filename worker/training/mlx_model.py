@@ -229,7 +229,8 @@ def _lora_config(rank: int, alpha: float, paths: list[str], base: str) -> dict:
         }
     lora = LoraConfig(
         r=rank,
-        lora_alpha=alpha,
+        # peft annotates lora_alpha int; it takes any number (its scale is alpha / r)
+        lora_alpha=alpha,  # type: ignore[arg-type, unused-ignore]
         target_modules=list(paths),
         lora_dropout=0.0,
         task_type="CAUSAL_LM",

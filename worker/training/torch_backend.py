@@ -117,7 +117,9 @@ class Trainer(TrainerInterface):
         try:
             if adapter_dir is not None:
                 weights = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS), device=self.device)
-                loaded = set_peft_model_state_dict(model, weights)
+                # peft annotates the result `namedtuple` (the factory, not a type); it is torch's
+                # load_state_dict result, with missing_keys and unexpected_keys
+                loaded: Any = set_peft_model_state_dict(model, weights)
                 missing = [k for k in loaded.missing_keys if "lora_" in k]
                 if loaded.unexpected_keys or missing:
                     raise ValueError(
