@@ -14,7 +14,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,17 @@ class Answer:
     # The conversation the prompt was built from, system prompt included: store this as the capture's
     # prompt, so the trainer rebuilds the very prompt these log-probs were computed under.
     messages: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One answer of a batch sampled to measure the model (held-out prompts): nothing is captured from
+    it, so it carries no log-probs."""
+
+    text: str  # decoded without special tokens, stripped
+    token_ids: list[int]  # generated ids, including the end token when one was generated
+    adapter_version: str | None
+    messages: list[dict] = field(default_factory=list)  # the conversation, system prompt included
 
 
 class LocalResponder:
@@ -225,9 +236,7 @@ class LocalResponder:
         with self._lock:
             t0 = time.perf_counter()
             self.refresh()
-            msgs = [dict(m) for m in messages]
-            if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
-                msgs.insert(0, {"role": "system", "content": self.system_prompt})
+            msgs = self._with_system(messages)
             enc = self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt"
             )
@@ -251,6 +260,47 @@ class LocalResponder:
                 text=text, token_ids=ids, logprobs=logprobs, adapter_version=self._active,
                 model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids), messages=msgs,
             )
+
+    def sample(
+        self,
+        conversations: Sequence[list[dict]],
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+    ) -> list[Sample]:
+        """Answer many conversations in one ``generate`` call with the current version and the
+        responder's sampling settings (left-padded, so every row's next token comes at the same position).
+        A CPU answers a batch for the cost of a few single answers, which makes measuring on many
+        held-out answers affordable; repeat a conversation to get several answers to it."""
+        import torch
+
+        if not conversations:
+            return []
+        with self._lock:
+            self.refresh()
+            built = [self._with_system(c) for c in conversations]
+            rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
+                                                       return_tensors="pt")["input_ids"][0].tolist()
+                    for m in built]  # fmt: skip
+            model = self.model
+            gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                         self.temperature, self.top_p)
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+            with torch.inference_mode(), seeded_rng(seed, self.device):
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            samples = []
+            for row, msgs in zip(out[:, width:], built, strict=True):
+                new = self._cut_at_end(row).tolist()
+                samples.append(Sample(text=self.tokenizer.decode(new, skip_special_tokens=True).strip(),
+                                      token_ids=new, adapter_version=self._active, messages=msgs))
+            return samples
+
+    def _with_system(self, messages: list[dict]) -> list[dict]:
+        msgs = [dict(m) for m in messages]
+        if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
 
     def _end_token_ids(self) -> list[int]:
         ids: list[int] = []

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 
 import pytest
 from tinymodel import one_torch_thread
 
 from bench.learning.__main__ import main
-from bench.learning.metrics import collapse_signals, margin, preferred_rate, wilson
-from bench.learning.raters import CONTROLS, load_rater, preference
-from bench.learning.simulate import heldout_prompts
+from bench.learning.metrics import collapse_signals, margin, preferred_rate, repeat_share, wilson
+from bench.learning.raters import CONTROLS, Judgement, load_rater, preference
+from bench.learning.simulate import heldout_prompts, rating_event, typed
 
 
 @pytest.mark.parametrize(
@@ -29,10 +30,33 @@ from bench.learning.simulate import heldout_prompts
         ("avoid:however", "Yes.", 1),
         ("polite", "Glad to help! Here it is.", 1),
         ("polite", "Here it is.", -1),
+        ("example", "Bees dance, for example.", 1),
+        ("example", "E.g. honey.", 1),
+        ("example", "For instance: wax.", 1),
+        ("example", "A bee is an example of an insect.", -1),  # a definition, not an example given
+        ("example", "Examples abound.", -1),
     ],
 )
 def test_named_raters(spec, answer, expected):
     assert preference(spec).rate("a prompt", answer) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, disliked, comment",
+    [
+        ("short:3", "one two three", "too long, keep it under 3 words"),
+        ("question", "We shall go.", "end with a question"),
+        ("topic:ocean", "The sky.", "mention ocean"),
+        ("avoid:however", "However, no.", "don't say however"),
+        ("polite", "Here it is.", "be more polite"),
+        ("example", "Bees dance.", "give an example"),
+    ],
+)
+def test_named_raters_say_what_they_want_on_a_thumbs_down(spec, disliked, comment):
+    pref = preference(spec)
+    assert pref.judge("a prompt", disliked) == Judgement(-1, comment)
+    assert pref.rate("a prompt", disliked) == -1
+    assert preference("short:3").judge("a prompt", "one two") == Judgement(1, None)  # a 👍 says nothing
 
 
 def test_rater_specs_are_checked():
@@ -59,6 +83,43 @@ def test_external_rater(tmp_path):
         load_rater("mine")
 
 
+def test_external_rater_with_comments(tmp_path):
+    f = tmp_path / "worded.py"
+    f.write_text(
+        "def vague(prompt, answer):\n    return (-1, '  too vague ') if 'maybe' in answer else (1, None)\n"
+        "def not_a_str(prompt, answer):\n    return (-1, 5)\n"
+        "def triple(prompt, answer):\n    return (1, 'a', 'b')\n"
+        "def orphan(prompt, answer):\n    return (None, 'why')\n"
+        "def yes(prompt, answer):\n    return True\n"
+        "def rambling(prompt, answer):\n    return (-1, 'x' * 2001)\n"
+    )  # fmt: skip
+    pref = load_rater(f"{f}:vague")
+    assert pref.judge("p", "maybe so") == Judgement(-1, "too vague") and pref.rate("p", "maybe so") == -1
+    assert pref.judge("p", "so") == Judgement(1, None)
+    shape = r"returned .*; a rater returns 1, -1 or None, or a pair \(value, comment\)"
+    for func in ("not_a_str", "triple", "yes"):
+        with pytest.raises(ValueError, match=shape):
+            load_rater(f"{f}:{func}").judge("p", "a")
+    with pytest.raises(ValueError, match="a comment without a rating"):
+        load_rater(f"{f}:orphan").judge("p", "a")
+    with pytest.raises(ValueError, match="over 2000 characters"):
+        load_rater(f"{f}:rambling").judge("p", "a")
+
+
+def test_the_simulated_user_rates_as_a_person_types_it():
+    from rlfleet.shared.ingress.usecases import UseCases
+    from rlfleet.shared.permissions import Grants, PermissionTable
+
+    assert typed(-1, "too long, keep it under 25 words") == "/rl bad too long, keep it under 25 words"
+    assert typed(1, None) == "/rl good"
+    cases = UseCases(PermissionTable({"cli": Grants(admins=frozenset({"local"}))}), "m")
+    ev = rating_event(cases, "cap-1", -1, "mention ocean")
+    assert (ev.value, ev.comment, ev.target, ev.source, ev.actor) == (-1, "mention ocean", "cap-1", "cli", "local")
+    assert rating_event(cases, "cap-1", 1, None).comment is None
+    with pytest.raises(ValueError, match=r"not a /rl good\|bad command"):  # past the command's length limit
+        rating_event(cases, "cap-1", -1, "x" * 2000)
+
+
 def test_metrics_by_hand():
     lo, hi = wilson(0, 10)
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)  # the textbook value
@@ -70,6 +131,10 @@ def test_metrics_by_hand():
     assert margin([-1.0, -2.0], [-3.0]) == pytest.approx(1.5) and math.isnan(margin([], [-1.0]))
     words, distinct = collapse_signals([[1, 2, 1, 2, 1]], ["a b", "c d e f"])
     assert words == 3.0 and distinct == pytest.approx(2 / 4)
+    # Repeated trigrams as the gate counts them, on answers cut before the end token (9) like the gate's:
+    # 123 231 312 [123] -> 1/4 repeated; an answer with no trigram repeats none.
+    assert repeat_share([[1, 2, 3, 1, 2, 3, 9], [4, 5, 9]], end_id=9) == pytest.approx((0.25 + 0.0) / 2)
+    assert repeat_share([[1, 2, 3, 1, 2, 3, 9]], end_id=None) == pytest.approx(1 / 5)
 
 
 def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -77,12 +142,14 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     # tiny model: a user who likes short answers. The tiny model needs a big step (see test_trainer).
     monkeypatch.delenv("RLFLEET_HOME", raising=False)
     rater = tmp_path / "rater.py"
-    rater.write_text("def short(prompt, answer):\n    return 1 if len(answer) < 30 else -1\n")
+    rater.write_text("def short(prompt, answer):\n    return 1 if len(answer) < 30 else (-1, 'too long')\n")
+    # --batch 1: every held-out answer sampled alone under its own seed. The margins asserted below were
+    # measured on those answers; a batch samples others from the same distribution.
     with one_torch_thread():
         code = main([
             "--model", str(tiny_model_dir), "--rater", f"{rater}:short", "--ratings", "16", "--threshold", "8",
             "--lr", "3e-3", "--steps", "8", "--preset", "aggressive", "--heldout", "4", "--samples", "4",
-            "--device", "cpu", "--home", str(tmp_path / "bench"), "--json",
+            "--batch", "1", "--device", "cpu", "--home", str(tmp_path / "bench"), "--json",
         ])  # fmt: skip
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -107,6 +174,36 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert all(isinstance(e["answer"], str) for c in out["checkpoints"] for e in c["examples"])
     assert out["controls_delta"]["short:30"] == pytest.approx(
         out["checkpoints"][-1]["controls"]["short:30"] - out["checkpoints"][0]["controls"]["short:30"])
+    # The comment went in as `/rl bad too long` does: stored with its rating, a 👍 without one.
+    with sqlite3.connect(tmp_path / "bench" / "mispo" / "rlfleet.db") as db:
+        stored = db.execute("SELECT value, comment FROM ratings").fetchall()
+    assert len(stored) == 16 and {(-1, "too long"), (1, None)} >= set(stored) and (-1, "too long") in stored
+    # The fluency figures beside the rate, and what the gate did.
+    first, last = out["checkpoints"][0], out["checkpoints"][-1]
+    assert (out["base_distinct2"], out["final_distinct2"]) == (first["distinct2"], last["distinct2"])
+    assert (out["base_repeat"], out["final_repeat"]) == (first["repeat"], last["repeat"])
+    assert all(0 < c["distinct2"] <= 1 and 0 <= c["repeat"] < 1 for c in out["checkpoints"])
+    promoted = [r for r in out["runs"] if r["state"] == "succeeded" and r["verdict"] == "promoted"]
+    assert out["promoted"] == len(promoted) >= 1
+    assert out["reward_model_auc"] is None and out["teacher_gap"] is None and out["comments"] is True
+
+
+def test_held_out_answers_in_batches_and_ratings_without_words(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    # The default held-out set (16 prompts x 4 answers) in batches of 5 (a short last one): every answer
+    # is there at every checkpoint. --no-comments: the thumbs alone.
+    monkeypatch.delenv("RLFLEET_HOME", raising=False)
+    with one_torch_thread():
+        code = main([
+            "--model", str(tiny_model_dir), "--preference", "short:3", "--ratings", "2", "--threshold", "8",
+            "--batch", "5", "--max-new-tokens", "8", "--no-comments", "--device", "cpu",
+            "--home", str(tmp_path / "bench"), "--json",
+        ])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["judged"] for c in out["checkpoints"]] == [64, 64] and out["runs"] == [] and out["promoted"] == 0
+    assert out["comments"] is False and 0 <= out["base_repeat"] < 1
+    with sqlite3.connect(tmp_path / "bench" / "mispo" / "rlfleet.db") as db:
+        assert db.execute("SELECT count(*), count(comment) FROM ratings").fetchone() == (2, 0)
 
 
 def _summary(objective, seed, rates, judged=16, preset="balanced"):

@@ -232,6 +232,26 @@ def test_seed_and_greedy(tiny, adapters_dir):
     assert g.answer(MSGS).token_ids == g.answer(MSGS, seed=99).token_ids
 
 
+def test_sample_answers_a_batch_as_one_by_one_answers_do(tiny, adapters_dir):
+    """Left-padded prompts of different lengths in one generate call: greedy, each row is the answer the
+    conversation gets alone (with the adapter and the system prompt); sampled, a seed repeats the batch."""
+    set_current(adapters_dir, "v0001")
+    convs = [[{"role": "user", "content": c}] for c in ("Hi.", "Tell me about tests, please.", "Why?")]
+    g = make(tiny, adapters_dir, temperature=0, system_prompt="You are terse.")
+    batch = g.sample(convs)
+    alone = [g.answer(c) for c in convs]
+    assert [s.token_ids for s in batch] == [a.token_ids for a in alone]
+    assert [s.text for s in batch] == [a.text for a in alone]
+    assert [s.messages for s in batch] == [a.messages for a in alone]
+    assert {s.adapter_version for s in batch} == {"v0001"} and g.sample([]) == []
+    r = make(tiny, adapters_dir)
+    state = torch.random.get_rng_state()
+    x, y = r.sample(convs * 2, seed=5), r.sample(convs * 2, seed=5)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert len(x) == 6 and [s.token_ids for s in x] == [s.token_ids for s in y]
+    assert x[0].token_ids != x[3].token_ids  # the same conversation twice in a batch: two draws
+
+
 def test_end_token_kept_and_scored(tiny, tmp_path, adapters_dir, reference):
     """A copy of the tiny model that ends answers often: the end token closes the ids, is scored,
     and is left out of the text."""
@@ -267,6 +287,10 @@ def test_end_token_kept_and_scored(tiny, tmp_path, adapters_dir, reference):
             -1, torch.tensor(a.token_ids).view(-1, 1)
         ).squeeze(-1)
         assert max_gap(a, expected) < TOL
+    batch = r.sample([MSGS] * 6, seed=0)  # rows that end early are cut at their end token, not padded
+    assert all(eos not in s.token_ids[:-1] and "<|im_end|>" not in s.text for s in batch)
+    assert all(s.token_ids[-1] == eos or len(s.token_ids) == 60 for s in batch)
+    assert len({len(s.token_ids) for s in batch}) > 1 and any(s.token_ids[-1] == eos for s in batch)
 
 
 def test_concurrent_answers_and_swaps(tiny, adapters_dir, reference):

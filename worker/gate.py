@@ -77,7 +77,7 @@ class ModelScores:
             entropy=sum(ent_sum) / total,
             distinct2=distinct_n(sampled, 2) if sampled else None,
             answer_tokens=sum(len(o) for o in sampled) / len(sampled) if sampled else None,
-            repetition=sum(repeated_ngrams(o, 3) for o in sampled) / len(sampled) if sampled else None,
+            repetition=repetition(sampled) if sampled else None,
         )
 
 
@@ -145,6 +145,11 @@ def distinct_n(token_lists: Sequence[Sequence[int | str]], n: int = 2) -> float:
 def repeated_ngrams(tokens: Sequence[int | str], n: int = 3) -> float:
     """Share of one answer's n-grams that already occurred earlier in it (0.0 when it has none)."""
     return 1.0 - distinct_n([tokens], n)
+
+
+def repetition(token_lists: Sequence[Sequence[int | str]], n: int = 3) -> float:
+    """Mean share of repeated n-grams within each answer (0.0 for no answers): what the gate bounds."""
+    return sum(repeated_ngrams(t, n) for t in token_lists) / len(token_lists) if token_lists else 0.0
 
 
 def sample_plan(prompts: Sequence[T], n: int) -> list[T]:

@@ -1,10 +1,17 @@
 """python -m bench.learning --preference NAME --ratings 64 [--objective mispo|soft|reinforce|kto] [--json]
 
 Does rating improve the model? A scripted user with a hidden preference rates answers through
-the real pipeline; held-out prompts measure the preferred-behaviour rate (95 % Wilson interval),
-the log-prob margin of held-out good over bad answers, and collapse signals, after 0 ratings and
-after every `--threshold` ratings. `--compare` runs every objective at equal ratings and compute
-and writes a markdown table and a PNG plot.
+the real pipeline, with a comment on a thumbs-down as a person types it (`/rl bad too long, keep it
+under 30 words`; `--no-comments`: the thumbs alone); held-out prompts (16 x 4 answers by default,
+sampled in batches) measure the preferred-behaviour rate (95 % Wilson interval), the log-prob margin
+of held-out good over bad answers, and collapse signals (distinct bigrams, repeated trigrams as the
+gate counts them), after 0 ratings and after every `--threshold` ratings. `--compare` runs every
+objective at equal ratings and compute and writes a markdown table and a PNG plot.
+
+`--json` carries, beside the rates and checkpoints: `base_distinct2`/`final_distinct2`,
+`base_repeat`/`final_repeat` (mean share of repeated trigrams within an answer, the gate's measure),
+`promoted` (versions the gate promoted), and `reward_model_auc` and `teacher_gap` (null: nothing
+learns from a reward model or the comments yet).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from .raters import load_rater, named, preference
 from .report import markdown_table, plot, slug
-from .simulate import BenchConfig, run_benchmark
+from .simulate import HELD_OUT_TOPICS, BenchConfig, run_benchmark
 
 OBJECTIVES = ("mispo", "soft", "reinforce", "kto")
 
@@ -34,7 +41,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     who = ap.add_mutually_exclusive_group(required=True)
     who.add_argument("--preference", help="a named preference, NAME or NAME:ARG (e.g. short:25, topic:ocean)")
-    who.add_argument("--rater", help="FILE.py:FUNC, a function (prompt, answer) -> 1 | -1 | None")
+    who.add_argument("--rater", help="FILE.py:FUNC, a function (prompt, answer) -> 1 | -1 | None "
+                     "or a pair (value, comment)")
     ap.add_argument("--ratings", type=int, default=64, help="ratings the simulated user gives (default 64)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
     ap.add_argument("--compare", action="store_true", help="run every objective; print a table, write a plot")
@@ -43,8 +51,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="balanced", choices=["careful", "balanced", "aggressive"])
     ap.add_argument("--lr", type=float, help="override the preset's learning rate")
     ap.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
-    ap.add_argument("--heldout", type=int, default=8, help="held-out prompts (default 8)")
-    ap.add_argument("--samples", type=int, default=2, help="answers per held-out prompt per checkpoint")
+    ap.add_argument("--heldout", type=int, default=16,
+                    help=f"held-out prompts (default 16, at most {len(HELD_OUT_TOPICS)})")
+    ap.add_argument("--samples", type=int, default=4, help="answers per held-out prompt per checkpoint (default 4)")
+    ap.add_argument("--batch", type=int, default=32, help="held-out answers per generate call (default 32)")
+    ap.add_argument("--no-comments", action="store_true", help="rate without words (no comment on a thumbs-down)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
@@ -53,8 +64,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--home", type=Path, help="data dir to run in and keep (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
     args = ap.parse_args(argv)
-    if args.ratings < 1 or args.threshold < 1:
-        ap.error("--ratings and --threshold must be positive")
+    if min(args.ratings, args.threshold, args.heldout, args.samples, args.batch) < 1:
+        ap.error("--ratings, --threshold, --heldout, --samples and --batch must be positive")
+    if args.heldout > len(HELD_OUT_TOPICS):
+        ap.error(f"--heldout: there are {len(HELD_OUT_TOPICS)} held-out prompts")
     return args
 
 
@@ -89,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             bc = BenchConfig(
                 preference=pref, model=args.model, ratings=args.ratings, objective=objective,
                 threshold=args.threshold, preset=args.preset, heldout=args.heldout, samples=args.samples,
+                batch=args.batch, comments=not args.no_comments,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, gate=not args.no_gate,
                 overrides=overrides, home=home,
             )
@@ -121,11 +135,13 @@ def _print_one(console: Console, s: dict) -> None:
         f"margin {s['margin_before']:+.3f} → {s['margin_after']:+.3f} · "
         f"words {s['answer_words_before']:.0f} → {s['answer_words_after']:.0f} · "
         f"distinct-2 {s['distinct2_before']:.2f} → {s['distinct2_after']:.2f} · "
+        f"repeated trigrams {s['base_repeat']:.2f} → {s['final_repeat']:.2f} · "
         f"entropy ×{s['entropy_ratio']:.2f} · {s['seconds']:.0f} s"
     )
     if s.get("controls_delta"):
         console.print("  the same answers by the other named preferences (a control), Δ: "
                       + ", ".join(f"{k} {v:+.2f}" for k, v in s["controls_delta"].items()))
+    console.print(f"  {s['promoted']} of {len(s['runs'])} runs promoted by the gate")
     for r in s["runs"]:
         console.print(f"  run after {r['after_ratings']}: {r['version']} {r['state']}"
                       + (f" ({r['reason'] or r['error']})" if r["state"] != "succeeded" else ""))

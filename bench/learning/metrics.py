@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from rlfleet.worker.gate import distinct_n
+from rlfleet.worker.gate import distinct_n, repetition
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -45,6 +45,7 @@ class Checkpoint:
     margin: float  # held-out good vs bad log-prob margin
     answer_words: float  # collapse signals
     distinct2: float
+    repeat: float  # mean share of repeated trigrams within each answer, as the gate bounds it
     entropy_ratio: float
     seconds: float
     # The other named preferences' rates on the same answers: a control. A run that moves every one of
@@ -64,3 +65,9 @@ def collapse_signals(token_lists: Sequence[Sequence[int]], texts: Sequence[str])
     """(mean answer length in words, distinct bigrams over all answers)."""
     n_words = [len(t.split()) for t in texts]
     return (sum(n_words) / len(n_words) if n_words else 0.0), distinct_n(token_lists, 2)
+
+
+def repeat_share(token_lists: Sequence[Sequence[int]], end_id: int | None) -> float:
+    """The gate's repeated-trigram share, on the answers cut before their end token the way the worker
+    cuts the answers the gate samples."""
+    return repetition([t[: list(t).index(end_id)] if end_id in t else t for t in token_lists])

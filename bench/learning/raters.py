@@ -1,8 +1,9 @@
 """Simulated users: a hidden preference judged from the answer text alone.
 
-A rater is ``(prompt: str, answer: str) -> 1 | -1 | None`` (None: no opinion, not rated). Named
-ones are built from a spec, ``NAME`` or ``NAME:ARG`` (``short:30`` = under 30 words). Any
-function of that shape plugs in with ``--rater FILE.py:FUNC``.
+A rater is ``(prompt: str, answer: str) -> 1 | -1 | None`` (None: no opinion, not rated), or a pair
+``(value, comment)``: the words a person adds to a rating (``/rl bad too long``), stored with it. Named
+ones are built from a spec, ``NAME`` or ``NAME:ARG`` (``short:30`` = under 30 words) and say what they
+want on a thumbs-down. Any function of either shape plugs in with ``--rater FILE.py:FUNC``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-Rater = Callable[[str, str], "int | None"]
+from rlfleet.shared.events import MAX_COMMENT_CHARS
+
+Rater = Callable[[str, str], "int | None | tuple[int | None, str | None]"]
 
 _WORD = re.compile(r"[A-Za-z']+")
 POLITE = ("please", "thank", "glad to help", "happy to help", "hope this helps", "you're welcome", "kindly")
+# Phrases that introduce an example: unambiguous, unlike "such as" (a list) or "an example of" (a definition).
+_EXAMPLE = re.compile(r"\b(?:for example|for instance)\b|\be\.g\.", re.IGNORECASE)
 
 
 def words(text: str) -> list[str]:
@@ -24,32 +29,71 @@ def words(text: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Judgement:
+    value: int | None  # 1 liked, -1 disliked, None no opinion (not rated)
+    comment: str | None = None  # what the user types after `/rl good|bad`
+
+
+def judgement(result: object, who: str) -> Judgement:
+    """A rater's return value, checked: ``1 | -1 | None`` or ``(value, comment)``; ValueError says why not."""
+    shape = "a rater returns 1, -1 or None, or a pair (value, comment) with comment a str or None"
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise ValueError(f"{who} returned {result!r}; {shape}")
+        value, comment = result
+    else:
+        value, comment = result, None
+    if value is not None and (isinstance(value, bool) or value not in (1, -1)):
+        raise ValueError(f"{who} returned {result!r}; {shape}")
+    if comment is not None:
+        if not isinstance(comment, str):
+            raise ValueError(f"{who} returned {result!r}; {shape}")
+        if "\x00" in comment or len(comment) > MAX_COMMENT_CHARS:
+            raise ValueError(f"{who} returned a comment with a NUL byte or over {MAX_COMMENT_CHARS} characters")
+        comment = comment.strip() or None
+    if value is None and comment is not None:
+        raise ValueError(f"{who} returned a comment without a rating ({result!r}); comment with 1 or -1")
+    return Judgement(None if value is None else int(value), comment)
+
+
+@dataclass(frozen=True)
 class Preference:
     name: str
     description: str
-    rate: Rater
+    rater: Rater
+
+    def judge(self, prompt: str, answer: str) -> Judgement:
+        return judgement(self.rater(prompt, answer), self.name)
+
+    def rate(self, prompt: str, answer: str) -> int | None:
+        """The value alone (1, -1 or None): what held-out rates count."""
+        return self.judge(prompt, answer).value
 
 
 def short(limit: int = 30) -> Rater:
-    return lambda _p, a: 1 if len(words(a)) < limit else -1
+    return lambda _p, a: 1 if len(words(a)) < limit else (-1, f"too long, keep it under {limit} words")
 
 
 def question(_unused: str | None = None) -> Rater:
-    return lambda _p, a: 1 if a.rstrip().endswith("?") else -1
+    return lambda _p, a: 1 if a.rstrip().endswith("?") else (-1, "end with a question")
 
 
 def topic(word: str = "ocean") -> Rater:
     w = word.lower()
-    return lambda _p, a: 1 if w in words(a) else -1
+    return lambda _p, a: 1 if w in words(a) else (-1, f"mention {word}")
 
 
 def avoid(word: str = "however") -> Rater:
     w = word.lower()
-    return lambda _p, a: -1 if w in words(a) else 1
+    return lambda _p, a: (-1, f"don't say {word}") if w in words(a) else 1
 
 
 def polite(_unused: str | None = None) -> Rater:
-    return lambda _p, a: 1 if any(k in a.lower() for k in POLITE) else -1
+    return lambda _p, a: 1 if any(k in a.lower() for k in POLITE) else (-1, "be more polite")
+
+
+def example(_unused: str | None = None) -> Rater:
+    return lambda _p, a: 1 if _EXAMPLE.search(a) else (-1, "give an example")
 
 
 _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
@@ -58,10 +102,11 @@ _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
     "topic": (topic, "answers that mention a given word (default 'ocean')", str),
     "avoid": (avoid, "answers that avoid a given word (default 'however')", str),
     "polite": (polite, "a polite register (please, thank you, glad to help, ...)", None),
+    "example": (example, "answers that give an example ('for example', 'for instance', 'e.g.')", None),
 }
 
 
-CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite")
+CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite", "example")
 
 
 def controls() -> list[Preference]:
@@ -102,11 +147,4 @@ def load_rater(spec: str) -> Preference:
     fn = getattr(module, func, None)
     if not callable(fn):
         raise ValueError(f"{file} has no function {func!r}")
-
-    def rate(prompt: str, answer: str) -> int | None:
-        value = fn(prompt, answer)
-        if value not in (1, -1, None):
-            raise ValueError(f"{spec} returned {value!r}; a rater returns 1, -1 or None")
-        return value
-
-    return Preference(f"{file.stem}:{func}", (fn.__doc__ or "external rater").strip().splitlines()[0], rate)
+    return Preference(f"{file.stem}:{func}", (fn.__doc__ or "external rater").strip().splitlines()[0], fn)

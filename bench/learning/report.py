@@ -60,7 +60,8 @@ def _pool_checkpoints(groups: list[list[dict]]) -> list[dict]:
             "rate": liked / judged if judged else float("nan"),
             "ci95": list(wilson(liked, judged)),
             "judged": judged,
-            **{k: _mean([c[k] for c in cps]) for k in ("margin", "answer_words", "distinct2", "entropy_ratio")},
+            **{k: _mean([c.get(k) for c in cps])
+               for k in ("margin", "answer_words", "distinct2", "repeat", "entropy_ratio")},
         })
     return out
 
@@ -93,7 +94,12 @@ def pool(summaries: list[dict]) -> list[dict]:
             "answer_words_after": last["answer_words"],
             "distinct2_before": first["distinct2"],
             "distinct2_after": last["distinct2"],
+            "base_distinct2": first["distinct2"],
+            "final_distinct2": last["distinct2"],
+            "base_repeat": first["repeat"],
+            "final_repeat": last["repeat"],
             "entropy_ratio": last["entropy_ratio"],
+            "promoted": sum(m.get("promoted", 0) for m in members),
             "runs": [r for m in members for r in m["runs"]],
             "checkpoints": cps,
             "seconds": _mean([m["seconds"] for m in members]),

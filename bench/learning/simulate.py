@@ -1,12 +1,13 @@
 """The simulated user, through the real pipeline.
 
 A scripted rater chats with the local model the way `rlfleet chat` is used: each answer is
-captured (with its behaviour log-probs) and rated through the Redis queue; the store applies the
-events, the trigger queues a run when pending ratings reach the threshold, the training worker
+captured (with its behaviour log-probs) and rated through the ingress use case a person's `/rl good|bad
+[comment]` goes through, onto the Redis queue (a rater's comment is stored with the rating); the store
+applies the events, the trigger queues a run when pending ratings reach the threshold, the training worker
 trains (objective, evaluation gate and all) and writes a version, and the responder picks it up
-for the next answers. Held-out prompts, never rated, are sampled at checkpoints (fixed seeds) to
-measure the preferred-behaviour rate, the log-prob margin of held-out good over bad answers, and
-the collapse signals.
+for the next answers. Held-out prompts, never rated, are sampled at checkpoints (fixed seeds, batched
+generation) to measure the preferred-behaviour rate, the log-prob margin of held-out good over bad
+answers, and the collapse signals.
 
 The training worker runs in this process (an RQ burst after each trigger), so the user waits for
 each run: compute is equal across objectives, and nothing else competes for the CPU.
@@ -20,12 +21,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlfleet.shared.config import Config, TrainSettings
 from rlfleet.shared.events import Capture, Rating
+from rlfleet.shared.ingress.grammar import parse_rl
+from rlfleet.shared.ingress.usecases import Send, UseCases
+from rlfleet.shared.permissions import LOCAL_ACTOR, Actor
 
-from .metrics import Checkpoint, collapse_signals, margin, preferred_rate
+from .metrics import Checkpoint, collapse_signals, margin, preferred_rate, repeat_share
 from .raters import Preference, controls
+
+if TYPE_CHECKING:
+    from rlfleet.shared.responder import Sample
 
 TOPICS = [
     "the moon", "coffee", "trains", "gardening", "volcanoes", "chess", "bicycles", "honey", "rainbows",
@@ -36,9 +44,12 @@ TOPICS = [
 ]  # fmt: skip
 HELD_OUT_TOPICS = [
     "whales", "candles", "mountains", "pianos", "lemons", "spiders", "islands", "umbrellas",
-    "magnets", "forests", "cheese", "rockets",
+    "magnets", "forests", "cheese", "rockets", "glaciers", "feathers", "tunnels", "compasses", "pumpkins",
+    "parrots", "marbles", "waterfalls",
 ]  # fmt: skip
 EXAMPLES = 3  # held-out answers kept as text per checkpoint
+USER = Actor("cli", LOCAL_ACTOR)  # the simulated user: the data dir's own, as in `rlfleet chat`
+CONVERSATION = "bench"
 FORMS = ["Tell me about {}.", "What is interesting about {}?", "Explain {} to a child.", "Describe {}."]
 
 
@@ -58,8 +69,10 @@ class BenchConfig:
     objective: str = "mispo"  # mispo | soft | reinforce | kto
     threshold: int = 32
     preset: str = "balanced"
-    heldout: int = 8  # held-out prompts
-    samples: int = 2  # answers per held-out prompt per checkpoint
+    heldout: int = 16  # held-out prompts
+    samples: int = 4  # answers per held-out prompt per checkpoint
+    batch: int = 32  # held-out answers per generate call
+    comments: bool = True  # rate with the rater's comment (`/rl bad too long`), else the value alone
     max_new_tokens: int = 48
     seed: int = 0
     device: str = "auto"
@@ -97,7 +110,16 @@ class BenchResult:
             "answer_words_after": last.answer_words,
             "distinct2_before": first.distinct2,
             "distinct2_after": last.distinct2,
+            "base_distinct2": first.distinct2,
+            "final_distinct2": last.distinct2,
+            "base_repeat": first.repeat,
+            "final_repeat": last.repeat,
             "entropy_ratio": last.entropy_ratio,
+            # Served because the gate judged them (not a run with no held-out ratings to judge on).
+            "promoted": sum(1 for r in self.runs if r["state"] == "succeeded" and r.get("verdict") == "promoted"),
+            "reward_model_auc": None,  # no reward model is learned from the ratings yet
+            "teacher_gap": None,  # no teacher uses the comments yet
+            "comments": self.config.comments,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
             "runs": self.runs,
             "checkpoints": [c.to_dict() for c in self.checkpoints],
@@ -113,6 +135,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
 
     from rlfleet.cli import dispatch
     from rlfleet.shared.models import pick_device, resolve_model
+    from rlfleet.shared.permissions import PermissionTable
     from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.responder import LocalResponder
@@ -149,17 +172,23 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     eval_cfg = GateConfig(eval_samples=0)
     reference: dict = {}  # the base's held-out answers: fixed texts for margin and entropy
 
+    def heldout_answers(given: int) -> list[tuple[str, Sample]]:
+        """Every held-out prompt ``bc.samples`` times, ``bc.batch`` answers per generate call; the same
+        seeds at every checkpoint."""
+        rows = [prompt for prompt in held for _ in range(bc.samples)]
+        out: list[tuple[str, Sample]] = []
+        for b, start in enumerate(range(0, len(rows), bc.batch)):
+            say(f"held-out answers at {given} ratings", start, len(rows))
+            chunk = rows[start : start + bc.batch]
+            got = responder.sample([[{"role": "user", "content": p}] for p in chunk], seed=10_000 + b)
+            out.extend(zip(chunk, got, strict=True))
+        return out
+
     def checkpoint(given: int) -> Checkpoint:
         t0 = time.perf_counter()
-        texts, tokens, verdicts = [], [], []
-        total = len(held) * bc.samples
-        for j, prompt in enumerate(held):
-            for s in range(bc.samples):
-                say(f"held-out answers at {given} ratings", j * bc.samples + s, total)
-                a = responder.answer([{"role": "user", "content": prompt}], seed=10_000 + j * bc.samples + s)
-                texts.append((prompt, a))
-                tokens.append(a.token_ids)
-                verdicts.append(bc.preference.rate(prompt, a.text))
+        texts = heldout_answers(given)
+        tokens = [a.token_ids for _, a in texts]
+        verdicts = [bc.preference.rate(prompt, a.text) for prompt, a in texts]
         rate, ci, n = preferred_rate(verdicts)
         words, distinct = collapse_signals(tokens, [a.text for _, a in texts])
         adapter = registry.path(responder.active_version) if responder.active_version else None
@@ -178,6 +207,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         return Checkpoint(
             ratings=given, version=responder.active_version, rate=rate, ci95=ci, judged=n,
             margin=margin(good, bad), answer_words=words, distinct2=distinct,
+            repeat=repeat_share(tokens, responder.tokenizer.eos_token_id),
             entropy_ratio=ent / reference["entropy"] if reference["entropy"] else float("nan"),
             seconds=time.perf_counter() - t0,
             controls={c.name: preferred_rate([c.rate(p, a.text) for p, a in texts])[0] for c in controls()},
@@ -185,6 +215,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         )
 
     handle = open_queue(cfg)
+    cases = UseCases(PermissionTable.for_config(cfg), cfg.model, handle)
     runs: list[dict] = []
     try:
         marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings})
@@ -196,12 +227,12 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             asked += 1
             say("rating answers", given, bc.ratings)
             a = responder.answer([{"role": "user", "content": prompt}], seed=bc.seed * 1_000_003 + asked)
-            verdict = bc.preference.rate(prompt, a.text)
-            if not a.text.strip() or verdict is None:
+            judged = bc.preference.judge(prompt, a.text)
+            if not a.text.strip() or judged.value is None:
                 continue
             try:  # exactly what `rlfleet chat` sends
                 cap = Capture(
-                    source="cli", conversation="bench", owner="local", prompt=a.messages, response=a.text,
+                    source="cli", conversation=CONVERSATION, owner=USER.id, prompt=a.messages, response=a.text,
                     model=cfg.model, adapter_version=a.adapter_version, behaviour_logprobs=a.logprobs,
                     behaviour_token_ids=a.token_ids,
                 )
@@ -209,7 +240,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                 continue
             if not dispatch(handle, cfg, cap).get("ok"):
                 continue
-            result = dispatch(handle, cfg, Rating(value=verdict, target=cap.capture_id))
+            result = dispatch(handle, cfg, rating_event(cases, cap.capture_id, judged.value,
+                                                        judged.comment if bc.comments else None))
             given += 1
             if str(result.get("training") or "").startswith("training run"):
                 say(f"training after {given} ratings", 0, 1)
@@ -223,6 +255,23 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     finally:
         handle.close()
     return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
+
+
+def typed(value: int, comment: str | None) -> str:
+    """What the user types to rate the answer just given: ``/rl bad too long, keep it under 25 words``."""
+    return f"/rl {'good' if value > 0 else 'bad'}" + (f" {comment}" if comment else "")
+
+
+def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | None) -> Rating:
+    """The rating event the ingress makes of the user's typed ``/rl good|bad [comment]`` (as the terminal
+    chat does: the answer addressed by its capture id)."""
+    cmd = parse_rl(typed(value, comment))
+    if cmd.verb not in ("good", "bad"):  # e.g. a comment past the command's length limit
+        raise ValueError(f"the rating {typed(value, comment)[:60]!r}... is not a /rl good|bad command")
+    outcome = cases.rate(USER, CONVERSATION, 1 if cmd.verb == "good" else -1, cmd.arg, target=capture_id)
+    if not isinstance(outcome, Send) or not isinstance(outcome.event, Rating):
+        raise RuntimeError(f"the ingress refused the simulated user's rating: {outcome!r}")
+    return outcome.event
 
 
 def _last_run(cfg: Config, slug: str, given: int) -> dict:
