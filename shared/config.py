@@ -62,6 +62,9 @@ class TrainSettings(BaseModel):
     seed: int = 0
     # The training loss; the alternatives exist for the learning benchmark's comparison.
     objective: Literal["mispo", "soft", "reinforce"] = "mispo"
+    # How a rating becomes an advantage (docs/objective.md): "ema" against the reward EMA, "asymmetric"
+    # against just below the run's mean reward with a bounded push from each 👎.
+    advantage: Literal["ema", "asymmetric"] = "ema"
 
 
 class ChatSettings(BaseModel):

@@ -15,7 +15,7 @@ import torch
 from test_trainer import GOOD, LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
-from rlfleet.worker.training.advantages import advantage, run_advantages
+from rlfleet.worker.training.advantages import advantage, asymmetric_advantage, run_advantages
 from rlfleet.worker.training.loop import RunRequest, Selection, run_training
 from rlfleet.worker.training.policy_gradient import PolicyGradient
 
@@ -35,6 +35,37 @@ def test_run_advantages_keep_retractions_and_seed_a_missing_ema():
     samples = preference_samples()[:2] + [replace(preference_samples()[0], rating_id=99, fixed_advantage=-0.7)]
     assert run_advantages(samples, None, 1.2, 2.0) == pytest.approx([1.2, -1.0, -0.7])
     assert run_advantages(samples, 0.5, 1.2, 2.0) == pytest.approx([0.6, -1.5, -0.7])
+
+
+def test_asymmetric_rule_is_float32_arithmetic_bit_for_bit():
+    # r - (mean - delta); liked answers times pos_weight; a disliked one's in [-neg_bound, 0]; all clamped.
+    rng = random.Random(1)
+    for _ in range(2000):
+        r = rng.choice([1.0, -1.0])
+        mean, pos_weight, clip = rng.uniform(-1, 1), rng.uniform(0.5, 3), rng.uniform(0.3, 3)
+        delta, neg_bound = rng.uniform(0, 0.5), rng.uniform(0, 2)
+        t = torch.tensor([r], dtype=torch.float32)
+        raw = t - (torch.tensor(mean, dtype=torch.float32) - torch.tensor(delta, dtype=torch.float32))
+        want = torch.where(t > 0, raw.clamp(min=0) * pos_weight, raw.clamp(-neg_bound, 0)).clamp(-clip, clip).item()
+        assert asymmetric_advantage(r, mean, pos_weight, clip, delta, neg_bound) == want
+
+
+def test_asymmetric_advantages_teach_through_the_rare_liked_answers():
+    good, bad = preference_samples()[:2]
+    assert (good.reward, bad.reward) == (1.0, -1.0)
+    samples = [good] + [replace(bad, rating_id=10 + i) for i in range(15)]  # a user who dislikes 15 of 16
+    retraction = replace(bad, rating_id=99, fixed_advantage=-0.7)
+    adv = run_advantages(samples + [retraction], 0.9, 1.2, 2.0, rule="asymmetric", delta=0.1, neg_bound=0.5)
+    mean = (1 - 15) / 16  # the run's own mean reward; the EMA (0.9 here) plays no part
+    assert adv[0] == pytest.approx(min((1 - (mean - 0.1)) * 1.2, 2.0))  # the liked answer pulls hard
+    assert adv[1:16] == pytest.approx([-1 - (mean - 0.1)] * 15, abs=1e-6)  # each 👎 pushes a little
+    assert -0.05 < adv[1] < 0 and adv[-1] == pytest.approx(-0.7)
+    everyone_bad = run_advantages(samples[1:], None, 1.2, 2.0, rule="asymmetric", delta=0.1, neg_bound=0.5)
+    assert everyone_bad == [0.0] * 15  # a 👎 never pushes its answer up, even below the baseline
+    mostly_good = run_advantages([replace(good, rating_id=20 + i) for i in range(15)] + [bad], None, 1.2, 2.0,
+                                 rule="asymmetric", delta=0.1, neg_bound=0.5)
+    assert mostly_good[-1] == pytest.approx(-0.5)  # bounded: the rare 👎 of a happy user
+    assert run_advantages(samples, None, 1.2, 2.0) == run_advantages(samples, None, 1.2, 2.0, rule="ema")
 
 
 def test_the_advantage_rule_needs_no_tensor_framework():

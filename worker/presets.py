@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 from rlfleet.shared.config import Preset, TrainSettings
 
+from .training.advantages import Rule
+
 REFERENCE_PARAMS = 135e6  # size at which the base learning rates below were measured
 
 
@@ -27,6 +29,9 @@ class TrainConfig:
     token_band: tuple[float, float] = (0.5, 2.0)
     pos_weight: float = 1.2
     adv_clip: float = 2.0
+    advantage: Rule = "ema"  # the advantage rule (training/advantages.py)
+    adv_delta: float = 0.1  # asymmetric: how far below the run's mean reward the baseline sits
+    neg_bound: float = 0.5  # asymmetric: the largest push a 👎 gives its answer
     grad_clip: float = 1.0
     ema_decay: float = 0.99
     max_tokens: int = 1024
@@ -79,5 +84,6 @@ def resolve(
         seed=settings.seed,
         device=settings.device,
         objective=settings.objective,
+        advantage=settings.advantage,
     )
     return cfg

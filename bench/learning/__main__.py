@@ -51,6 +51,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="balanced", choices=["careful", "balanced", "aggressive"])
     ap.add_argument("--lr", type=float, help="override the preset's learning rate")
     ap.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
+    ap.add_argument("--advantage", choices=["ema", "asymmetric"],
+                    help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
                     help=f"held-out prompts (default 16, at most {len(HELD_OUT_TOPICS)})")
     ap.add_argument("--samples", type=int, default=4, help="answers per held-out prompt per checkpoint (default 4)")
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
-    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps)) if v is not None}
+    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("advantage", args.advantage))
+                 if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),

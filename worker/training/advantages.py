@@ -1,18 +1,28 @@
-"""The advantage rule and the reward baseline: plain numbers, no tensor framework.
+"""The advantage rules and the reward baseline: plain numbers, no tensor framework.
 
-A rated answer's advantage is ``clip((r - ema) * (pos_weight if r > 0 else 1), -clip, clip)``; a
-retraction (an undone or replaced rating that an earlier run trained on) brings a fixed advantage
-instead. The arithmetic is float32, step by step, as the training tensors hold it: every backend
-trains on the same advantages, bit for bit.
+Two rules (``train.advantage``; docs/objective.md says when each helps):
+
+- ``ema``: ``clip((r - ema) * (pos_weight if r > 0 else 1), -clip, clip)`` against the model's reward
+  EMA, carried from run to run.
+- ``asymmetric``: against the run's own mean reward minus ``delta``, a baseline just below the
+  expected reward, with a 👎's advantage bounded in ``[-neg_bound, 0]``. A user who dislikes most
+  answers then teaches mostly through the few they liked: pushing probability off many sampled
+  answers at once is what raises the entropy (arXiv 2505.22617) and collapses the distribution when
+  the baseline sits at or above the expected reward (AsymRE, arXiv 2506.20520).
+
+A retraction (an undone or replaced rating that an earlier run trained on) brings a fixed advantage
+under either rule. The arithmetic is float32, step by step, as the training tensors hold it: every
+backend trains on the same advantages, bit for bit.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 EMA_SEED = 0.0
+Rule = Literal["ema", "asymmetric"]
 
 
 class Rated(Protocol):
@@ -59,12 +69,37 @@ def advantage(reward: float, ema: float, pos_weight: float, clip: float = 2.0) -
     return min(max(adv, -bound), bound)
 
 
-def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: float, clip: float) -> list[float]:
-    """Each sample's advantage in a run: a retraction keeps its fixed one, the rest get the rule
-    against ``ema`` (without an EMA yet, against the neutral :data:`EMA_SEED`, as
-    :func:`update_ema` seeds it)."""
-    baseline = EMA_SEED if ema is None else ema
-    return [
-        advantage(s.reward, baseline, pos_weight, clip) if s.fixed_advantage is None else f32(float(s.fixed_advantage))
-        for s in samples
-    ]
+def asymmetric_advantage(reward: float, mean_reward: float, pos_weight: float, clip: float, delta: float,
+                         neg_bound: float) -> float:
+    """``A = r - (mean_reward - delta)`` in float32, liked answers times ``pos_weight``, a disliked
+    answer's advantage kept in ``[-neg_bound, 0]`` (a 👎 never pushes its answer up), all within
+    ``±clip``."""
+    r = f32(reward)
+    adv = f32(r - f32(f32(mean_reward) - f32(delta)))
+    if r > 0:
+        adv = f32(max(adv, 0.0) * f32(pos_weight))
+    else:
+        adv = min(max(adv, -f32(neg_bound)), 0.0)
+    bound = f32(clip)
+    return min(max(adv, -bound), bound)
+
+
+def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: float, clip: float, *,
+                   rule: Rule = "ema", delta: float = 0.1, neg_bound: float = 0.5) -> list[float]:
+    """Each sample's advantage in a run: a retraction keeps its fixed one, the rest get ``rule``
+    (``ema`` without an EMA yet: against the neutral :data:`EMA_SEED`, as :func:`update_ema` seeds
+    it; ``asymmetric``: against the mean reward of the run's rated samples)."""
+    if rule == "asymmetric":
+        rated = [float(s.reward) for s in samples if s.fixed_advantage is None]
+        mean = f32(sum(rated) / len(rated)) if rated else 0.0
+
+        def rated_advantage(r: float) -> float:
+            return asymmetric_advantage(r, mean, pos_weight, clip, delta, neg_bound)
+    else:
+        baseline = EMA_SEED if ema is None else ema
+
+        def rated_advantage(r: float) -> float:
+            return advantage(r, baseline, pos_weight, clip)
+
+    return [rated_advantage(s.reward) if s.fixed_advantage is None else f32(float(s.fixed_advantage))
+            for s in samples]

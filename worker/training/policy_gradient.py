@@ -23,7 +23,8 @@ from .loop import Outcome, Report, RunData, Selection
 
 class PolicyGradient:
     def select(self, backend: Backend, samples: list[TrainSample], ema: float | None, cfg: TrainConfig) -> Selection:
-        adv = run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip)
+        adv = run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip, rule=cfg.advantage, delta=cfg.adv_delta,
+                             neg_bound=cfg.neg_bound)
         return Selection(list(samples), adv, sum(adv) / len(adv))
 
     @contextlib.contextmanager
