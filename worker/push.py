@@ -100,15 +100,20 @@ def check_url(t: PushTarget, allow_remote: bool) -> None:
                         "in config.toml if you mean it")
 
 
+def _take_down(t: PushTarget, method: str, path: str, body: dict, refused: str) -> None:
+    """Unload or delete what an earlier push put there; nothing there (404) is done too."""
+    status, raw = _request(t, method, path, body)
+    if status not in (200, 404):
+        raise PushError(f"{refused}: {status} {_error_text(raw)}")
+
+
 # ---- vLLM -------------------------------------------------------------------------------------------
 
 
 def push_vllm(t: PushTarget, version: str | None, adapter_dir: Path | None, adapters_root: Path) -> str:
     name = t.model or VLLM_NAME
     if version is None:
-        status, raw = _request(t, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
-        if status not in (200, 404):
-            raise PushError(f"vLLM refused to unload {name}: {status} {_error_text(raw)}")
+        _take_down(t, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, f"vLLM refused to unload {name}")
         return f"unloaded {name} from vLLM: clients get the base model by its own name"
     assert adapter_dir is not None  # a served version has its folder
     path = str(adapter_dir)
@@ -191,9 +196,7 @@ def push_ollama(t: PushTarget, cfg: Config, version: str | None, adapter_dir: Pa
         raise PushError(f"push target {t.name} needs base = the base model's name in Ollama (e.g. smollm2:135m)")
     name = t.model or f"{t.base}-rlfleet"
     if version is None:
-        status, raw = _request(t, "DELETE", "/api/delete", {"model": name})
-        if status not in (200, 404):
-            raise PushError(f"Ollama refused to delete {name}: {status} {_error_text(raw)}")
+        _take_down(t, "DELETE", "/api/delete", {"model": name}, f"Ollama refused to delete {name}")
         return f"removed {name} from Ollama ({t.base} itself is untouched)"
     assert adapter_dir is not None  # a served version has its folder
     status, raw = _request(t, "GET", "/api/version")
