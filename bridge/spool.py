@@ -57,9 +57,11 @@ def pending(home: Path) -> int:
     folder = spool_dir(home)
     n = 0
     for name in (DRAINING, SPOOL):
-        if (folder / name).exists():
+        try:  # read without the lock: a drain may rename or delete the file under us
             with open(folder / name, "rb") as fh:
                 n += sum(1 for line in fh if line.strip())
+        except FileNotFoundError:
+            continue
     return n
 
 
@@ -73,6 +75,8 @@ def drain(home: Path, send: Callable[[str, str, dict], None]) -> tuple[int, int]
     sent = dropped = 0
     with _locked(folder):
         if not (folder / DRAINING).exists():
+            if not (folder / SPOOL).exists():  # another drain emptied it while this one waited for the lock
+                return 0, 0
             os.replace(folder / SPOOL, folder / DRAINING)
         lines = (folder / DRAINING).read_bytes().splitlines()
         for i, raw in enumerate(lines):
