@@ -37,6 +37,10 @@ class TrainSettings(BaseModel):
     preset: Preset = "balanced"
     threshold: int = Field(32, ge=1, le=100_000, description="pending ratings that start a run")
     max_ratings: int = Field(512, ge=1, description="cap on ratings one run consumes")
+    # Earlier ratings a run trains on again so that it does not forget them (worker/replay.py), as a
+    # fraction of its own fresh training ratings; 0: none. Off by default until the forgetting
+    # benchmark (bench.learning --then) shows it is worth its training time (bench/RESULTS.md).
+    replay: float = Field(0.0, ge=0, le=4)
     # The evaluation gate (worker/gate.py): held-out ratings a candidate must not do worse on.
     gate: bool = True
     holdout_frac: float = Field(0.15, ge=0.0, le=0.5)

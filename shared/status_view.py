@@ -56,8 +56,8 @@ def bot_line(b: dict) -> str:
     return line
 
 
-HISTORY_FIELDS = ("ratings_used", "heldout_n", "heldout_margin_before", "heldout_margin_after", "heldout_kl",
-                  "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "verdict", "reason")
+HISTORY_FIELDS = ("ratings_used", "replayed", "heldout_n", "heldout_margin_before", "heldout_margin_after",
+                  "heldout_kl", "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "verdict", "reason")
 
 
 def history_rows(versions: list[dict]) -> list[dict]:
@@ -80,9 +80,14 @@ def versions_table(versions: list[dict], title: str | None = None) -> Table:
             verdict += f": {r['reason']}"
         kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]
         t.add_row(r["version"], r["status"], (r["created"] or "")[5:16].replace("T", " "),
-                  str(r["ratings_used"] or ""), margin, _fmt(kl, 3), _fmt(r["accepted_token_frac"], 2),
+                  _ratings(r["ratings_used"], r["replayed"]), margin, _fmt(kl, 3), _fmt(r["accepted_token_frac"], 2),
                   escape(verdict))
     return t
+
+
+def _ratings(used: Any, replayed: Any) -> str:
+    """``32``, or ``32 +16`` when the run also replayed 16 earlier ratings."""
+    return str(used or "") + (f" +{replayed}" if replayed else "")
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

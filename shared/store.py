@@ -26,7 +26,7 @@ from .errors import BadInput, ConfigError, NotFound
 from .events import PLATFORMS, Capture, Rating, Undo
 from .fast_apply import fast_apply
 from .ledger import RunLedger
-from .schema import CaptureRow, ProcessedEvent, RatingRow
+from .schema import Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
 
 
 @dataclass
@@ -400,6 +400,34 @@ class Store(RunLedger):
                 .where(self._pending_clause(model))
                 .order_by(RatingRow.created, RatingRow.id)
                 .limit(cap)
+            ).all()
+            return [(r, c) for r, c in rows]
+
+    def replay_pool(self, model: str) -> list[tuple[int, int]]:
+        """``(rating id, value)`` of every rating a run may replay: active, trained on by a promoted
+        run of the current lineage (a reset forgets what came before). Pending ratings, the gate's
+        held-out ones among them, and retractions are never in it (worker/replay.py)."""
+        lineage = select(Baseline.lineage).where(Baseline.model == model).scalar_subquery()
+        with self.session() as s:
+            rows = s.execute(
+                select(RatingRow.id, RatingRow.value)
+                .join(TrainRun, TrainRun.id == RatingRow.run_id)
+                .where(RatingRow.train_model == model, RatingRow.state == "active",
+                       TrainRun.model == model, TrainRun.lineage == lineage)
+                .order_by(RatingRow.id)
+            ).all()
+            return [(rid, value) for rid, value in rows]
+
+    def ratings_with_captures(self, ids: Sequence[int]) -> list[tuple[RatingRow, CaptureRow]]:
+        """The ratings ``ids`` with their captures, in id order."""
+        if not ids:
+            return []
+        with self.session() as s:
+            rows = s.execute(
+                select(RatingRow, CaptureRow)
+                .join(CaptureRow, CaptureRow.id == RatingRow.capture_id)
+                .where(RatingRow.id.in_(list(ids)))
+                .order_by(RatingRow.id)
             ).all()
             return [(r, c) for r, c in rows]
 

@@ -120,6 +120,46 @@ def test_the_simulated_user_rates_as_a_person_types_it():
         rating_event(cases, "cap-1", -1, "x" * 2000)
 
 
+def test_then_switches_the_simulated_users_preference():
+    from bench.learning.metrics import Checkpoint
+    from bench.learning.simulate import BenchConfig, BenchResult
+
+    first, second = preference("short:3"), preference("question")
+    bc = BenchConfig(preference=first, ratings=8, then=second)
+    assert bc.switch == 4 and [bc.rater_at(g).name for g in range(8)] == ["short:3"] * 4 + ["question"] * 4
+    assert bc.rater_at(4).judge("p", "Is it long enough?") == Judgement(1, None)  # the new taste rates now
+    assert bc.rater_at(3).rate("p", "Is it long enough?") == -1
+    assert bc.measured is second  # the rate is of the preference the user ends with
+    early = BenchConfig(preference=first, ratings=8, then=second, switch_at=2)
+    assert [early.rater_at(g).name for g in (1, 2)] == ["short:3", "question"]
+    alone = BenchConfig(preference=first, ratings=8)
+    assert alone.switch is None and alone.rater_at(7) is first and alone.measured is first
+
+    # The first preference's rate at every checkpoint: before, at the switch, after; how much was kept.
+    def cp(ratings, rate, first_rate, replayed):
+        return Checkpoint(ratings=ratings, version=None, rate=rate, ci95=(0.0, 1.0), judged=16, margin=0.0,
+                          answer_words=5.0, distinct2=0.5, repeat=0.0, entropy_ratio=1.0, seconds=1.0,
+                          first_rate=first_rate, first_ci95=(0.1, 0.9), replayed=replayed)  # fmt: skip
+
+    out = BenchResult(bc, [cp(0, 0.1, 0.2, 0), cp(4, 0.1, 0.7, 0), cp(8, 0.6, 0.65, 2)], [], 1.0).summary()
+    assert (out["then"], out["switch_at"], out["replayed"]) == ("question", 4, 2)
+    assert (out["first_base_rate"], out["first_switch_rate"], out["first_final_rate"]) == (0.2, 0.7, 0.65)
+    assert out["first_kept"] == pytest.approx(-0.05) and out["first_final_ci95"] == [0.1, 0.9]
+    assert out["delta"] == pytest.approx(0.5) and out["checkpoints"][2]["first_ci95"] == [0.1, 0.9]
+    plain = BenchResult(alone, [cp(0, 0.1, None, 0), cp(8, 0.2, None, 0)], [], 1.0).summary()
+    assert plain["then"] is None and "first_kept" not in plain
+
+
+def test_then_switch_at_and_replay_options():
+    from bench.learning.__main__ import parse
+
+    args = parse(["--preference", "short:3", "--then", "question", "--switch-at", "8", "--replay", "0"])
+    assert (args.then, args.switch_at, args.replay) == ("question", 8, 0.0)
+    for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"]):
+        with pytest.raises(SystemExit):
+            parse(["--preference", "short:3", *bad])
+
+
 def test_metrics_by_hand():
     lo, hi = wilson(0, 10)
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)  # the textbook value
@@ -186,6 +226,10 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     promoted = [r for r in out["runs"] if r["state"] == "succeeded" and r["verdict"] == "promoted"]
     assert out["promoted"] == len(promoted) >= 1
     assert out["reward_model_auc"] is None and out["teacher_gap"] is None and out["comments"] is True
+    # How many earlier ratings each checkpoint's runs replayed (train.replay's default: half a run's own).
+    replayed = [c["replayed"] for c in out["checkpoints"]]
+    assert replayed[0] == 0 and sum(replayed) == out["replayed"] == sum(r["replayed"] or 0 for r in out["runs"])
+    assert out["then"] is None and "first_kept" not in out
 
 
 def test_held_out_answers_in_batches_and_ratings_without_words(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -22,6 +22,7 @@ from test_trainer import (  # noqa: E402
     GOOD,
     LEARN,
     chat,
+    check_replayed_behaviour_is_the_start_policy,
     check_still_at_parent,
     check_stored_behaviour_is_used,
     held_out_shifts,
@@ -242,6 +243,11 @@ def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):
     # And a real step from there moves on from the parent, not from the base.
     moved = mlx_trainer.run(preference_samples()[:8], None, replace(LEARN, steps=1), parent, tmp_path / "v3")
     assert moved.metrics["mean_kl"] > 1e-3 and moved.metrics["accepted_seq_frac"] == 1.0
+
+
+def test_replayed_samples_start_from_the_parent_as_their_behaviour(mlx_trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_replayed_behaviour_is_the_start_policy(mlx_trainer, parent, tmp_path)
 
 
 def test_gate_scores_match_the_torch_measurement(mlx_trainer, torch_trainer, learned):

@@ -298,6 +298,44 @@ def check_still_at_parent(trainer, parent, out) -> None:
     assert result.metrics["mean_kl"] > 1e-3  # the run started away from the base: at the parent
 
 
+def check_replayed_behaviour_is_the_start_policy(trainer, parent, out) -> None:
+    """Replayed samples carry log-probs an older version recorded (here a nat below the parent's); the
+    run from ``parent`` sets them aside and takes the parent, computed once at the start, as their
+    behaviour: with lr 0 and a band of +-1e-5 every sequence stays, while the same samples as fresh
+    ratings are judged by what they recorded and dropped (a ratio of e, outside both bands)."""
+    tok = trainer.tokenizer
+    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
+    recorded = []
+    for s in preference_samples()[:6]:
+        ids = tok(s.response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        older = [x - 1.0 for x in trainer.token_logprobs([(s.prompt, s.response)], parent)[0]]
+        recorded.append(replace(s, behaviour_logprobs=older, behaviour_token_ids=ids))
+    replayed = trainer.run([replace(s, replayed=True) for s in recorded], None, cfg, parent, out / "a").metrics
+    assert (replayed["accepted_seq_frac"], replayed["accepted_token_frac"]) == (1.0, 1.0)
+    assert replayed["mean_kl"] > 1e-3  # the behaviour is the parent, not the base
+    assert (replayed["replayed"], replayed["ratings_used"]) == (6, 0)
+    fresh = trainer.run(recorded, None, cfg, parent, out / "b").metrics
+    assert (fresh["accepted_seq_frac"], fresh["replayed"], fresh["ratings_used"]) == (0.0, 0, 6)
+
+
+def test_replayed_samples_start_from_the_parent_as_their_behaviour(trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_replayed_behaviour_is_the_start_policy(trainer, parent, tmp_path)
+
+
+def test_a_run_with_replayed_samples_learns_and_saves_a_loadable_adapter(trainer, tmp_path):
+    # Half of the run replayed, as a run after the first mixes them in: it learns from both halves.
+    samples = preference_samples()
+    mixed = samples[:16] + [replace(s, replayed=True) for s in samples[16:]]
+    out = tmp_path / "v0002"
+    result = trainer.run(mixed, None, LEARN, None, out)
+    assert result.promoted_ok and (result.metrics["ratings_used"], result.metrics["replayed"]) == (16, 16)
+    assert set(result.advantages) == {s.rating_id for s in mixed}  # the caller decides what is consumed
+    good_shift, bad_shift = held_out_shifts(trainer, out)
+    assert good_shift > 0.2 and bad_shift < -0.2, result.metrics
+    assert_adapter_acts_and_unloads(trainer, out, base_logits(trainer))
+
+
 def test_parent_adapter_is_continued(trainer, learned, tmp_path):
     from safetensors.torch import load_file
 

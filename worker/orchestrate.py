@@ -4,7 +4,8 @@ run's own checks and the evaluation gate (worker/gate.py) pass.
 A run trains in a staging folder and commits it as ``vNNNN`` only when complete; a failed run leaves
 ``CURRENT`` alone and says why in status. Retractions (ratings undone or replaced after they were
 trained on) always train; fresh ratings lose their newest slice to the gate's held-out set, which
-stays pending (never trained on in this run) and trains the next one.
+stays pending (never trained on in this run) and trains the next one. A sample of earlier ratings is
+replayed beside them (worker/replay.py); the run does not consume those.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .context import Context
 from .gate import GateConfig, Verdict, judge, split_holdout
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
+from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample
 from .trainer_cache import get_trainer
 from .trigger import LOCK_TTL
@@ -85,6 +87,7 @@ def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
         return JobResult.done("nothing to train on")
     gcfg = gate_config(ctx.cfg)
     inputs = RunInputs.of(rows, ctx.cfg.model, gcfg)
+    inputs = replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh)))
     candidate = train_candidate(ctx, run_id, inputs, parent, gcfg, board)
     return conclude(ctx, conn, run_id, inputs, candidate)
 
@@ -93,24 +96,18 @@ def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
 class RunInputs:
     """The pending ratings of one run, split the way the run uses them."""
 
-    train: list[TrainSample]  # what the run trains on: fresh ratings and retractions
+    train: list[TrainSample]  # what the run consumes: fresh ratings and retractions
     held: list[TrainSample]  # the gate's held-out slice of the fresh ratings
     retracted: list[int]  # rating ids whose earlier update this run takes back
+    replayed: list[TrainSample] = field(default_factory=list)  # earlier ratings trained again, not consumed
 
     @classmethod
     def of(cls, rows: list[tuple[RatingRow, CaptureRow]], model: str, gcfg: GateConfig) -> RunInputs:
         samples, retracted = [], []
         for rating, cap in rows:
-            retraction = rating.state != "active"
-            if retraction:
+            if rating.state != "active":
                 retracted.append(rating.id)
-            ours = cap.model == model  # stored log-probs describe the policy that answered: ours, or useless
-            samples.append(TrainSample(
-                rating_id=rating.id, prompt=cap.prompt, response=cap.response, reward=float(rating.value),
-                behaviour_logprobs=cap.behaviour_logprobs if ours else None,
-                behaviour_token_ids=cap.behaviour_token_ids if ours else None,
-                fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
-            ))
+            samples.append(rated_sample(rating, cap, model))
         fresh = [s for s in samples if s.fixed_advantage is None]
         held: list[TrainSample] = []
         if gcfg.enabled:
@@ -120,8 +117,35 @@ class RunInputs:
 
     @property
     def fresh(self) -> list[TrainSample]:
-        """The trained samples that are new ratings (not retractions)."""
+        """The consumed samples that are new ratings (not retractions)."""
         return [s for s in self.train if s.fixed_advantage is None]
+
+    @property
+    def trained(self) -> list[TrainSample]:
+        """Everything the run trains on: what it consumes, then the replayed ratings."""
+        return self.train + self.replayed
+
+
+def rated_sample(rating: RatingRow, cap: CaptureRow, model: str) -> TrainSample:
+    """One rating as a training sample: a retraction (undone or replaced) takes its update back."""
+    retraction = rating.state != "active"
+    ours = cap.model == model  # stored log-probs describe the policy that answered: ours, or useless
+    return TrainSample(
+        rating_id=rating.id, prompt=cap.prompt, response=cap.response, reward=float(rating.value),
+        behaviour_logprobs=cap.behaviour_logprobs if ours else None,
+        behaviour_token_ids=cap.behaviour_token_ids if ours else None,
+        fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
+    )
+
+
+def replay_samples(ctx: Context, run_id: int, n_new: int) -> list[TrainSample]:
+    """The earlier ratings run ``run_id`` replays beside its ``n_new`` fresh ones (worker/replay.py)."""
+    n = wanted(n_new, ctx.cfg.train.replay)
+    if n == 0:
+        return []
+    ids = draw(ctx.store.replay_pool(ctx.slug), n, run_id)
+    return [replace(rated_sample(rating, cap, ctx.cfg.model), replayed=True)
+            for rating, cap in ctx.store.ratings_with_captures(ids)]
 
 
 class ProgressBoard:
@@ -152,7 +176,7 @@ class Candidate:
     version: str
     parent: str | None
     metrics: dict[str, Any]
-    advantages: dict[int, float]  # per trained fresh rating: the advantage its update used
+    advantages: dict[int, float]  # per consumed fresh rating: the advantage its update used
     new_ema: float
     promote: bool
     reason: str | None
@@ -170,7 +194,7 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
     report = board.reporter(version)
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
-        result = trainer.run(inputs.train, ema, tcfg, parent_dir, staging, progress=report)
+        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report)
         verdict = None
         if inputs.held and result.promoted_ok:
             report(Progress(0, 1, 0.0, phase="evaluating"))
@@ -187,14 +211,15 @@ def _judge(result: RunResult, verdict: Verdict | None, inputs: RunInputs, ema: f
            version: str, parent: str | None) -> Candidate:
     from .objective import update_ema
 
-    trained = [s.reward for s in inputs.fresh]
+    trained = [s.reward for s in inputs.fresh]  # replayed ratings moved the EMA once, in their own run
     new_ema = update_ema(ema, trained, tcfg.ema_decay) if trained else (ema if ema is not None else 0.0)
+    fresh = {s.rating_id for s in inputs.fresh}
     reason = result.reason or (verdict.reason if verdict else None)
     gate_metrics = verdict.metrics if verdict else {"verdict": "unchecked" if not inputs.held else "rejected"}
     return Candidate(
         version=version, parent=parent,
         metrics={**result.metrics, **gate_metrics, "ema_before": ema, "ema_after": new_ema, "reason": reason},
-        advantages={rid: adv for rid, adv in result.advantages.items() if rid not in inputs.retracted},
+        advantages={rid: adv for rid, adv in result.advantages.items() if rid in fresh},
         new_ema=new_ema, promote=result.promoted_ok and (verdict is None or verdict.promote), reason=reason,
     )
 
@@ -205,7 +230,9 @@ def _meta(ctx: Context, run_id: int, inputs: RunInputs, c: Candidate, tcfg: Trai
         "version": c.version, "parent": c.parent, "model": ctx.cfg.model, "slug": ctx.slug, "run_id": run_id,
         "rating_ids": [s.rating_id for s in inputs.fresh],
         "heldout_rating_ids": sorted(s.rating_id for s in inputs.held),
-        "retracted_rating_ids": inputs.retracted, "advantages": c.advantages, "metrics": c.metrics,
+        "retracted_rating_ids": inputs.retracted,
+        "replayed_rating_ids": [s.rating_id for s in inputs.replayed],
+        "advantages": c.advantages, "metrics": c.metrics,
         "config": dict(asdict(tcfg)),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.time() - started, 1),
@@ -222,7 +249,8 @@ def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c:
         ctx.registry.set_current(c.version)
         schedule_push(ctx, conn)
         checked = f", held-out check passed on {len(inputs.held)}" if inputs.held else ""
-        return JobResult.done(f"{c.version} is live (trained on {len(inputs.train)} ratings{checked})",
+        replayed = f" and {len(inputs.replayed)} earlier ones" if inputs.replayed else ""
+        return JobResult.done(f"{c.version} is live (trained on {len(inputs.train)} ratings{replayed}{checked})",
                               version=c.version)
     return JobResult.failed(f"{c.version} was not promoted: {c.reason or status}", version=c.version)
 

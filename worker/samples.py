@@ -16,6 +16,10 @@ class TrainSample:
     # Set for a retraction: an already-trained rating that was undone or replaced. The run applies
     # the opposite of the update it once made, with this advantage, instead of r - ema.
     fixed_advantage: float | None = None
+    # An earlier-trained rating mixed in again so the run does not forget it (worker/replay.py). It
+    # trains like a fresh rating, but its recorded log-probs are ignored (an older version answered:
+    # docs/objective.md) and the run does not consume it: it stays its original run's.
+    replayed: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""python -m bench.learning --preference NAME --ratings 64 [--objective mispo|soft|reinforce|kto] [--json]
+"""python -m bench.learning --preference NAME --ratings 64 [--objective mispo|soft|reinforce|kto] [--then NAME] [--json]
 
 Does rating improve the model? A scripted user with a hidden preference rates answers through
 the real pipeline, with a comment on a thumbs-down as a person types it (`/rl bad too long, keep it
@@ -7,6 +7,14 @@ sampled in batches) measure the preferred-behaviour rate (95 % Wilson interval),
 of held-out good over bad answers, and collapse signals (distinct bigrams, repeated trigrams as the
 gate counts them), after 0 ratings and after every `--threshold` ratings. `--compare` runs every
 objective at equal ratings and compute and writes a markdown table and a PNG plot.
+
+Forgetting: `--then SPEC` changes the user's mind after half of `--ratings` (or `--switch-at N`), from
+then on they rate by SPEC. The rates (`rate`, `base_rate`, `final_rate`, `delta`) are then SPEC's, and
+every checkpoint also scores the first preference on the same answers (`first_rate`, `first_ci95`);
+`--json` adds `first_base_rate`, `first_switch_rate` (what was learned by the switch), `first_final_rate`
+and `first_kept` (final minus switch: near 0 within the interval when nothing was forgotten). Each
+checkpoint says how many earlier ratings the runs since the previous one replayed (`replayed`;
+`--replay F` sets the runs' `train.replay`, 0 switches replay off).
 
 `--json` carries, beside the rates and checkpoints: `base_distinct2`/`final_distinct2`,
 `base_repeat`/`final_repeat` (mean share of repeated trigrams within an answer, the gate's measure),
@@ -35,8 +43,9 @@ OBJECTIVES = ("mispo", "soft", "reinforce", "kto")
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     prefs = "; ".join(f"{k}: {v}" for k, v in named().items())
+    what = "\n\n".join(p.replace("\n", " ") for p in __doc__.split("\n\n")[1:3])  # what it measures, forgetting
     ap = argparse.ArgumentParser(
-        prog="python -m bench.learning", description=__doc__.split("\n\n")[1].replace("\n", " "),
+        prog="python -m bench.learning", description=what,
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=f"preferences: {prefs}",
     )
     who = ap.add_mutually_exclusive_group(required=True)
@@ -44,6 +53,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     who.add_argument("--rater", help="FILE.py:FUNC, a function (prompt, answer) -> 1 | -1 | None "
                      "or a pair (value, comment)")
     ap.add_argument("--ratings", type=int, default=64, help="ratings the simulated user gives (default 64)")
+    ap.add_argument("--then", metavar="SPEC", help="a second preference (NAME[:ARG] or FILE.py:FUNC) the user "
+                    "rates by after --switch-at ratings; the first one's rate is still scored at every checkpoint")
+    ap.add_argument("--switch-at", type=int, metavar="N", help="ratings given by the first preference before "
+                    "--then's takes over (default: half of --ratings)")
+    ap.add_argument("--replay", type=float, metavar="F", help="train.replay for the runs: earlier ratings "
+                    "replayed per new training rating (default: the config's, 0.5; 0: off)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
     ap.add_argument("--compare", action="store_true", help="run every objective; print a table, write a plot")
     ap.add_argument("--model", default="smollm2-135m", help="alias, local folder or hub id")
@@ -70,6 +85,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--ratings, --threshold, --heldout, --samples and --batch must be positive")
     if args.heldout > len(HELD_OUT_TOPICS):
         ap.error(f"--heldout: there are {len(HELD_OUT_TOPICS)} held-out prompts")
+    if args.switch_at is not None and (args.then is None or not 0 < args.switch_at < args.ratings):
+        ap.error("--switch-at needs --then and must be between 0 and --ratings")
+    if args.replay is not None and not 0 <= args.replay <= 4:
+        ap.error("--replay must be between 0 and 4")
     return args
 
 
@@ -78,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True, log_path=False)
     try:
         pref = load_rater(args.rater) if args.rater else preference(args.preference)
+        then = None if args.then is None else load_rater(args.then) if ".py:" in args.then else preference(args.then)
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
-    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("advantage", args.advantage))
-                 if v is not None}
+    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("advantage", args.advantage),
+                                   ("replay", args.replay)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
@@ -107,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 threshold=args.threshold, preset=args.preset, heldout=args.heldout, samples=args.samples,
                 batch=args.batch, comments=not args.no_comments,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, gate=not args.no_gate,
-                overrides=overrides, home=home,
+                overrides=overrides, home=home, then=then, switch_at=args.switch_at,
             )
             try:
                 result = run_benchmark(bc, report)
@@ -132,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_one(console: Console, s: dict) -> None:
     lo, hi = s["ci95"]
+    measured = f"{s['then']} (after {s['preference']})" if s.get("then") else s["preference"]
     console.print(
-        f"[bold]{s['objective']}[/] · {s['preference']} · {s['ratings']} ratings: "
+        f"[bold]{s['objective']}[/] · {measured} · {s['ratings']} ratings: "
         f"rate {s['base_rate']:.2f} → {s['final_rate']:.2f} (Δ {s['delta']:+.2f}, 95% CI {lo:.2f}–{hi:.2f}) · "
         f"margin {s['margin_before']:+.3f} → {s['margin_after']:+.3f} · "
         f"words {s['answer_words_before']:.0f} → {s['answer_words_after']:.0f} · "
@@ -141,6 +162,13 @@ def _print_one(console: Console, s: dict) -> None:
         f"repeated trigrams {s['base_repeat']:.2f} → {s['final_repeat']:.2f} · "
         f"entropy ×{s['entropy_ratio']:.2f} · {s['seconds']:.0f} s"
     )
+    if s.get("then"):
+        lo, hi = s["first_final_ci95"] or (float("nan"), float("nan"))
+        console.print(
+            f"  {s['then']} from rating {s['switch_at'] + 1} on; {s['preference']}, the first preference: "
+            f"{s['first_base_rate']:.2f} → {s['first_switch_rate']:.2f} at the switch → {s['first_final_rate']:.2f} "
+            f"(95% CI {lo:.2f}–{hi:.2f}, kept {s['first_kept']:+.2f}); {s['replayed']} ratings replayed"
+        )
     if s.get("controls_delta"):
         console.print("  the same answers by the other named preferences (a control), Δ: "
                       + ", ".join(f"{k} {v:+.2f}" for k, v in s["controls_delta"].items()))

@@ -54,10 +54,15 @@ class Checkpoint:
     # A few held-out answers as text (the same prompts and seeds at every checkpoint): what a rate or a
     # collapse signal means, shown.
     examples: list[dict[str, str]] = field(default_factory=list)
+    # With a second preference (--then): the first one's rate on the same answers, kept or forgotten.
+    first_rate: float | None = None
+    first_ci95: tuple[float, float] | None = None
+    replayed: int = 0  # earlier ratings the runs since the previous checkpoint replayed
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ci95"] = list(self.ci95)
+        d["first_ci95"] = list(self.first_ci95) if self.first_ci95 is not None else None
         return d
 
 

@@ -9,6 +9,10 @@ for the next answers. Held-out prompts, never rated, are sampled at checkpoints 
 generation) to measure the preferred-behaviour rate, the log-prob margin of held-out good over bad
 answers, and the collapse signals.
 
+With a second preference (``then``) the user changes their mind after ``switch_at`` ratings: the rate is
+then the second preference's, and every checkpoint also scores the first (``first_rate``), so that a run
+that learns the second by forgetting the first shows it.
+
 The training worker runs in this process (an RQ burst after each trigger), so the user waits for
 each run: compute is equal across objectives, and nothing else competes for the CPU.
 """
@@ -77,8 +81,29 @@ class BenchConfig:
     seed: int = 0
     device: str = "auto"
     gate: bool = True
-    overrides: dict = field(default_factory=dict)  # TrainSettings fields (lr, steps, seq_band, ...)
+    overrides: dict = field(default_factory=dict)  # TrainSettings fields (lr, steps, seq_band, replay, ...)
     home: Path | None = None
+    then: Preference | None = None  # the user's preference after ``switch_at`` ratings
+    switch_at: int | None = None  # None: half of ``ratings``
+
+    @property
+    def switch(self) -> int | None:
+        """How many ratings the user gives by the first preference (None: never switches)."""
+        if self.then is None:
+            return None
+        return self.ratings // 2 if self.switch_at is None else self.switch_at
+
+    def rater_at(self, given: int) -> Preference:
+        """The preference the user rates by once ``given`` ratings are in."""
+        switch = self.switch
+        if self.then is None or switch is None or given < switch:
+            return self.preference
+        return self.then
+
+    @property
+    def measured(self) -> Preference:
+        """The preference a checkpoint's rate is of: the one the user ends with."""
+        return self.then or self.preference
 
 
 @dataclass
@@ -92,6 +117,10 @@ class BenchResult:
         first, last = self.checkpoints[0], self.checkpoints[-1]
         return {
             "preference": self.config.preference.name,
+            "then": self.config.then.name if self.config.then else None,
+            "switch_at": self.config.switch,
+            **self._first_preference(),
+            "replayed": sum(c.replayed for c in self.checkpoints),
             "ratings": last.ratings,
             "objective": self.config.objective,
             "model": self.config.model,
@@ -125,6 +154,19 @@ class BenchResult:
             "checkpoints": [c.to_dict() for c in self.checkpoints],
             "seconds": self.seconds,
         }
+
+    def _first_preference(self) -> dict:
+        """With ``then``: the first preference's rate at the start, at the switch (what was learned) and
+        at the end, and how much of what was learned was kept (``first_kept``: end minus switch)."""
+        switch = self.config.switch
+        if switch is None:
+            return {}
+        at = next((c for c in self.checkpoints if c.ratings == switch), self.checkpoints[-1])
+        last = self.checkpoints[-1]
+        learned, kept = at.first_rate, last.first_rate
+        return {"first_base_rate": self.checkpoints[0].first_rate, "first_switch_rate": learned,
+                "first_final_rate": kept, "first_final_ci95": list(last.first_ci95 or ()),
+                "first_kept": kept - learned if kept is not None and learned is not None else None}
 
 
 Report = Callable[[str, int, int], None]  # (what, done, total)
@@ -184,12 +226,16 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             out.extend(zip(chunk, got, strict=True))
         return out
 
-    def checkpoint(given: int) -> Checkpoint:
+    def checkpoint(given: int, since: int) -> Checkpoint:
+        """The held-out measurements after ``given`` ratings; ``since``: the previous checkpoint's."""
         t0 = time.perf_counter()
         texts = heldout_answers(given)
         tokens = [a.token_ids for _, a in texts]
-        verdicts = [bc.preference.rate(prompt, a.text) for prompt, a in texts]
+        verdicts = [bc.measured.rate(prompt, a.text) for prompt, a in texts]
         rate, ci, n = preferred_rate(verdicts)
+        first_rate = first_ci = None
+        if bc.then is not None:
+            first_rate, first_ci, _ = preferred_rate([bc.preference.rate(p, a.text) for p, a in texts])
         words, distinct = collapse_signals(tokens, [a.text for _, a in texts])
         adapter = registry.path(responder.active_version) if responder.active_version else None
         if not reference:
@@ -211,6 +257,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             entropy_ratio=ent / reference["entropy"] if reference["entropy"] else float("nan"),
             seconds=time.perf_counter() - t0,
             controls={c.name: preferred_rate([c.rate(p, a.text) for p, a in texts])[0] for c in controls()},
+            first_rate=first_rate, first_ci95=first_ci,
+            replayed=sum(r["replayed"] or 0 for r in runs if since < r["after_ratings"] <= given),
             examples=[{"prompt": p, "answer": a.text} for p, a in texts[: EXAMPLES * bc.samples : bc.samples]],
         )
 
@@ -218,8 +266,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     cases = UseCases(PermissionTable.for_config(cfg), cfg.model, handle)
     runs: list[dict] = []
     try:
-        marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings})
-        checkpoints = [checkpoint(0)]
+        marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings, bc.switch or 0})
+        checkpoints = [checkpoint(0, 0)]
         prompts = train_prompts()
         given = asked = 0
         while given < bc.ratings:
@@ -227,7 +275,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             asked += 1
             say("rating answers", given, bc.ratings)
             a = responder.answer([{"role": "user", "content": prompt}], seed=bc.seed * 1_000_003 + asked)
-            judged = bc.preference.judge(prompt, a.text)
+            judged = bc.rater_at(given).judge(prompt, a.text)
             if not a.text.strip() or judged.value is None:
                 continue
             try:  # exactly what `rlfleet chat` sends
@@ -251,7 +299,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                 runs.append(_last_run(cfg, ref.slug, given))
                 responder.refresh()
             if given in marks and given > 0:
-                checkpoints.append(checkpoint(given))
+                checkpoints.append(checkpoint(given, checkpoints[-1].ratings))
     finally:
         handle.close()
     return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
@@ -279,7 +327,7 @@ def _last_run(cfg: Config, slug: str, given: int) -> dict:
 
     run = Store(cfg.db_url).latest_run(slug)
     m = run.metrics or {}
-    keys = ("ratings_used", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
+    keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "seconds", "verdict", "reason")
     return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,
             **{k: m.get(k) for k in keys}}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,7 +29,8 @@ Report = Callable[[Progress], None]
 
 @dataclass(frozen=True)
 class RunRequest:
-    """What one run is handed: the rated samples, the reward baseline (None: the run's own mean), the
+    """What one run is handed: the rated samples (replayed earlier ones among them: they train, but
+    their recorded log-probs are set aside), the reward baseline (None: the run's own mean), the
     settings, the adapter it continues (None: a fresh one), the folder it saves to, and who hears of
     its progress."""
 
@@ -109,7 +110,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     out_dir = Path(run.out_dir)
 
     chosen = signal.select(backend, samples, run.ema, cfg)
-    encoded = [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in chosen.samples]
+    encoded = [encode_sample(backend.tokenizer, _on_start_policy(s), cfg.max_tokens) for s in chosen.samples]
     data = RunData(samples, chosen.samples, encoded, chosen.advantages, run.parent_adapter)
     # Recorded behaviour log-probs are raw fp32 values: lower precision alone would move the
     # importance ratios by about 1 % before any update, so a run that uses any stays in fp32.
@@ -127,9 +128,11 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         final_kl = scoring.saved_adapter_kl(backend, data.samples, out_dir, cfg.max_tokens)
 
     n_retractions = sum(s.fixed_advantage is not None for s in samples)
+    n_replayed = sum(s.replayed for s in samples)
     metrics: dict[str, float | int | str] = {
-        "ratings_used": len(samples) - n_retractions,
+        "ratings_used": len(samples) - n_retractions - n_replayed,
         "retractions": n_retractions,
+        "replayed": n_replayed,
         "mean_advantage": chosen.mean_advantage,
         "loss": outcome.loss,
         "mean_kl": final_kl if outcome.mean_kl is None else outcome.mean_kl,
@@ -152,3 +155,12 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         reason=reason,
     )
 
+
+
+def _on_start_policy(sample: TrainSample) -> TrainSample:
+    """A replayed sample without its recorded log-probs: an older version answered it, so they describe
+    neither the policy the run starts from nor one near it, and the objective's bands would drop it or
+    blow up its ratios. Without them the run-start policy is its behaviour (docs/objective.md)."""
+    if not sample.replayed:
+        return sample
+    return replace(sample, behaviour_logprobs=None, behaviour_token_ids=None)

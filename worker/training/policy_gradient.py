@@ -83,9 +83,9 @@ def _fixed_logprobs(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Per micro-batch: reference log-probs (adapter off) and behaviour log-probs.
 
-    Behaviour = the recorded log-probs where encode_sample kept them, the policy at the start of the
-    run elsewhere. A fresh LoRA starts exactly at the base (B = 0), so then the reference pass
-    doubles as the behaviour pass.
+    Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
+    loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
+    at the base (B = 0), so then the reference pass doubles as the behaviour pass.
     """
     encoded = data.encoded
     with backend.reference():
