@@ -293,6 +293,8 @@ def test_labels_name_only_what_varies_within_a_preference():
     tuned = {**_summary("mispo", 0, [0, 0]), "overrides": {"lr": 5e-5}}
     assert {s["label"] for s in _labelled([_summary("mispo", 0, [0, 0]), tuned])} == {"mispo · lr=preset",
                                                                                      "mispo · lr=5e-05"}
+    rules = [{**_summary("mispo", 0, [0, 0]), "overrides": {"advantage": a}} for a in ("ema", "asymmetric")]
+    assert {s["label"] for s in _labelled(rules)} == {"mispo · advantage=ema", "mispo · advantage=asymmetric"}
 
 
 def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):

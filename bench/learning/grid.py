@@ -125,10 +125,13 @@ def _labelled(summaries: list[dict]) -> list[dict]:
     overrides = sorted({k for s in summaries for k in s.get("overrides") or {}})
     varied = [k for k in overrides if len({(s.get("overrides") or {}).get(k) for s in summaries}) > 1]
 
+    def value(v: object) -> str:
+        return f"{v:g}" if isinstance(v, (int, float)) else str(v)  # lr=5e-05, advantage=asymmetric
+
     def name(s: dict) -> str:
         own = s.get("overrides") or {}
         parts = [names[k].format(s.get(k)) for k in varying]
-        return " · ".join(parts + [f"{k}={own[k]:g}" if k in own else f"{k}=preset" for k in varied])
+        return " · ".join(parts + [f"{k}={value(own[k])}" if k in own else f"{k}=preset" for k in varied])
 
     return [{**s, "label": name(s)} for s in summaries]
 
