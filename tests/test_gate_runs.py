@@ -111,6 +111,8 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
         hist = json.loads(rl("history", "--json").output)
         assert hist[0]["verdict"] == "rejected" and "margin fell" in hist[0]["reason"]
         assert hist[0]["heldout_margin_after"] < hist[0]["heldout_margin_before"]
+        # The run's reward model reaches meta.json and the history: both classes were rated.
+        assert 0 <= hist[0]["reward_model_auc"] <= 1 and hist[0]["reward_model_auc"] == v["metrics"]["reward_model_auc"]
         assert "rejected" in rl("history").output
 
         # Not served by accident: neither rollback nor a plain promote takes it.

@@ -33,7 +33,7 @@ class Progress:
 
 @dataclass
 class RunResult:
-    metrics: dict[str, float | int | str]
+    metrics: dict[str, float | int | str | None]  # None: a figure the run could not measure
     advantages: dict[int, float] = field(default_factory=dict)  # rating_id -> advantage used
     promoted_ok: bool = True  # the run's own sanity check (finite loss, KL under the limit)
     reason: str | None = None

@@ -18,8 +18,9 @@ checkpoint says how many earlier ratings the runs since the previous one replaye
 
 `--json` carries, beside the rates and checkpoints: `base_distinct2`/`final_distinct2`,
 `base_repeat`/`final_repeat` (mean share of repeated trigrams within an answer, the gate's measure),
-`promoted` (versions the gate promoted), and `reward_model_auc` and `teacher_gap` (null: nothing
-learns from a reward model or the comments yet).
+`promoted` (versions the gate promoted), `reward_model_auc` (the last run's cross-validated AUC of
+the reward model fitted on the ratings; null when it had too few of one class) and `teacher_gap`
+(null: nothing learns from the comments yet).
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ class BenchResult:
             "entropy_ratio": last.entropy_ratio,
             # Served because the gate judged them (not a run with no held-out ratings to judge on).
             "promoted": sum(1 for r in self.runs if r["state"] == "succeeded" and r.get("verdict") == "promoted"),
-            "reward_model_auc": None,  # no reward model is learned from the ratings yet
+            # The last run's cross-validated AUC of the reward model fitted on the user's ratings.
+            "reward_model_auc": self.runs[-1].get("reward_model_auc") if self.runs else None,
             "teacher_gap": None,  # no teacher uses the comments yet
             "comments": self.config.comments,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
@@ -328,6 +329,7 @@ def _last_run(cfg: Config, slug: str, given: int) -> dict:
     run = Store(cfg.db_url).latest_run(slug)
     m = run.metrics or {}
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
-            "accepted_token_frac", "accepted_seq_frac", "seconds", "verdict", "reason")
+            "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "seconds",
+            "verdict", "reason")
     return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,
             **{k: m.get(k) for k in keys}}

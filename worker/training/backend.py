@@ -112,6 +112,10 @@ class Backend(Protocol):
     def response_logprobs(self, batch: Batch) -> list[list[float]]:
         """Per row, the log-probs of its response tokens under the active model."""
 
+    def pooled_hidden(self, batch: Batch) -> list[list[float]]:
+        """Per row, the active model's last hidden layer (the one the output head reads) averaged
+        over its response tokens, in fp32; no gradient. What the reward model sees of an answer."""
+
     def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
         """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
 

@@ -3,8 +3,9 @@
 :func:`run_training` is the skeleton every run goes through, whatever the backend (:mod:`.backend`)
 and whatever the learning signal: check the input, let the signal pick the samples it trains on and
 their advantages, encode them, seed, wrap the model with the parent's adapter (or a fresh one),
-let the signal run its optimizer steps, save the adapter, measure and check the run, and return
-the metrics every caller reads. A new learning signal implements :class:`Signal` and runs on every
+cross-validate a reward model of the user's ratings (:mod:`.reward_features`; its AUC is reported),
+let the signal run its optimizer steps, save the adapter, measure and check the run, and return the
+metrics every caller reads. A new learning signal implements :class:`Signal` and runs on every
 backend that has the tensor operations it uses.
 """
 
@@ -21,7 +22,7 @@ from ..batching import Encoded, encode_sample
 from ..objective import run_check
 from ..presets import TrainConfig
 from ..samples import Progress, RunResult, TrainSample
-from . import scoring
+from . import reward_features, scoring
 from .backend import Backend
 
 Report = Callable[[Progress], None]
@@ -117,19 +118,19 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     mixed = all(e.behaviour_logprobs is None for e in encoded)
 
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
-    with (
-        backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session,
-        signal.train(backend, session, data, cfg, report) as outcome,
-    ):
-        report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
-        backend.save(out_dir)
+    with backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session:
+        # Before the first update: the reward model sees the answers as the run's starting policy does.
+        reward_model = reward_features.measure(backend, samples, cfg.max_tokens, cfg.seed)
+        with signal.train(backend, session, data, cfg, report) as outcome:
+            report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
+            backend.save(out_dir)
     final_kl = outcome.final_kl
     if final_kl is None:
         final_kl = scoring.saved_adapter_kl(backend, data.samples, out_dir, cfg.max_tokens)
 
     n_retractions = sum(s.fixed_advantage is not None for s in samples)
     n_replayed = sum(s.replayed for s in samples)
-    metrics: dict[str, float | int | str] = {
+    metrics: dict[str, float | int | str | None] = {
         "ratings_used": len(samples) - n_retractions - n_replayed,
         "retractions": n_retractions,
         "replayed": n_replayed,
@@ -144,6 +145,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "steps": cfg.steps,
         "lr": cfg.lr,
         "n_tokens": data.n_response,
+        **reward_model.metrics(),
         **outcome.extra,
     }
     start_kl = final_kl if outcome.start_kl is None else outcome.start_kl

@@ -305,6 +305,20 @@ class MlxTrainer(TrainerInterface):
         mask = np.array(batch["response_mask"])
         return [lp[row][mask[row]].tolist() for row in range(lp.shape[0])]
 
+    def pooled_hidden(self, batch: dict) -> list[list[float]]:
+        """mlx_lm's models keep the transformer without its output head as ``.model``; its output is
+        the normed last hidden layer, as Hugging Face's ``last_hidden_state`` is."""
+        import numpy as np
+
+        mx = _mx()
+        body = getattr(self.model, "model", None)
+        if body is None:
+            raise NotImplementedError(f"mlx_lm's {type(self.model).__name__} has no .model to read hidden states from")
+        hidden = body(batch["input_ids"]).astype(mx.float32)
+        mask = batch["response_mask"][..., None].astype(mx.float32)
+        pooled = (hidden * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
+        return cast("list[list[float]]", np.array(pooled).tolist())
+
     def score_rows(self, batch: dict, with_kl: bool) -> list[TokenSums]:
         import numpy as np
 

@@ -248,6 +248,22 @@ class Trainer(TrainerInterface):
         return [lp[row][batch["response_mask"][row]].tolist() for row in range(lp.shape[0])]
 
     @torch.no_grad()
+    def pooled_hidden(self, batch: dict[str, Tensor]) -> list[list[float]]:
+        model = self._active()
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+        with self.autocast():
+            if body is not None:  # the transformer without its output head: no vocab-sized logits
+                hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            else:
+                out = lm(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=True)
+                hidden = out.hidden_states[-1]
+        mask = resp.unsqueeze(-1).to(torch.float32)
+        pooled = (hidden.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return pooled.cpu().tolist()
+
+    @torch.no_grad()
     def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[TokenSums]:
         model = self._active()
         logp, rows, targets = _answer_log_softmax(model, batch)

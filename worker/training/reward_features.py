@@ -1,0 +1,85 @@
+"""What the reward model (:mod:`.reward_model`) sees of a rated answer, and the run's report on it.
+
+Features of one answer, under the active model (in a run: the policy the run starts from):
+
+- the policy's own representation of the answer: the last hidden layer averaged over the answer's
+  tokens (``Backend.pooled_hidden``), whatever the model has learned to notice about it;
+- two plain statistics a person's taste often hangs on and a mean over tokens blurs:
+  ``log(answer tokens)`` (the length, end token included) and the share of the answer's words that
+  end a sentence (short sentences versus long ones).
+
+Labels: a liked answer 1, a disliked one 0. Retractions have no label (the rating was undone or
+replaced; the user no longer holds it); replayed ratings do (still-active ratings of the same user,
+which is what the model is of, and more of them makes a better fit on tens of answers).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batching import encode_sample
+from ..samples import TrainSample
+from .backend import Backend
+from .reward_model import MAX_FOLDS, CrossValidated, cross_validated_auc, why_not
+from .scoring import EVAL_BATCH_TOKENS
+
+_SENTENCE_ENDS = (".", "!", "?", "…", '."', '!"', '?"')
+
+
+@dataclass(frozen=True)
+class RewardModelReport:
+    """A run's figures on its reward model, as the run's metrics carry them."""
+
+    auc: float | None
+    reason: str
+    seconds: float
+
+    def metrics(self) -> dict[str, float | str | None]:
+        return {"reward_model_auc": self.auc, "reward_model_reason": self.reason,
+                "reward_model_seconds": self.seconds}
+
+
+def answer_statistics(response: str, n_tokens: int) -> list[float]:
+    """``[log(n_tokens), share of words that end a sentence]`` (0 for an empty answer)."""
+    words = response.split()
+    ends = sum(w.endswith(_SENTENCE_ENDS) for w in words)
+    return [math.log(max(n_tokens, 1)), ends / len(words) if words else 0.0]
+
+
+def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
+    """The samples that carry a rating the user holds: every one but the retractions."""
+    return [s for s in samples if s.fixed_advantage is None]
+
+
+def features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int) -> np.ndarray:
+    """``[n, hidden + 2]``: per sample its pooled last hidden state, then :func:`answer_statistics`."""
+    encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
+    groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
+    pooled: list[list[float]] = [[] for _ in samples]
+    for g, batch in zip(groups, batches, strict=True):
+        for i, row in zip(g, backend.pooled_hidden(batch), strict=True):
+            pooled[i] = row
+    stats = [answer_statistics(s.response, e.n_response) for s, e in zip(samples, encoded, strict=True)]
+    return np.hstack([np.asarray(pooled, dtype=np.float64), np.asarray(stats, dtype=np.float64)])
+
+
+def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, seed: int) -> RewardModelReport:
+    """Cross-validate a reward model on ``samples``' ratings under the active model; no forward pass
+    when either class is too small to cross-validate."""
+    started = time.perf_counter()
+    rated = labelled(samples)
+    labels = np.array([1.0 if s.reward > 0 else 0.0 for s in rated])
+    refused = why_not(labels)
+    if refused is not None:
+        result = CrossValidated(None, refused)
+    else:
+        try:
+            result = cross_validated_auc(features(backend, rated, max_tokens), labels, MAX_FOLDS, seed=seed)
+        except NotImplementedError as exc:  # a backend that cannot read this model's hidden states
+            result = CrossValidated(None, f"no features: {exc}")
+    return RewardModelReport(result.auc, result.reason, time.perf_counter() - started)
