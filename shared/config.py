@@ -69,6 +69,15 @@ class TrainSettings(BaseModel):
     # How a rating becomes an advantage (docs/objective.md): "ema" against the reward EMA, "asymmetric"
     # against just below the run's mean reward with a bounded push from each 👎.
     advantage: Literal["ema", "asymmetric"] = "ema"
+    # Exploration (docs/objective.md, "The reward model"): answers sampled per prompt from the run's
+    # starting policy and scored by the user's reward model, for up to explore_prompts of the run's
+    # rated prompts, when the model's cross-validated AUC reaches reward_model_min_auc. 0: off, until
+    # the learning benchmark (bench.learning --explore) measures it.
+    explore: int = Field(0, ge=0, le=64)
+    explore_prompts: int = Field(16, ge=1, le=1024)
+    explore_max_new_tokens: int = Field(64, ge=1, le=4096)
+    explore_weight: float = Field(0.5, ge=0, le=4)
+    reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
 
 
 class ChatSettings(BaseModel):

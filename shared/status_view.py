@@ -58,7 +58,7 @@ def bot_line(b: dict) -> str:
 
 HISTORY_FIELDS = ("ratings_used", "replayed", "heldout_n", "heldout_margin_before", "heldout_margin_after",
                   "heldout_kl", "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "reward_model_auc",
-                  "verdict", "reason")
+                  "explored", "explore_reason", "verdict", "reason")
 
 
 def history_rows(versions: list[dict]) -> list[dict]:

@@ -42,6 +42,13 @@ class TrainConfig:
     objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for)
     clip_eps: float = 0.2  # soft: PPO clip range
     drift_tau: float = 0.05  # soft: a sequence's weight is exp(-its mean KL to the base / drift_tau)
+    # Exploration with the user's reward model (training/exploration.py): answers sampled per prompt
+    # (0: off), how many rated prompts, their length cap, the weight of their advantages, the AUC bar.
+    explore: int = 0
+    explore_prompts: int = 16
+    explore_max_new_tokens: int = 64
+    explore_weight: float = 0.5
+    reward_model_min_auc: float = 0.75
 
 
 _PRESETS: dict[str, TrainConfig] = {
@@ -85,5 +92,10 @@ def resolve(
         device=settings.device,
         objective=settings.objective,
         advantage=settings.advantage,
+        explore=settings.explore,
+        explore_prompts=settings.explore_prompts,
+        explore_max_new_tokens=settings.explore_max_new_tokens,
+        explore_weight=settings.explore_weight,
+        reward_model_min_auc=settings.reward_model_min_auc,
     )
     return cfg

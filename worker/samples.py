@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TrainSample:
-    rating_id: int
+    # None: an answer the run sampled itself to explore (training/exploration.py), not a rating: no
+    # ledger, EMA or held-out set ever sees it.
+    rating_id: int | None
     prompt: list[dict]  # chat messages [{"role": ..., "content": ...}]
     response: str
     reward: float  # +1 good, -1 bad

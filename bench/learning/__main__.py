@@ -16,6 +16,10 @@ and `first_kept` (final minus switch: near 0 within the interval when nothing wa
 checkpoint says how many earlier ratings the runs since the previous one replayed (`replayed`;
 `--replay F` sets the runs' `train.replay`, 0 switches replay off).
 
+Exploration: `--explore K` sets the runs' `train.explore` (answers sampled per rated prompt and scored
+by the reward model when its AUC clears `train.reward_model_min_auc`); each run in `runs` says how many
+it added (`explored`) and why (`explore_reason`).
+
 `--json` carries, beside the rates and checkpoints: `base_distinct2`/`final_distinct2`,
 `base_repeat`/`final_repeat` (mean share of repeated trigrams within an answer, the gate's measure),
 `promoted` (versions the gate promoted), `reward_model_auc` (the last run's cross-validated AUC of
@@ -60,6 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "--then's takes over (default: half of --ratings)")
     ap.add_argument("--replay", type=float, metavar="F", help="train.replay for the runs: earlier ratings "
                     "replayed per new training rating (default: the config's, 0.5; 0: off)")
+    ap.add_argument("--explore", type=int, metavar="K", help="train.explore for the runs: answers sampled per "
+                    "rated prompt and scored by the user's reward model (default: the config's; 0: off)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
     ap.add_argument("--compare", action="store_true", help="run every objective; print a table, write a plot")
     ap.add_argument("--model", default="smollm2-135m", help="alias, local folder or hub id")
@@ -90,6 +96,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--switch-at needs --then and must be between 0 and --ratings")
     if args.replay is not None and not 0 <= args.replay <= 4:
         ap.error("--replay must be between 0 and 4")
+    if args.explore is not None and not 0 <= args.explore <= 64:
+        ap.error("--explore must be between 0 and 64")
     return args
 
 
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {exc}")
         return 2
     overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("advantage", args.advantage),
-                                   ("replay", args.replay)) if v is not None}
+                                   ("replay", args.replay), ("explore", args.explore)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),

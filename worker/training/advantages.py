@@ -10,6 +10,9 @@ Two rules (``train.advantage``; docs/objective.md says when each helps):
   answers at once is what raises the entropy (arXiv 2505.22617) and collapses the distribution when
   the baseline sits at or above the expected reward (AsymRE, arXiv 2506.20520).
 
+An answer the run sampled itself to explore gets a group-relative advantage instead
+(:func:`group_advantages`): its reward model score against the other answers to the same prompt.
+
 A retraction (an undone or replaced rating that an earlier run trained on) brings a fixed advantage
 under either rule. The arithmetic is float32, step by step, as the training tensors hold it: every
 backend trains on the same advantages, bit for bit.
@@ -103,3 +106,20 @@ def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: floa
 
     return [rated_advantage(s.reward) if s.fixed_advantage is None else f32(float(s.fixed_advantage))
             for s in samples]
+
+
+def group_advantages(scores: Sequence[float], weight: float, clip: float) -> list[float]:
+    """The advantages of one prompt's sampled answers from their reward model scores:
+    ``clip(weight * (s - mean) / std, -clip, clip)`` in float32, the mean and (population) std over
+    the group. Centred on the group, so the scores' common offset (how likely the user is to like
+    any answer to this prompt) teaches nothing; divided by the std, so a group's spread is about
+    ``weight`` whatever the reward model's scale, comparable with the ratings' advantages (about 1).
+    A group whose scores are all equal (or a group of one) gets zeros: it has nothing to compare."""
+    if not scores:
+        return []
+    mean = sum(scores) / len(scores)
+    std = (sum((s - mean) ** 2 for s in scores) / len(scores)) ** 0.5
+    if std <= 1e-12 * max(1.0, abs(mean)):
+        return [0.0] * len(scores)
+    bound = f32(clip)
+    return [min(max(f32(f32(weight) * f32((s - mean) / std)), -bound), bound) for s in scores]

@@ -4,7 +4,8 @@
 and whatever the learning signal: check the input, let the signal pick the samples it trains on and
 their advantages, encode them, seed, wrap the model with the parent's adapter (or a fresh one),
 cross-validate a reward model of the user's ratings (:mod:`.reward_features`; its AUC is reported),
-let the signal run its optimizer steps, save the adapter, measure and check the run, and return the
+add the answers it explores with that model where it is good enough (:mod:`.exploration`), let the
+signal run its optimizer steps, save the adapter, measure and check the run, and return the
 metrics every caller reads. A new learning signal implements :class:`Signal` and runs on every
 backend that has the tensor operations it uses.
 """
@@ -22,7 +23,7 @@ from ..batching import Encoded, encode_sample
 from ..objective import run_check
 from ..presets import TrainConfig
 from ..samples import Progress, RunResult, TrainSample
-from . import reward_features, scoring
+from . import exploration, reward_features, scoring
 from .backend import Backend
 
 Report = Callable[[Progress], None]
@@ -57,7 +58,7 @@ class RunData:
     """A run's input after selection and encoding."""
 
     given: list[TrainSample]  # every sample the run was handed
-    samples: list[TrainSample]  # the ones trained on
+    samples: list[TrainSample]  # the ones trained on: selected ratings, then explored answers
     encoded: list[Encoded]
     advantages: list[float]
     parent_adapter: Path | None
@@ -112,15 +113,20 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
 
     chosen = signal.select(backend, samples, run.ema, cfg)
     encoded = [encode_sample(backend.tokenizer, _on_start_policy(s), cfg.max_tokens) for s in chosen.samples]
-    data = RunData(samples, chosen.samples, encoded, chosen.advantages, run.parent_adapter)
     # Recorded behaviour log-probs are raw fp32 values: lower precision alone would move the
-    # importance ratios by about 1 % before any update, so a run that uses any stays in fp32.
+    # importance ratios by about 1 % before any update, so a run that uses any stays in fp32
+    # (explored answers bring none: they change nothing here).
     mixed = all(e.behaviour_logprobs is None for e in encoded)
 
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
     with backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session:
-        # Before the first update: the reward model sees the answers as the run's starting policy does.
+        # Before the first update: the reward model sees the answers as the run's starting policy
+        # does, and explored answers are sampled from that policy (their behaviour policy).
         reward_model = reward_features.measure(backend, samples, cfg.max_tokens, cfg.seed)
+        explored = exploration.explore(backend, samples, reward_model, cfg)
+        encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
+        data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
+                       run.parent_adapter)
         with signal.train(backend, session, data, cfg, report) as outcome:
             report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
             backend.save(out_dir)
@@ -146,13 +152,15 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "lr": cfg.lr,
         "n_tokens": data.n_response,
         **reward_model.metrics(),
+        **explored.metrics(),
         **outcome.extra,
     }
     start_kl = final_kl if outcome.start_kl is None else outcome.start_kl
     ok, reason = run_check(outcome.loss, start_kl, final_kl, cfg.max_mean_kl)
     return RunResult(
         metrics=metrics,
-        advantages={s.rating_id: a for s, a in zip(chosen.samples, chosen.advantages, strict=True)},
+        advantages={s.rating_id: a for s, a in zip(chosen.samples, chosen.advantages, strict=True)
+                    if s.rating_id is not None},
         promoted_ok=ok,
         reason=reason,
     )

@@ -25,7 +25,7 @@ import numpy as np
 from ..batching import encode_sample
 from ..samples import TrainSample
 from .backend import Backend
-from .reward_model import MAX_FOLDS, CrossValidated, cross_validated_auc, why_not
+from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, cross_validated_auc, fit, why_not
 from .scoring import EVAL_BATCH_TOKENS
 
 _SENTENCE_ENDS = (".", "!", "?", "…", '."', '!"', '?"')
@@ -33,11 +33,13 @@ _SENTENCE_ENDS = (".", "!", "?", "…", '."', '!"', '?"')
 
 @dataclass(frozen=True)
 class RewardModelReport:
-    """A run's figures on its reward model, as the run's metrics carry them."""
+    """A run's figures on its reward model, as the run's metrics carry them, and (where the AUC was
+    measured) the model refitted on every labelled answer, which exploration scores answers with."""
 
     auc: float | None
     reason: str
     seconds: float
+    model: RewardModel | None = None
 
     def metrics(self) -> dict[str, float | str | None]:
         return {"reward_model_auc": self.auc, "reward_model_reason": self.reason,
@@ -75,11 +77,15 @@ def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, s
     rated = labelled(samples)
     labels = np.array([1.0 if s.reward > 0 else 0.0 for s in rated])
     refused = why_not(labels)
+    model = None
     if refused is not None:
         result = CrossValidated(None, refused)
     else:
         try:
-            result = cross_validated_auc(features(backend, rated, max_tokens), labels, MAX_FOLDS, seed=seed)
+            x = features(backend, rated, max_tokens)
         except NotImplementedError as exc:  # a backend that cannot read this model's hidden states
             result = CrossValidated(None, f"no features: {exc}")
-    return RewardModelReport(result.auc, result.reason, time.perf_counter() - started)
+        else:
+            result = cross_validated_auc(x, labels, MAX_FOLDS, seed=seed)
+            model = fit(x, labels)
+    return RewardModelReport(result.auc, result.reason, time.perf_counter() - started, model)

@@ -1,0 +1,95 @@
+"""Exploration: answers the run samples itself and scores with the user's reward model.
+
+A preference the model rarely shows leaves a run almost only 👎s, and a 👎 cannot teach what the
+model never produced. Several answers per prompt find the rare liked one far more often than one
+does, so when the run's reward model (:mod:`.reward_features`) ranks held-out ratings well enough
+(cross-validated AUC at least ``train.reward_model_min_auc``), the run samples ``train.explore``
+answers for each of up to ``train.explore_prompts`` of its rated prompts (newest first) from the
+policy it starts from, scores them with the model refitted on every labelled answer, and trains on
+them with group-relative advantages (:func:`.advantages.group_advantages`) beside the ratings.
+
+An explored answer is not a rating: it has no rating id, so the ledger, the reward EMA and the gate's
+held-out set never see it, and the user's own rated answers keep the advantages their ratings give
+them (the reward model never overrides a rating). It has no recorded log-probs: its behaviour policy
+is the run's starting policy, which sampled it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..presets import TrainConfig
+from ..samples import TrainSample
+from .advantages import group_advantages
+from .backend import Backend
+from .reward_features import RewardModelReport, features, labelled
+
+SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
+
+
+@dataclass(frozen=True)
+class Exploration:
+    """What a run explored: the answers it trains on beside the ratings, the advantage of each, and
+    the run's figures on it (``explored`` is 0 and ``reason`` says why when nothing was sampled)."""
+
+    samples: list[TrainSample] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    reason: str = ""
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float | int | str]:
+        return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds}
+
+
+def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
+    """Why this run does not explore, or None when it does."""
+    if cfg.explore <= 0:
+        return "off (train.explore = 0)"
+    if report.auc is None or report.model is None:
+        return f"no reward model: {report.reason}"
+    if report.auc < cfg.reward_model_min_auc:
+        return f"reward model AUC {report.auc:.3f} below train.reward_model_min_auc {cfg.reward_model_min_auc}"
+    return None
+
+
+def prompts_to_explore(samples: Sequence[TrainSample], n: int) -> list[list[dict]]:
+    """Up to ``n`` distinct prompts of the run's labelled ratings, the newest rating's first."""
+    rated = sorted(labelled(samples), key=lambda s: -(s.rating_id or 0))
+    seen: set[str] = set()
+    prompts: list[list[dict]] = []
+    for s in rated:
+        key = json.dumps(s.prompt, sort_keys=True)
+        if key not in seen and len(prompts) < n:
+            seen.add(key)
+            prompts.append(s.prompt)
+    return prompts
+
+
+def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
+            cfg: TrainConfig) -> Exploration:
+    """Sample, score and weigh the run's explored answers under the active model (the policy the run
+    starts from); nothing is sampled when :func:`why_not` gives a reason."""
+    started = time.perf_counter()
+    refused = why_not(report, cfg)
+    if refused is not None or report.model is None:
+        return Exploration(reason=refused or "no reward model", seconds=time.perf_counter() - started)
+    k = cfg.explore
+    prompts = prompts_to_explore(samples, cfg.explore_prompts)
+    rows = [p for p in prompts for _ in range(k)]
+    answers: list[list[int]] = []
+    for start in range(0, len(rows), SAMPLE_ROWS):
+        # seeded per chunk (the torch backend draws one stream per batch, MLX seed + row)
+        answers += backend.sample(rows[start:start + SAMPLE_ROWS], cfg.explore_max_new_tokens, cfg.seed + start)
+    tok = backend.tokenizer
+    explored = [TrainSample(rating_id=None, prompt=p, response=tok.decode(ids, skip_special_tokens=True), reward=0.0)
+                for p, ids in zip(rows, answers, strict=True)]
+    scores = report.model.score(features(backend, explored, cfg.max_tokens)).tolist()
+    advantages: list[float] = []
+    for g in range(len(prompts)):
+        advantages += group_advantages(scores[g * k:(g + 1) * k], cfg.explore_weight, cfg.adv_clip)
+    reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
+              f">= {cfg.reward_model_min_auc}")
+    return Exploration(explored, advantages, reason, time.perf_counter() - started)
