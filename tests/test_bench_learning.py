@@ -155,7 +155,10 @@ def test_then_switch_at_and_replay_options():
 
     args = parse(["--preference", "short:3", "--then", "question", "--switch-at", "8", "--replay", "0"])
     assert (args.then, args.switch_at, args.replay) == ("question", 8, 0.0)
-    for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"]):
+    assert parse(["--preference", "short:3", "--explore", "4"]).explore == 4
+    assert parse(["--preference", "short:3"]).explore is None  # the config's train.explore
+    for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"],
+                ["--explore", "-1"]):
         with pytest.raises(SystemExit):
             parse(["--preference", "short:3", *bad])
 
@@ -230,6 +233,9 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     last_run = out["runs"][-1]
     assert out["reward_model_auc"] == last_run["reward_model_auc"] and last_run["reward_model_reason"]
     assert all(r["reward_model_auc"] is None or 0 <= r["reward_model_auc"] <= 1 for r in out["runs"])
+    # Exploration is off by default: no run sampled anything, and each says so.
+    assert all(r["explored"] in (0, None) for r in out["runs"])
+    assert (last_run["explored"], last_run["explore_reason"]) == (0, "off (train.explore = 0)")
     # How many earlier ratings each checkpoint's runs replayed (train.replay's default: half a run's own).
     replayed = [c["replayed"] for c in out["checkpoints"]]
     assert replayed[0] == 0 and sum(replayed) == out["replayed"] == sum(r["replayed"] or 0 for r in out["runs"])

@@ -113,6 +113,7 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
         assert hist[0]["heldout_margin_after"] < hist[0]["heldout_margin_before"]
         # The run's reward model reaches meta.json and the history: both classes were rated.
         assert 0 <= hist[0]["reward_model_auc"] <= 1 and hist[0]["reward_model_auc"] == v["metrics"]["reward_model_auc"]
+        assert (hist[0]["explored"], hist[0]["explore_reason"]) == (0, "off (train.explore = 0)")
         assert "rejected" in rl("history").output
 
         # Not served by accident: neither rollback nor a plain promote takes it.
@@ -148,3 +149,26 @@ def test_a_good_run_is_promoted_and_its_held_out_ratings_train_the_next(gated_ho
         assert st["ratings"]["pending"] == 4
         meta = AdapterRegistry(cfg.adapters_root, st["model_slug"]).meta("v0001")
         assert set(meta["heldout_rating_ids"]).isdisjoint(meta["rating_ids"])
+
+
+def test_an_exploring_run_adds_answers_the_ledger_never_sees(gated_home):
+    cfg = load_config()
+    cfg.train.explore, cfg.train.explore_prompts, cfg.train.explore_max_new_tokens = 2, 3, 8
+    cfg.save()
+    with opened_queue() as (cfg, handle):
+        _prefer(cfg, handle, TOPICS[:6], GOOD, BAD)
+        _work_train_queue(handle)
+        st = status()
+        (v,) = st["adapter"]["versions"]
+        m = v["metrics"]
+        # 8 training ratings (4 liked, 4 disliked; the newest 4 are held out), separable: explored.
+        assert m["ratings_used"] == 8 and m["reward_model_auc"] == 1.0
+        assert m["explored"] == 2 * 3 and m["explore_reason"].startswith("2 answers to each of 3 prompts")
+        meta = AdapterRegistry(cfg.adapters_root, st["model_slug"]).meta(v["version"])
+        assert meta["metrics"]["explored"] == 6 and meta["config"]["explore"] == 2
+        # The ledger, the EMA and the held-out set see the ratings only.
+        assert len(meta["rating_ids"]) == 8 and {int(k) for k in meta["advantages"]} == set(meta["rating_ids"])
+        assert len(meta["heldout_rating_ids"]) == 4
+        assert st["ratings"]["pending"] == (4 if v["status"] == "active" else 12)
+        hist = json.loads(rl("history", "--json").output)
+        assert (hist[0]["explored"], hist[0]["explore_reason"]) == (6, m["explore_reason"])

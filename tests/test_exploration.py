@@ -1,0 +1,146 @@
+"""Exploration with the user's reward model (worker/training/exploration.py): the group-relative
+advantages on plain numbers, K sampled answers per prompt on both backends, and runs on the tiny model
+that explore (separable ratings, AUC over the bar) or say why they do not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_trainer import LEARN, chat, preference_samples
+
+from rlfleet.shared.models import resolve_model
+from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.training import exploration
+from rlfleet.worker.training.advantages import group_advantages
+from rlfleet.worker.training.reward_features import RewardModelReport
+
+# ---- plain numbers -------------------------------------------------------------------------------
+
+
+def test_group_advantages_are_centred_scaled_by_the_spread_and_clipped():
+    adv = group_advantages([1.0, 2.0, 3.0, 6.0], weight=0.5, clip=2.0)
+    # mean 3, population std sqrt(3.5)
+    expected = [0.5 * (s - 3.0) / 3.5**0.5 for s in (1.0, 2.0, 3.0, 6.0)]
+    assert adv == pytest.approx(expected, rel=1e-6)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-6)
+    assert np.std(adv) == pytest.approx(0.5, rel=1e-6)  # the spread is the weight, whatever the scale
+    assert group_advantages([10.0, 20.0, 30.0, 60.0], 0.5, 2.0) == pytest.approx(adv, rel=1e-6)
+    assert group_advantages([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 105.0], 2.0, 2.0)[-1] == 2.0  # clipped
+    # A shift common to the group (how likely any answer to the prompt is liked) teaches nothing.
+    assert group_advantages([101.0, 102.0, 103.0, 106.0], 0.5, 2.0) == pytest.approx(adv, rel=1e-5)
+
+
+def test_a_group_with_nothing_to_compare_gets_zeros():
+    assert group_advantages([0.3, 0.3, 0.3], 0.5, 2.0) == [0.0, 0.0, 0.0]
+    assert group_advantages([1.7], 0.5, 2.0) == [0.0]
+    assert group_advantages([], 0.5, 2.0) == []
+
+
+def test_prompts_to_explore_are_distinct_newest_first_and_never_a_retractions():
+    a, b, c = chat("a"), chat("b"), chat("c")
+    samples = [TrainSample(1, a, "x", 1.0), TrainSample(5, b, "y", -1.0), TrainSample(3, a, "z", -1.0),
+               TrainSample(9, c, "w", -1.0, fixed_advantage=0.5)]
+    assert exploration.prompts_to_explore(samples, 16) == [b, a]
+    assert exploration.prompts_to_explore(samples, 1) == [b]
+
+
+def test_why_not_explore():
+    cfg = replace(LEARN, explore=4, reward_model_min_auc=0.75)
+    model = object()
+    assert exploration.why_not(RewardModelReport(0.9, "ok", 0.0, model), cfg) is None
+    assert exploration.why_not(RewardModelReport(0.9, "ok", 0.0, model), replace(cfg, explore=0)) == (
+        "off (train.explore = 0)")
+    low = exploration.why_not(RewardModelReport(0.7, "ok", 0.0, model), cfg)
+    assert low == "reward model AUC 0.700 below train.reward_model_min_auc 0.75"
+    none = exploration.why_not(RewardModelReport(None, "too few", 0.0), cfg)
+    assert none == "no reward model: too few"
+
+
+# ---- on the backends -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlx_trainer(tiny_model_dir):
+    pytest.importorskip("mlx.core", exc_type=ImportError, reason="the MLX backend needs mlx: pip install -e '.[mlx]'")
+    pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX backend needs mlx-lm: pip install -e '.[mlx]'")
+    from rlfleet.worker.training.mlx_backend import MlxTrainer
+
+    return MlxTrainer(resolve_model(str(tiny_model_dir)))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_sample_gives_k_seeded_answers_per_prompt_cut_at_the_end_token(backend_name, tiny_trainer, request):
+    backend = tiny_trainer if backend_name == "torch" else request.getfixturevalue("mlx_trainer")
+    prompts, k = [chat("Tell me about cats."), chat("What is rain?")], 3
+    rows = [p for p in prompts for _ in range(k)]
+    first = backend.sample(rows, 12, seed=7)
+    assert len(first) == len(prompts) * k
+    assert backend.sample(rows, 12, seed=7) == first  # seeded: the same answers again
+    eos = backend.tokenizer.eos_token_id
+    assert all(len(ids) <= 12 and eos not in ids for ids in first)
+    assert len({tuple(ids) for ids in first}) > 1  # the rows are separate draws, not one answer repeated
+    assert backend.sample(rows, 12, seed=8) != first
+
+
+def _run(backend, samples, cfg, out):
+    from rlfleet.worker.training.loop import RunRequest, run_training
+    from rlfleet.worker.training.policy_gradient import PolicyGradient
+
+    return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(backend_name, tiny_trainer, request,
+                                                                               tmp_path, monkeypatch):
+    backend = tiny_trainer if backend_name == "torch" else request.getfixturevalue("mlx_trainer")
+    samples = preference_samples()[:8]  # 4 prompts, each with a liked and a disliked answer: AUC 1.0
+    cfg = replace(LEARN, steps=1, explore=2, explore_prompts=3, explore_max_new_tokens=8)
+    trained: list[list[TrainSample]] = []
+    from rlfleet.worker.training import policy_gradient
+
+    real_train = policy_gradient.PolicyGradient.train
+
+    def spy(self, backend, session, data, cfg, report):
+        trained.append(list(data.samples))
+        assert len(data.advantages) == len(data.samples) == len(data.encoded)
+        return real_train(self, backend, session, data, cfg, report)
+
+    monkeypatch.setattr(policy_gradient.PolicyGradient, "train", spy)
+    result = _run(backend, samples, cfg, tmp_path / "explored")
+    m = result.metrics
+    assert m["reward_model_auc"] == 1.0
+    assert m["explored"] == 2 * 3
+    assert m["explore_reason"] == "2 answers to each of 3 prompts, reward model AUC 1.000 >= 0.75"
+    assert 0 < m["explore_seconds"] < m["seconds"]
+    assert m["ratings_used"] == len(samples)
+    extra = trained[0][len(samples):]
+    assert trained[0][: len(samples)] == samples  # the ratings train as before, first
+    assert len(extra) == 6 and all(s.rating_id is None and s.behaviour_logprobs is None for s in extra)
+    newest = [samples[i].prompt for i in (7, 5, 3)]  # rating ids 7, 5, 3: the newest prompts
+    assert [s.prompt for s in extra] == [p for p in newest for _ in range(2)]
+    # The ledger sees the ratings only, with the advantages they get without exploration.
+    alone = _run(backend, samples, replace(cfg, explore=0), tmp_path / "alone")
+    assert result.advantages == alone.advantages and set(result.advantages) == {s.rating_id for s in samples}
+    # The adapter loads.
+    pairs = [(s.prompt, s.response) for s in samples[:2]]
+    assert all(np.isfinite(backend.mean_logprobs(pairs, tmp_path / "explored")))
+
+
+def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_trainer, tmp_path, monkeypatch):
+    def no_sampling(*_a, **_k):
+        raise AssertionError("nothing is sampled")
+
+    monkeypatch.setattr(tiny_trainer, "sample", no_sampling)
+    samples = preference_samples()[:8]
+    off = _run(tiny_trainer, samples, replace(LEARN, steps=1), tmp_path / "off").metrics
+    assert (off["explored"], off["explore_reason"]) == (0, "off (train.explore = 0)")
+    liked = [s for s in samples if s.reward > 0]
+    cfg = replace(LEARN, steps=1, explore=4)
+    one = _run(tiny_trainer, liked, cfg, tmp_path / "one").metrics
+    assert one["explored"] == 0 and one["reward_model_auc"] is None
+    assert one["explore_reason"] == (
+        "no reward model: too few rated answers of one class to cross-validate (4 liked, 0 disliked)")
+    bar = _run(tiny_trainer, samples, replace(cfg, reward_model_min_auc=1.0 + 1e-9), tmp_path / "bar").metrics
+    assert bar["explored"] == 0 and bar["explore_reason"].startswith("reward model AUC 1.000 below")
