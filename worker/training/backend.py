@@ -120,4 +120,6 @@ class Backend(Protocol):
         """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
 
     def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        """One answer per prompt at temperature 0.7, as token ids up to the end token."""
+        """One answer per prompt at temperature 0.7, as token ids up to the end token; a prompt given
+        k times gets k separate draws (exploration's k answers per prompt), the same ones for the
+        same ``seed``."""
