@@ -15,7 +15,7 @@ from test_trainer import LEARN, preference_samples
 
 from rlfleet.shared.models import resolve_model
 from rlfleet.worker.training import reward_features
-from rlfleet.worker.training.reward_model import auc, cross_validated_auc, fit, stratified_folds, why_not
+from rlfleet.worker.training.reward_model import auc, best_of, cross_validated_auc, fit, stratified_folds, why_not
 
 
 def _synthetic(n: int, d: int, shift: float, seed: int, liked_share: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
@@ -88,6 +88,23 @@ def test_separable_data_cross_validates_near_one_and_random_labels_near_a_half()
         assert result.auc is not None
         aucs.append(result.auc)
     assert abs(np.mean(aucs) - 0.5) < 0.06
+
+
+def test_a_few_liked_answers_are_ranked_by_the_feature_set_that_cross_validates_best():
+    # 3 liked answers among 30, told apart by the last column (the length, say); 576 noise columns
+    # beside it, as a hidden state that says nothing about this taste.
+    rng = np.random.default_rng(0)
+    y = (np.arange(30) < 3).astype(float)
+    x = np.hstack([rng.normal(size=(30, 576)), (np.where(y > 0, 2.5, 4.0) + rng.normal(0, 0.2, 30))[:, None]])
+    sets = {"statistics": slice(-1, None), "everything": slice(None)}
+    alone = cross_validated_auc(x, y).auc
+    cv, model = best_of(x, y, sets)
+    assert cv.auc is not None and alone is not None and cv.auc > 0.95 > alone  # the wide set drowns it
+    assert cv.reason.endswith("on statistics") and model is not None and model.columns == slice(-1, None)
+    scores = model.score(x)  # the full rows: the model picks its own columns
+    assert scores[:3].min() > scores[3:].max()
+    one_class, none = best_of(x, np.zeros(30), sets)
+    assert one_class.auc is None and none is None
 
 
 def test_folds_are_stratified_and_deterministic():
@@ -163,7 +180,8 @@ def test_a_run_reports_the_reward_models_auc(backend_name, tiny_trainer, request
     cfg = replace(LEARN, steps=1)
     both = run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, tmp_path / "a")).metrics
     assert both["reward_model_auc"] == 1.0  # every liked answer says "yes", every disliked one "no"
-    assert both["reward_model_reason"] == "4-fold cross-validated on 4 liked, 4 disliked"
+    assert both["reward_model_reason"].startswith("4-fold cross-validated on 4 liked, 4 disliked, on ")
+    assert both["reward_model_reason"].rsplit(", on ", 1)[1] in reward_features.FEATURE_SETS
     assert 0 < both["reward_model_seconds"] < both["seconds"]
 
     # One liked answer (a retraction of a liked one has no label): no AUC, and why.

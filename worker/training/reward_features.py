@@ -25,10 +25,16 @@ import numpy as np
 from ..batching import encode_sample
 from ..samples import TrainSample
 from .backend import Backend
-from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, cross_validated_auc, fit, why_not
+from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, best_of, why_not
 from .scoring import EVAL_BATCH_TOKENS
 
 _SENTENCE_ENDS = (".", "!", "?", "…", '."', '!"', '?"')
+N_STATISTICS = 2  # the columns answer_statistics adds after the hidden state
+# What the model may be fitted on; the run keeps whichever cross-validates best (reward_model.best_of).
+FEATURE_SETS = {
+    "answer statistics": slice(-N_STATISTICS, None),
+    "hidden state and answer statistics": slice(None),
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,5 @@ def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, s
         except NotImplementedError as exc:  # a backend that cannot read this model's hidden states
             result = CrossValidated(None, f"no features: {exc}")
         else:
-            result = cross_validated_auc(x, labels, MAX_FOLDS, seed=seed)
-            model = fit(x, labels)
+            result, model = best_of(x, labels, FEATURE_SETS, MAX_FOLDS, seed=seed)
     return RewardModelReport(result.auc, result.reason, time.perf_counter() - started, model)
