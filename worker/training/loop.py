@@ -166,7 +166,6 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     )
 
 
-
 def _on_start_policy(sample: TrainSample) -> TrainSample:
     """A replayed sample without its recorded log-probs: an older version answered it, so they describe
     neither the policy the run starts from nor one near it, and the objective's bands would drop it or
