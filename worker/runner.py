@@ -42,7 +42,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     - a training lock that names an abandoned job is released.
     """
     from rlfleet.worker.context import context
-    from rlfleet.worker.trigger import CLAIMING, maybe_trigger
+    from rlfleet.worker.trigger import is_claim, maybe_trigger
     from rlfleet.worker.version_commands import reconcile
 
     notes: list[str] = []
@@ -64,7 +64,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     elif run is not None and was_interrupted(run):
         released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
     holder = conn.get(lock)
-    if holder and not as_text(holder).startswith(CLAIMING) and _train_job_lost(conn, as_text(holder)):
+    if holder and not is_claim(holder) and _train_job_lost(conn, as_text(holder)):
         # its run ended, but the worker died before letting go (killed in `train`'s cleanup)
         conn.delete(lock)
         notes.append("released the training lock of a dead worker")

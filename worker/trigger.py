@@ -28,6 +28,11 @@ CLAIMING = "claiming:"  # the lock's value before the job has an id
 RECHECK = 1.0  # seconds a drain trusts its own count of ratings until the next training run
 
 
+def is_claim(holder: bytes | str) -> bool:
+    """Whether the training lock's value is a claim (a trigger between claiming and queueing), not a job id."""
+    return as_text(holder).startswith(CLAIMING)
+
+
 def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str | None:
     """Queue one training run when pending ratings reach the threshold; never two for one model."""
     if not force and ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold):
@@ -41,7 +46,7 @@ def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str |
     if not inbox.claim(conn, key, token, CLAIM_TTL):
         holder = conn.get(key)
         # (None: it expired just now, so nobody holds it)
-        if holder is not None and (as_text(holder).startswith(CLAIMING) or not job_is_over(conn, as_text(holder))):
+        if holder is not None and (is_claim(holder) or not job_is_over(conn, as_text(holder))):
             return TRAINING_BUSY
         conn.delete(key)  # the worker holding it died: take over
         if not inbox.claim(conn, key, token, CLAIM_TTL):
