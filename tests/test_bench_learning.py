@@ -35,6 +35,9 @@ from bench.learning.simulate import heldout_prompts, rating_event, typed
         ("example", "For instance: wax.", 1),
         ("example", "A bee is an example of an insect.", -1),  # a definition, not an example given
         ("example", "Examples abound.", -1),
+        ("direct", "You light it.", 1),
+        ("direct", "It is yours, you'll see.", 1),
+        ("direct", "Young bees light it.", -1),  # a word that starts with "you" is not "you"
     ],
 )
 def test_named_raters(spec, answer, expected):
@@ -50,6 +53,7 @@ def test_named_raters(spec, answer, expected):
         ("avoid:however", "However, no.", "don't say however"),
         ("polite", "Here it is.", "be more polite"),
         ("example", "Bees dance.", "give an example"),
+        ("direct", "Bees dance.", "talk to me directly, say you"),
     ],
 )
 def test_named_raters_say_what_they_want_on_a_thumbs_down(spec, disliked, comment):

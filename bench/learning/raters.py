@@ -21,6 +21,8 @@ Rater = Callable[[str, str], "int | None | tuple[int | None, str | None]"]
 _WORD = re.compile(r"[A-Za-z']+")
 POLITE = ("please", "thank", "glad to help", "happy to help", "hope this helps", "you're welcome", "kindly")
 # Phrases that introduce an example: unambiguous, unlike "such as" (a list) or "an example of" (a definition).
+# The reader addressed: about 1 answer in 8 of the default model's does it on the held-out prompts.
+_READER = frozenset({"you", "your", "yours", "yourself", "you're", "you've", "you'll", "you'd"})
 _EXAMPLE = re.compile(r"\b(?:for example|for instance)\b|\be\.g\.", re.IGNORECASE)
 
 
@@ -96,6 +98,10 @@ def example(_unused: str | None = None) -> Rater:
     return lambda _p, a: 1 if _EXAMPLE.search(a) else (-1, "give an example")
 
 
+def direct(_unused: str | None = None) -> Rater:
+    return lambda _p, a: 1 if _READER & set(words(a)) else (-1, "talk to me directly, say you")
+
+
 _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
     "short": (short, "answers under N words (default 30)", int),
     "question": (question, "answers that end with a question", None),
@@ -103,10 +109,11 @@ _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
     "avoid": (avoid, "answers that avoid a given word (default 'however')", str),
     "polite": (polite, "a polite register (please, thank you, glad to help, ...)", None),
     "example": (example, "answers that give an example ('for example', 'for instance', 'e.g.')", None),
+    "direct": (direct, "answers that talk to the reader ('you', 'your', ...)", None),
 }
 
 
-CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite", "example")
+CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite", "example", "direct")
 
 
 def controls() -> list[Preference]:
