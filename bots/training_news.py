@@ -16,7 +16,7 @@ from rlfleet.shared.runs import ratings_until_run, was_interrupted
 from rlfleet.shared.schema import TrainRun
 from rlfleet.shared.store import Store
 
-ENDED = ("succeeded", "rejected", "failed", "stale")
+ENDED = ("succeeded", "rejected", "failed", "stale", "skipped")
 WATCHED_RUNS = 5  # runs looked at per poll: more than can end between two polls
 
 
@@ -61,6 +61,8 @@ class TrainingNews:
             used = m.get("ratings_used")
             return f"✓ {run.version} promoted: {check}" + (f" on {used} ratings" if used else "") + \
                 "; now answering with it"
+        if run.state == "skipped":
+            return f"· training run {run.id} trained nothing: {run.error or 'see rlfleet status'}; {self._next()}"
         if run.state == "stale":
             return f"✗ {run.version} set aside: a reset happened while it trained"
         if run.state == "rejected":

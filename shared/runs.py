@@ -53,14 +53,15 @@ def fail_interrupted(store: Store, slug: str, run_id: int, why: str) -> None:
 def ratings_until_run(store: Store, slug: str, threshold: int) -> int:
     """How many more new ratings start the next training run by themselves (0: the next rating does).
 
-    Pending ratings reach the threshold. After a failed or rejected run its ratings are still pending:
+    Pending ratings reach the threshold. After a failed, rejected or skipped run (one that had nothing
+    to learn from them) its ratings are still pending:
     retrying on every new rating would train on nearly the same data again and again, so it also
     waits for half a threshold of new ones. An interrupted run is retried at once (nothing was wrong
     with its data), unless the last few all were: a run that kills its worker every time (the OOM
     killer, say) would otherwise loop forever."""
     need = threshold - store.pending_count(slug)
     last = store.latest_run(slug)
-    if (last is not None and last.state in ("failed", "rejected") and last.started is not None
+    if (last is not None and last.state in ("failed", "rejected", "skipped") and last.started is not None
             and not (was_interrupted(last) and interrupted_streak(store, slug) < INTERRUPTED_IN_A_ROW)):
         need = max(need, max(1, threshold // 2) - store.pending_count(slug, since=last.started))
     return max(0, need)

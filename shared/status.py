@@ -54,7 +54,8 @@ class TrainingProgress:
 
 @dataclass(frozen=True)
 class TrainingState:
-    state: str = "idle"  # idle, queued, running or failed (a rejected version says so here too)
+    state: str = "idle"  # idle, queued, running or failed (a rejected version says so here too; an idle
+    # one's error says why the last run trained nothing)
     error: str | None = None
     run_id: int | None = None
     progress: TrainingProgress | None = None
@@ -79,6 +80,8 @@ def read_training(store: Store, conn: redis.Redis | None, slug: str) -> Training
         state, error = "failed", run.error
     elif run.state == "rejected":  # trained, but the gate kept it from being served
         state, error = "failed", f"{run.version} was not promoted: {run.error}"
+    elif run.state == "skipped" and run.error:  # nothing to learn from its ratings: say why while idle
+        error = run.error
     progress = None
     if conn is not None and state == "running":
         raw = conn.hgetall(progress_key(slug))

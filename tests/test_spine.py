@@ -166,6 +166,36 @@ def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch
         assert not [p for p in reg.dir.iterdir() if p.name.startswith(".staging")]
 
 
+def test_an_asymmetric_run_of_only_dislikes_trains_nothing_and_says_why(tiny_home):
+    """Under the asymmetric rule a run whose ratings are all 👎 has advantage 0 everywhere: it commits
+    no version (an identical one would be promoted and announced as new), keeps its ratings pending,
+    says why in status and in the chat, and the next run waits for half a threshold of new ratings."""
+    from rlfleet.bots.training_news import TrainingNews
+
+    cfg = load_config()
+    cfg.train.advantage, cfg.train.gate = "asymmetric", False
+    cfg.save()
+    with opened_queue() as (cfg, handle):
+        store, slug = Store(cfg.db_url), status()["model_slug"]
+        news = TrainingNews(store, None, slug, cfg.train.threshold)
+        _rate_some(cfg, handle, 4, value_of=lambda i: -1)
+        _work_train_queue(handle)
+        st = status()
+        assert st["adapter"]["current"] is None and st["adapter"]["versions"] == []
+        assert st["ratings"]["pending"] == 4
+        assert st["training"]["state"] == "idle" and "none of them liked" in st["training"]["error"]
+        assert not list(AdapterRegistry(cfg.adapters_root, slug).dir.glob(".staging*"))
+        (said,) = news.poll().ended
+        assert said.startswith("· training run 1 trained nothing: nothing to learn from these 4 ratings yet")
+        assert said.endswith("ratings stay pending, next run after 2 more")
+
+        results = _rate_some(cfg, handle, 2, value_of=lambda i: 1)  # a liked answer: now there is
+        assert results[0]["training"] is None and results[1]["training"].startswith("training run 2")
+        _work_train_queue(handle)
+        st = status()
+        assert st["adapter"]["current"] == "v0001" and st["ratings"]["pending"] == 0
+
+
 def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_home, monkeypatch):
     """Redis gone in the middle of a run: the run is "interrupted" (not failed, which would wait for
     new ratings), and the worker's recovery, once Redis answers, queues it again by itself."""

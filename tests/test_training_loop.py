@@ -16,7 +16,7 @@ from test_trainer import GOOD, LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
 from rlfleet.worker.training.advantages import advantage, asymmetric_advantage, run_advantages
-from rlfleet.worker.training.loop import RunRequest, Selection, run_training
+from rlfleet.worker.training.loop import NothingToLearn, RunRequest, Selection, run_training
 from rlfleet.worker.training.policy_gradient import PolicyGradient
 
 
@@ -115,3 +115,11 @@ def test_a_new_signal_runs_on_every_backend_through_the_same_loop(backend, tmp_p
     assert result.metrics["final_mean_kl"] > 0
     liked = [(chat("Describe snow briefly."), GOOD)]
     assert backend.mean_logprobs(liked, tmp_path / "a")[0] > backend.mean_logprobs(liked)[0]
+
+
+def test_a_run_with_nothing_to_learn_trains_and_saves_nothing(backend, tmp_path):
+    bad = [s for s in preference_samples() if s.reward < 0][:4]
+    cfg = replace(LEARN, steps=2, advantage="asymmetric")
+    with pytest.raises(NothingToLearn, match="nothing to learn from these 4 ratings yet, none of them liked"):
+        run_training(backend, PolicyGradient(), RunRequest(bad, None, cfg, None, tmp_path / "a"))
+    assert not (tmp_path / "a").exists()

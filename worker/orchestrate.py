@@ -34,6 +34,7 @@ from .push_schedule import schedule_push
 from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample
 from .trainer_cache import get_trainer
+from .training.loop import NothingToLearn
 from .trigger import LOCK_TTL
 
 log = logging.getLogger("rlfleet.worker")
@@ -51,6 +52,9 @@ def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) ->
         # would wait for half a threshold of new ratings first).
         fail_interrupted(ctx.store, ctx.slug, run_id, f"lost Redis during the run ({type(exc).__name__})")
         raise
+    except NothingToLearn as exc:  # not a fault: its ratings stay pending and the next run waits for more
+        ctx.store.fail_run(run_id, str(exc), state="skipped")
+        return JobResult.done(f"training run {run_id} skipped: {exc}")
     except Exception as exc:  # a failed run leaves CURRENT alone and says why in status
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not isinstance(exc, RlfleetError):

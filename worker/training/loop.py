@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlfleet.shared.errors import RlfleetError
+
 from ..batching import Encoded, encode_sample
 from ..objective import run_check
 from ..presets import TrainConfig
@@ -27,6 +29,11 @@ from . import exploration, reward_features, scoring
 from .backend import Backend
 
 Report = Callable[[Progress], None]
+
+
+class NothingToLearn(RlfleetError):
+    """Every sample of a run has advantage 0: no update would move the model, so the run trains nothing
+    and commits no version (one identical to its parent would be promoted and announced as new)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
         data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
                        run.parent_adapter)
+        if not any(data.advantages):
+            raise NothingToLearn(nothing_to_learn(chosen.samples))
         with signal.train(backend, session, data, cfg, report) as outcome:
             report(Progress(cfg.steps, cfg.steps, 0.0, outcome.loss, phase="saving"))
             backend.save(out_dir)
@@ -164,6 +173,15 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         promoted_ok=ok,
         reason=reason,
     )
+
+
+def nothing_to_learn(samples: list[TrainSample]) -> str:
+    """Why a run whose advantages are all 0 trains nothing, in the user's terms."""
+    liked = sum(s.reward > 0 for s in samples)
+    why = ("none of them liked: the asymmetric advantage (train.advantage) teaches through the answers "
+           "a user liked, and a 👍 on one is what moves the model" if liked == 0 else
+           "every advantage is 0")
+    return f"nothing to learn from these {len(samples)} ratings yet, {why}"
 
 
 def _on_start_policy(sample: TrainSample) -> TrainSample:
