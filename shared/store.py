@@ -418,6 +418,19 @@ class Store(RunLedger):
             ).all()
             return [(rid, value) for rid, value in rows]
 
+    def unrated_prompts(self, n: int) -> list[list[dict]]:
+        """The prompts of the ``n`` newest answers nobody rates (no active rating), newest first: what
+        a run's exploration samples beside its rated prompts (worker/training/exploration.py)."""
+        if n <= 0:
+            return []
+        rated = select(RatingRow.id).where(RatingRow.capture_id == CaptureRow.id, RatingRow.state == "active")
+        with self.session() as s:
+            rows = s.execute(
+                select(CaptureRow.prompt).where(~rated.exists())
+                .order_by(CaptureRow.created.desc(), CaptureRow.id.desc()).limit(n)
+            ).scalars().all()
+            return [list(p) for p in rows]
+
     def ratings_with_captures(self, ids: Sequence[int]) -> list[tuple[RatingRow, CaptureRow]]:
         """The ratings ``ids`` with their captures, in id order."""
         if not ids:

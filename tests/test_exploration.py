@@ -46,6 +46,15 @@ def test_prompts_to_explore_are_distinct_newest_first_and_never_a_retractions():
     assert exploration.prompts_to_explore(samples, 1) == [b]
 
 
+def test_prompts_to_explore_take_rated_and_captured_prompts_in_turn():
+    a, b, c, d, e = (chat(x) for x in "abcde")
+    rated = [TrainSample(1, a, "x", 1.0), TrainSample(2, b, "y", -1.0), TrainSample(3, c, "z", -1.0)]
+    # newest rated (c, b, a) and captured (d, b, e) alternate; b, rated and captured, comes once
+    assert exploration.prompts_to_explore(rated, 16, [d, b, e]) == [c, d, b, a, e]
+    assert exploration.prompts_to_explore(rated, 2, [d, b, e]) == [c, d]
+    assert exploration.prompts_to_explore([], 2, [d, b, e]) == [d, b]  # no rated prompt: captured ones
+
+
 def test_why_not_explore():
     cfg = replace(LEARN, explore=4, reward_model_min_auc=0.75)
     model = object()
@@ -84,11 +93,11 @@ def test_sample_gives_k_seeded_answers_per_prompt_cut_at_the_end_token(backend_n
     assert backend.sample(rows, 12, seed=8) != first
 
 
-def _run(backend, samples, cfg, out):
+def _run(backend, samples, cfg, out, captured=()):
     from rlfleet.worker.training.loop import RunRequest, run_training
     from rlfleet.worker.training.policy_gradient import PolicyGradient
 
-    return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out))
+    return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out, captured=captured))
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])
@@ -120,6 +129,11 @@ def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(b
     assert len(extra) == 6 and all(s.rating_id is None and s.behaviour_logprobs is None for s in extra)
     newest = [samples[i].prompt for i in (7, 5, 3)]  # rating ids 7, 5, 3: the newest prompts
     assert [s.prompt for s in extra] == [p for p in newest for _ in range(2)]
+    # A prompt nobody rated is explored in turn with the rated ones.
+    asked = chat("Tell me about rain.")
+    trained.clear()
+    _run(backend, samples, replace(cfg, explore_prompts=2), tmp_path / "asked", captured=[asked])
+    assert [s.prompt for s in trained[0][len(samples):]] == [samples[7].prompt] * 2 + [asked] * 2
     # The ledger sees the ratings only, with the advantages they get without exploration.
     alone = _run(backend, samples, replace(cfg, explore=0), tmp_path / "alone")
     assert result.advantages == alone.advantages and set(result.advantages) == {s.rating_id for s in samples}

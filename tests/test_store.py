@@ -74,6 +74,22 @@ def test_rerating_replaces_and_undo_removes(store):
         store.apply_undo(Undo())
 
 
+def test_unrated_prompts_are_the_newest_answers_without_an_active_rating(store):
+    import time
+
+    a, b, c, d = cap("a"), cap("b"), cap("c"), cap("d")
+    for one in (a, b, c, d):
+        store.apply_capture(one)
+        time.sleep(0.01)  # distinct creation times: newest first is then one order
+    store.apply_rating(Rating(value=1, target=b.capture_id), MODEL)
+    store.apply_rating(Rating(value=-1, target=d.capture_id), MODEL)
+    store.apply_undo(Undo())  # d's rating undone: unrated again
+    asked = [[{"role": "user", "content": f"q {x}"}] for x in "dca"]
+    assert store.unrated_prompts(10) == asked
+    assert store.unrated_prompts(1) == asked[:1]
+    assert store.unrated_prompts(0) == []
+
+
 def test_trained_then_undone_rating_comes_back_as_a_retraction(store):
     c = cap()
     store.apply_capture(c)

@@ -198,7 +198,8 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
     report = board.reporter(version)
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
-        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report)
+        captured = ctx.store.unrated_prompts(tcfg.explore_prompts) if tcfg.explore > 0 else []
+        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report, captured=captured)
         verdict = None
         if inputs.held and result.promoted_ok:
             report(Progress(0, 1, 0.0, phase="evaluating"))

@@ -37,7 +37,7 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,13 @@ class KtoTrainer:
         parent_adapter: Path | None,
         out_dir: Path,
         progress: Callable[[Progress], None] | None = None,
+        captured: Sequence[list[dict]] = (),
     ) -> RunResult:
         """Train ``cfg.steps`` KTO steps over ``samples``; save the adapter to ``out_dir``.
 
         ``ema`` is not used: KTO has no reward baseline, only desirable/undesirable labels.
         """
-        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured)
         return run_training(self.trainer, Kto(self.beta), run)
 
 

@@ -4,9 +4,10 @@ A preference the model rarely shows leaves a run almost only 👎s, and a 👎 c
 model never produced. Several answers per prompt find the rare liked one far more often than one
 does, so when the run's reward model (:mod:`.reward_features`) ranks held-out ratings well enough
 (cross-validated AUC at least ``train.reward_model_min_auc``), the run samples ``train.explore``
-answers for each of up to ``train.explore_prompts`` of its rated prompts (newest first) from the
-policy it starts from, scores them with the model refitted on every labelled answer, and trains on
-them with group-relative advantages (:func:`.advantages.group_advantages`) beside the ratings.
+answers for each of up to ``train.explore_prompts`` prompts from the policy it starts from (its
+rated prompts and those of recent answers nobody rated, taken in turn, the newest of each first),
+scores them with the model refitted on every labelled answer, and trains on them with
+group-relative advantages (:func:`.advantages.group_advantages`) beside the ratings.
 
 An explored answer is not a rating: it has no rating id, so the ledger, the reward EMA and the gate's
 held-out set never see it, and the user's own rated answers keep the advantages their ratings give
@@ -55,21 +56,30 @@ def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
     return None
 
 
-def prompts_to_explore(samples: Sequence[TrainSample], n: int) -> list[list[dict]]:
-    """Up to ``n`` distinct prompts of the run's labelled ratings, the newest rating's first."""
-    rated = sorted(labelled(samples), key=lambda s: -(s.rating_id or 0))
+def prompts_to_explore(samples: Sequence[TrainSample], n: int,
+                       captured: Sequence[list[dict]] = ()) -> list[list[dict]]:
+    """Up to ``n`` distinct prompts: the run's labelled ratings' (the newest rating's first) and the
+    ``captured`` ones (newest first), taken in turn, so that a run of many ratings still explores what
+    the user asked and did not rate, and one of few ratings fills up with captured prompts."""
+    rated = [s.prompt for s in sorted(labelled(samples), key=lambda s: -(s.rating_id or 0))]
     seen: set[str] = set()
     prompts: list[list[dict]] = []
-    for s in rated:
-        key = json.dumps(s.prompt, sort_keys=True)
+    for prompt in _in_turn(rated, list(captured)):
+        key = json.dumps(prompt, sort_keys=True)
         if key not in seen and len(prompts) < n:
             seen.add(key)
-            prompts.append(s.prompt)
+            prompts.append(prompt)
     return prompts
 
 
+def _in_turn(a: list[list[dict]], b: list[list[dict]]) -> list[list[dict]]:
+    """``a[0], b[0], a[1], b[1], ...``, the longer one's rest at the end."""
+    out = [x for pair in zip(a, b, strict=False) for x in pair]
+    return out + a[len(b):] + b[len(a):]
+
+
 def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
-            cfg: TrainConfig) -> Exploration:
+            cfg: TrainConfig, captured: Sequence[list[dict]] = ()) -> Exploration:
     """Sample, score and weigh the run's explored answers under the active model (the policy the run
     starts from); nothing is sampled when :func:`why_not` gives a reason."""
     started = time.perf_counter()
@@ -77,7 +87,7 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
     if refused is not None or report.model is None:
         return Exploration(reason=refused or "no reward model", seconds=time.perf_counter() - started)
     k = cfg.explore
-    prompts = prompts_to_explore(samples, cfg.explore_prompts)
+    prompts = prompts_to_explore(samples, cfg.explore_prompts, captured)
     rows = [p for p in prompts for _ in range(k)]
     answers: list[list[int]] = []
     for start in range(0, len(rows), SAMPLE_ROWS):

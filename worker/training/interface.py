@@ -26,9 +26,11 @@ class TrainerInterface:
         parent_adapter: Path | None,
         out_dir: Path,
         progress: Report | None = None,
+        captured: Sequence[list[dict]] = (),
     ) -> RunResult:
         """One run of the worker's learning signal; see :func:`.loop.run_training`."""
-        return run_training(self, PolicyGradient(), RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress))
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured)
+        return run_training(self, PolicyGradient(), run)
 
     def token_logprobs(
         self: Backend, pairs: Pairs, adapter_dir: Path | None = None, max_tokens: int = 1024

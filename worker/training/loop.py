@@ -13,7 +13,7 @@ backend that has the tensor operations it uses.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,8 +40,8 @@ class NothingToLearn(RlfleetError):
 class RunRequest:
     """What one run is handed: the rated samples (replayed earlier ones among them: they train, but
     their recorded log-probs are set aside), the reward baseline (None: the run's own mean), the
-    settings, the adapter it continues (None: a fresh one), the folder it saves to, and who hears of
-    its progress."""
+    settings, the adapter it continues (None: a fresh one), the folder it saves to, who hears of its
+    progress, and the prompts of recent answers nobody rated (exploration samples them too)."""
 
     samples: list[TrainSample]
     ema: float | None
@@ -49,6 +49,7 @@ class RunRequest:
     parent_adapter: Path | None
     out_dir: Path
     progress: Report | None = None
+    captured: Sequence[list[dict]] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
         reward_model = reward_features.measure(backend, samples, cfg.max_tokens, cfg.seed)
-        explored = exploration.explore(backend, samples, reward_model, cfg)
+        explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
         encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
         data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
                        run.parent_adapter)
