@@ -132,9 +132,13 @@ def test_no_auc_with_fewer_than_two_answers_of_a_class():
 
 
 def test_answer_statistics():
-    assert reward_features.answer_statistics("Yes. It snows! Why?", 7) == pytest.approx([np.log(7), 0.75])
-    assert reward_features.answer_statistics("a b c d.", 5)[1] == 0.25
-    assert reward_features.answer_statistics("", 1) == [0.0, 0.0]
+    assert reward_features.answer_statistics("Yes. It snows! Why?", 7) == pytest.approx([np.log(7), np.log(5), 0.75])
+    assert reward_features.answer_statistics("a b c d.", 5)[2] == 0.25
+    assert reward_features.answer_statistics("", 1) == [0.0, 0.0, 0.0]
+    # Answers cut at the same token cap: the words still tell the long one from the short one.
+    stats = reward_features.answer_statistics
+    long, short = stats("a " * 40, 48), stats("antidisestablishment " * 6, 48)
+    assert long[0] == short[0] and long[1] > short[1]
 
 
 def test_the_reward_model_needs_no_tensor_framework():
@@ -162,7 +166,7 @@ def test_both_backends_pool_the_same_hidden_states(tiny_trainer, mlx_trainer):
     torch_x = reward_features.features(tiny_trainer, samples, 96)
     mlx_x = reward_features.features(mlx_trainer, samples, 96)
     hidden = tiny_trainer.base.config.hidden_size
-    assert torch_x.shape == (6, hidden + 2)
+    assert torch_x.shape == (6, hidden + reward_features.N_STATISTICS)
     assert np.abs(torch_x - mlx_x).max() < 1e-3
     # A batch's padding (longer neighbours) changes nothing.
     alone = reward_features.features(tiny_trainer, samples[:1], 96)

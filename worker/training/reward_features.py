@@ -4,8 +4,9 @@ Features of one answer, under the active model (in a run: the policy the run sta
 
 - the policy's own representation of the answer: the last hidden layer averaged over the answer's
   tokens (``Backend.pooled_hidden``), whatever the model has learned to notice about it;
-- two plain statistics a person's taste often hangs on and a mean over tokens blurs:
-  ``log(answer tokens)`` (the length, end token included) and the share of the answer's words that
+- three plain statistics a person's taste often hangs on and a mean over tokens blurs:
+  ``log(answer tokens)`` (the length, end token included), ``log(1 + words)`` (the length a reader
+  sees: answers cut at the same token cap differ in words) and the share of the answer's words that
   end a sentence (short sentences versus long ones).
 
 Labels: a liked answer 1, a disliked one 0. Retractions have no label (the rating was undone or
@@ -29,7 +30,7 @@ from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, best_of, why_n
 from .scoring import EVAL_BATCH_TOKENS
 
 _SENTENCE_ENDS = (".", "!", "?", "…", '."', '!"', '?"')
-N_STATISTICS = 2  # the columns answer_statistics adds after the hidden state
+N_STATISTICS = 3  # the columns answer_statistics adds after the hidden state
 # What the model may be fitted on; the run keeps whichever cross-validates best (reward_model.best_of).
 FEATURE_SETS = {
     "answer statistics": slice(-N_STATISTICS, None),
@@ -53,10 +54,10 @@ class RewardModelReport:
 
 
 def answer_statistics(response: str, n_tokens: int) -> list[float]:
-    """``[log(n_tokens), share of words that end a sentence]`` (0 for an empty answer)."""
+    """``[log(n_tokens), log(1 + words), share of words that end a sentence]`` (0 for an empty answer)."""
     words = response.split()
     ends = sum(w.endswith(_SENTENCE_ENDS) for w in words)
-    return [math.log(max(n_tokens, 1)), ends / len(words) if words else 0.0]
+    return [math.log(max(n_tokens, 1)), math.log1p(len(words)), ends / len(words) if words else 0.0]
 
 
 def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
@@ -65,7 +66,7 @@ def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
 
 
 def features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int) -> np.ndarray:
-    """``[n, hidden + 2]``: per sample its pooled last hidden state, then :func:`answer_statistics`."""
+    """``[n, hidden + 3]``: per sample its pooled last hidden state, then :func:`answer_statistics`."""
     encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
     groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
     pooled: list[list[float]] = [[] for _ in samples]
