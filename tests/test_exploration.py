@@ -12,7 +12,7 @@ from test_trainer import LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
 from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.training import exploration
+from rlfleet.worker.training import exploration, reward_features
 from rlfleet.worker.training.advantages import group_advantages
 from rlfleet.worker.training.reward_features import RewardModelReport
 
@@ -93,11 +93,12 @@ def test_sample_gives_k_seeded_answers_per_prompt_cut_at_the_end_token(backend_n
     assert backend.sample(rows, 12, seed=8) != first
 
 
-def _run(backend, samples, cfg, out, captured=()):
+def _run(backend, samples, cfg, out, captured=(), history=()):
     from rlfleet.worker.training.loop import RunRequest, run_training
     from rlfleet.worker.training.policy_gradient import PolicyGradient
 
-    return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out, captured=captured))
+    return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out, captured=captured,
+                                                                history=history))
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])
@@ -158,3 +159,17 @@ def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_traine
         "no reward model: too few rated answers of one class to cross-validate (4 liked, 0 disliked)")
     bar = _run(tiny_trainer, samples, replace(cfg, reward_model_min_auc=1.0 + 1e-9), tmp_path / "bar").metrics
     assert bar["explored"] == 0 and bar["explore_reason"].startswith("reward model AUC 1.000 below")
+
+
+def test_the_reward_model_learns_from_earlier_ratings_too(tiny_trainer, tmp_path):
+    samples = preference_samples()[:8]
+    liked = [s for s in samples if s.reward > 0]
+    disliked = [s for s in samples if s.reward < 0]
+    run = [liked[0], *disliked]  # one liked answer in this run: too few to cross-validate alone
+    cfg = replace(LEARN, steps=1)
+    alone = _run(tiny_trainer, run, cfg, tmp_path / "alone").metrics
+    assert alone["reward_model_auc"] is None and "(1 liked, 4 disliked)" in alone["reward_model_reason"]
+    # The earlier ratings (one of them a replayed sample already in the run) make two liked answers.
+    earlier = _run(tiny_trainer, run, cfg, tmp_path / "earlier", history=[liked[1], disliked[0]]).metrics
+    assert earlier["reward_model_auc"] is not None and earlier["ratings_used"] == len(run)
+    assert exploration.labelled(reward_features.with_history(run, [liked[1], disliked[0]])) == [*run, liked[1]]

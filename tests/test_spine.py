@@ -196,6 +196,18 @@ def test_an_asymmetric_run_of_only_dislikes_trains_nothing_and_says_why(tiny_hom
         assert st["adapter"]["current"] == "v0001" and st["ratings"]["pending"] == 0
 
 
+def test_a_runs_reward_model_learns_from_the_users_earlier_ratings_too(tiny_home):
+    with opened_queue() as (cfg, handle):
+        _first_version(cfg, handle)  # 2 liked and 2 disliked answers, trained on by v0001
+        _rate_some(cfg, handle, 4, value_of=lambda i: -1)
+        _work_train_queue(handle)
+        st = status()
+        m = st["adapter"]["versions"][-1]["metrics"]
+        assert st["adapter"]["versions"][-1]["version"] == "v0002"
+        # This run's own ratings are all 👎 (no reward model from them alone); v0001's two liked count.
+        assert m["reward_model_auc"] is not None, m["reward_model_reason"]
+
+
 def test_a_run_that_lost_redis_is_interrupted_and_queued_again_on_recovery(tiny_home, monkeypatch):
     """Redis gone in the middle of a run: the run is "interrupted" (not failed, which would wait for
     new ratings), and the worker's recovery, once Redis answers, queues it again by itself."""

@@ -38,6 +38,9 @@ from .training.loop import NothingToLearn
 from .trigger import LOCK_TTL
 
 log = logging.getLogger("rlfleet.worker")
+# Earlier ratings a run's reward model learns from: enough for a rare taste's few liked answers to add
+# up over runs, few enough that their forward pass stays a small part of a run.
+REWARD_MODEL_HISTORY = 256
 
 
 def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) -> JobResult:
@@ -152,6 +155,13 @@ def replay_samples(ctx: Context, run_id: int, n_new: int) -> list[TrainSample]:
             for rating, cap in ctx.store.ratings_with_captures(ids)]
 
 
+def rating_history(ctx: Context) -> list[TrainSample]:
+    """The user's newest earlier ratings (active, trained on in this lineage; at most
+    :data:`REWARD_MODEL_HISTORY`) for the run's reward model to learn from beside the run's own."""
+    ids = [rid for rid, _ in ctx.store.replay_pool(ctx.slug)][-REWARD_MODEL_HISTORY:]
+    return [rated_sample(rating, cap, ctx.cfg.model) for rating, cap in ctx.store.ratings_with_captures(ids)]
+
+
 class ProgressBoard:
     """The run's progress in Redis, where status reads it (``shared.status.TrainingProgress``)."""
 
@@ -199,7 +209,8 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
         captured = ctx.store.unrated_prompts(tcfg.explore_prompts) if tcfg.explore > 0 else []
-        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report, captured=captured)
+        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report, captured=captured,
+                             history=rating_history(ctx))
         verdict = None
         if inputs.held and result.promoted_ok:
             report(Progress(0, 1, 0.0, phase="evaluating"))

@@ -78,12 +78,13 @@ class KtoTrainer:
         out_dir: Path,
         progress: Callable[[Progress], None] | None = None,
         captured: Sequence[list[dict]] = (),
+        history: Sequence[TrainSample] = (),
     ) -> RunResult:
         """Train ``cfg.steps`` KTO steps over ``samples``; save the adapter to ``out_dir``.
 
         ``ema`` is not used: KTO has no reward baseline, only desirable/undesirable labels.
         """
-        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history)
         return run_training(self.trainer, Kto(self.beta), run)
 
 

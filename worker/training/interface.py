@@ -27,9 +27,10 @@ class TrainerInterface:
         out_dir: Path,
         progress: Report | None = None,
         captured: Sequence[list[dict]] = (),
+        history: Sequence[TrainSample] = (),
     ) -> RunResult:
         """One run of the worker's learning signal; see :func:`.loop.run_training`."""
-        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history)
         return run_training(self, PolicyGradient(), run)
 
     def token_logprobs(

@@ -41,7 +41,8 @@ class RunRequest:
     """What one run is handed: the rated samples (replayed earlier ones among them: they train, but
     their recorded log-probs are set aside), the reward baseline (None: the run's own mean), the
     settings, the adapter it continues (None: a fresh one), the folder it saves to, who hears of its
-    progress, and the prompts of recent answers nobody rated (exploration samples them too)."""
+    progress, the prompts of recent answers nobody rated (exploration samples them too), and earlier
+    ratings of the user that the reward model learns from beside the run's own (never trained on)."""
 
     samples: list[TrainSample]
     ema: float | None
@@ -50,6 +51,7 @@ class RunRequest:
     out_dir: Path
     progress: Report | None = None
     captured: Sequence[list[dict]] = ()
+    history: Sequence[TrainSample] = ()
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     with backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session:
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
-        reward_model = reward_features.measure(backend, samples, cfg.max_tokens, cfg.seed)
+        reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),
+                                               cfg.max_tokens, cfg.seed)
         explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
         encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
         data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,

@@ -10,8 +10,9 @@ Features of one answer, under the active model (in a run: the policy the run sta
   end a sentence (short sentences versus long ones).
 
 Labels: a liked answer 1, a disliked one 0. Retractions have no label (the rating was undone or
-replaced; the user no longer holds it); replayed ratings do (still-active ratings of the same user,
-which is what the model is of, and more of them makes a better fit on tens of answers).
+replaced; the user no longer holds it); replayed ratings do, and so do the user's earlier ratings
+the run is handed for it (:func:`with_history`; still-active ratings of the same user, which is what
+the model is of, and more of them makes a better fit on tens of answers).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ def answer_statistics(response: str, n_tokens: int) -> list[float]:
     words = response.split()
     ends = sum(w.endswith(_SENTENCE_ENDS) for w in words)
     return [math.log(max(n_tokens, 1)), math.log1p(len(words)), ends / len(words) if words else 0.0]
+
+
+def with_history(samples: Sequence[TrainSample], history: Sequence[TrainSample]) -> list[TrainSample]:
+    """The run's samples, then the earlier ratings in ``history`` that are not among them (a replayed
+    rating is both): what the reward model learns from. A rare liked answer counts in every later run,
+    not only in the run that consumed it."""
+    have = {s.rating_id for s in samples if s.rating_id is not None}
+    return list(samples) + [s for s in history if s.rating_id is None or s.rating_id not in have]
 
 
 def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
