@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..gate import repeated_ngrams
 from ..presets import TrainConfig
 from ..samples import TrainSample
 from .advantages import group_advantages
@@ -29,6 +30,10 @@ from .backend import Backend
 from .reward_features import RewardModelReport, features, labelled
 
 SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
+# An explored answer that repeats more of its own trigrams than this ranks last in its group, whatever
+# the reward model says: a model fitted on tens of ratings knows nothing of fluency, and reinforcing a
+# looping answer it happens to like is how repetition creeps in (the gate bounds it, see worker/gate.py).
+REPEAT_GUARD = 0.1
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,11 @@ class Exploration:
     advantages: list[float] = field(default_factory=list)
     reason: str = ""
     seconds: float = 0.0
+    looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
 
     def metrics(self) -> dict[str, float | int | str]:
-        return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds}
+        return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
+                "explored_looping": self.looping}
 
 
 def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
@@ -78,6 +85,17 @@ def _in_turn(a: list[list[dict]], b: list[list[dict]]) -> list[list[dict]]:
     return out + a[len(b):] + b[len(a):]
 
 
+def fluent_first(scores: list[float], answers: Sequence[Sequence[int]], k: int) -> list[float]:
+    """``scores`` with every answer over :data:`REPEAT_GUARD` moved below the lowest of its group of ``k``."""
+    out = list(scores)
+    for g in range(0, len(out), k):
+        floor = min(out[g:g + k]) - 1.0
+        for i in range(g, min(g + k, len(out))):
+            if repeated_ngrams(list(answers[i])) > REPEAT_GUARD:
+                out[i] = floor
+    return out
+
+
 def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
             cfg: TrainConfig, captured: Sequence[list[dict]] = ()) -> Exploration:
     """Sample, score and weigh the run's explored answers under the active model (the policy the run
@@ -96,10 +114,11 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
     tok = backend.tokenizer
     explored = [TrainSample(rating_id=None, prompt=p, response=tok.decode(ids, skip_special_tokens=True), reward=0.0)
                 for p, ids in zip(rows, answers, strict=True)]
-    scores = report.model.score(features(backend, explored, cfg.max_tokens)).tolist()
+    scores = fluent_first(report.model.score(features(backend, explored, cfg.max_tokens)).tolist(), answers, k)
     advantages: list[float] = []
     for g in range(len(prompts)):
         advantages += group_advantages(scores[g * k:(g + 1) * k], cfg.explore_weight, cfg.adv_clip)
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    return Exploration(explored, advantages, reason, time.perf_counter() - started)
+    looping = sum(repeated_ngrams(a) > REPEAT_GUARD for a in answers)
+    return Exploration(explored, advantages, reason, time.perf_counter() - started, looping)
