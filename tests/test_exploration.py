@@ -19,17 +19,16 @@ from rlfleet.worker.training.reward_features import RewardModelReport
 # ---- plain numbers -------------------------------------------------------------------------------
 
 
-def test_group_advantages_are_centred_scaled_by_the_spread_and_clipped():
-    adv = group_advantages([1.0, 2.0, 3.0, 6.0], weight=0.5, clip=2.0)
-    # mean 3, population std sqrt(3.5)
-    expected = [0.5 * (s - 3.0) / 3.5**0.5 for s in (1.0, 2.0, 3.0, 6.0)]
-    assert adv == pytest.approx(expected, rel=1e-6)
+def test_group_advantages_are_centred_probabilities_not_z_scores():
+    logit = lambda p: float(np.log(p / (1 - p)))  # noqa: E731
+    adv = group_advantages([logit(0.9), logit(0.1), logit(0.1), logit(0.1)], weight=0.5, clip=2.0)
+    assert adv == pytest.approx([0.6, -0.2, -0.2, -0.2], abs=1e-6)  # p - mean p, times 2 * 0.5
     assert sum(adv) == pytest.approx(0.0, abs=1e-6)
-    assert np.std(adv) == pytest.approx(0.5, rel=1e-6)  # the spread is the weight, whatever the scale
-    assert group_advantages([10.0, 20.0, 30.0, 60.0], 0.5, 2.0) == pytest.approx(adv, rel=1e-6)
-    assert group_advantages([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 105.0], 2.0, 2.0)[-1] == 2.0  # clipped
-    # A shift common to the group (how likely any answer to the prompt is liked) teaches nothing.
-    assert group_advantages([101.0, 102.0, 103.0, 106.0], 0.5, 2.0) == pytest.approx(adv, rel=1e-5)
+    # A group of answers the user would all dislike: the reward model's noise among them is no push.
+    unliked = group_advantages([logit(0.02), logit(0.03), logit(0.01), logit(0.04)], 0.5, 2.0)
+    assert max(abs(a) for a in unliked) < 0.02
+    assert group_advantages([logit(0.99), logit(0.01)], 4.0, 1.5) == [1.5, -1.5]  # clipped
+    assert group_advantages([1e9, -1e9], 0.5, 2.0) == pytest.approx([0.5, -0.5])  # no overflow
 
 
 def test_a_group_with_nothing_to_compare_gets_zeros():
