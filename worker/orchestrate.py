@@ -93,20 +93,22 @@ def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
         ctx.store.fail_run(run_id, "nothing to train on: no pending ratings", state="skipped")
         return JobResult.done("nothing to train on")
     gcfg = gate_config(ctx.cfg)
-    inputs = RunInputs.of(rows, ctx.cfg.model, gcfg)
-    inputs = replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh)))
+    inputs = with_earlier(ctx, run_id, RunInputs.of(rows, ctx.cfg.model, gcfg))
     candidate = train_candidate(ctx, run_id, inputs, parent, gcfg, board)
     return conclude(ctx, conn, run_id, inputs, candidate)
 
 
 @dataclass(frozen=True)
 class RunInputs:
-    """The pending ratings of one run, split the way the run uses them."""
+    """The pending ratings of one run, split the way the run uses them, and what else it reads from
+    the store (:func:`with_earlier`)."""
 
     train: list[TrainSample]  # what the run consumes: fresh ratings and retractions
     held: list[TrainSample]  # the gate's held-out slice of the fresh ratings
     retracted: list[int]  # rating ids whose earlier update this run takes back
     replayed: list[TrainSample] = field(default_factory=list)  # earlier ratings trained again, not consumed
+    history: list[TrainSample] = field(default_factory=list)  # earlier ratings its reward model reads
+    captured: list[list[dict]] = field(default_factory=list)  # prompts nobody rated, for exploration
 
     @classmethod
     def of(cls, rows: list[tuple[RatingRow, CaptureRow]], model: str, gcfg: GateConfig) -> RunInputs:
@@ -145,20 +147,29 @@ def rated_sample(rating: RatingRow, cap: CaptureRow, model: str) -> TrainSample:
     )
 
 
-def replay_samples(ctx: Context, run_id: int, n_new: int) -> list[TrainSample]:
-    """The earlier ratings run ``run_id`` replays beside its ``n_new`` fresh ones (worker/replay.py)."""
+def with_earlier(ctx: Context, run_id: int, inputs: RunInputs) -> RunInputs:
+    """``inputs`` with what the run reads beyond its pending ratings, the pool of earlier ratings read
+    once: the ones it replays, the user's newest earlier ones (at most :data:`REWARD_MODEL_HISTORY`)
+    for its reward model, and, when it explores, the prompts of the newest answers nobody rated."""
+    pool = ctx.store.replay_pool(ctx.slug)
+    history = _earlier_samples(ctx, [rid for rid, _ in pool][-REWARD_MODEL_HISTORY:])
+    captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if ctx.cfg.train.explore > 0 else []
+    return replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh), pool), history=history,
+                   captured=captured)
+
+
+def replay_samples(ctx: Context, run_id: int, n_new: int,
+                   pool: list[tuple[int, int]] | None = None) -> list[TrainSample]:
+    """The earlier ratings run ``run_id`` replays beside its ``n_new`` fresh ones (worker/replay.py),
+    drawn from ``pool`` (default: the store's replay pool)."""
     n = wanted(n_new, ctx.cfg.train.replay)
     if n == 0:
         return []
-    ids = draw(ctx.store.replay_pool(ctx.slug), n, run_id)
-    return [replace(rated_sample(rating, cap, ctx.cfg.model), replayed=True)
-            for rating, cap in ctx.store.ratings_with_captures(ids)]
+    ids = draw(ctx.store.replay_pool(ctx.slug) if pool is None else pool, n, run_id)
+    return [replace(s, replayed=True) for s in _earlier_samples(ctx, ids)]
 
 
-def rating_history(ctx: Context) -> list[TrainSample]:
-    """The user's newest earlier ratings (active, trained on in this lineage; at most
-    :data:`REWARD_MODEL_HISTORY`) for the run's reward model to learn from beside the run's own."""
-    ids = [rid for rid, _ in ctx.store.replay_pool(ctx.slug)][-REWARD_MODEL_HISTORY:]
+def _earlier_samples(ctx: Context, ids: list[int]) -> list[TrainSample]:
     return [rated_sample(rating, cap, ctx.cfg.model) for rating, cap in ctx.store.ratings_with_captures(ids)]
 
 
@@ -208,9 +219,8 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
     report = board.reporter(version)
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
-        captured = ctx.store.unrated_prompts(tcfg.explore_prompts) if tcfg.explore > 0 else []
-        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report, captured=captured,
-                             history=rating_history(ctx))
+        result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report,
+                             captured=inputs.captured, history=inputs.history)
         verdict = None
         if inputs.held and result.promoted_ok:
             report(Progress(0, 1, 0.0, phase="evaluating"))
