@@ -56,9 +56,10 @@ def test_prompts_to_explore_take_rated_and_captured_prompts_in_turn():
 
 def test_a_looping_answer_ranks_last_in_its_group_whatever_the_reward_model_says():
     fluent, looping = [1, 2, 3, 4, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2, 3]  # 4 of 7 trigrams repeated
-    scores = exploration.fluent_first([5.0, 1.0, 2.0, 9.0], [fluent, looping, fluent, looping], 2)
+    flags = exploration.loops([fluent, looping, fluent, looping])
+    scores = exploration.fluent_first([5.0, 1.0, 2.0, 9.0], flags, 2)
     assert scores == [5.0, 0.0, 2.0, 1.0]  # each looping answer 1 below its group's lowest
-    assert exploration.fluent_first([3.0, 1.0], [fluent, fluent], 2) == [3.0, 1.0]
+    assert exploration.fluent_first([3.0, 1.0], exploration.loops([fluent, fluent]), 2) == [3.0, 1.0]
 
 
 def test_why_not_explore():

@@ -85,13 +85,18 @@ def _in_turn(a: list[list[dict]], b: list[list[dict]]) -> list[list[dict]]:
     return out + a[len(b):] + b[len(a):]
 
 
-def fluent_first(scores: list[float], answers: Sequence[Sequence[int]], k: int) -> list[float]:
-    """``scores`` with every answer over :data:`REPEAT_GUARD` moved below the lowest of its group of ``k``."""
+def loops(answers: Sequence[Sequence[int]]) -> list[bool]:
+    """Per answer, whether it repeats more of its own trigrams than :data:`REPEAT_GUARD`."""
+    return [repeated_ngrams(list(a)) > REPEAT_GUARD for a in answers]
+
+
+def fluent_first(scores: list[float], looping: Sequence[bool], k: int) -> list[float]:
+    """``scores`` with every ``looping`` answer moved below the lowest of its group of ``k``."""
     out = list(scores)
     for g in range(0, len(out), k):
         floor = min(out[g:g + k]) - 1.0
         for i in range(g, min(g + k, len(out))):
-            if repeated_ngrams(list(answers[i])) > REPEAT_GUARD:
+            if looping[i]:
                 out[i] = floor
     return out
 
@@ -114,11 +119,11 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
     tok = backend.tokenizer
     explored = [TrainSample(rating_id=None, prompt=p, response=tok.decode(ids, skip_special_tokens=True), reward=0.0)
                 for p, ids in zip(rows, answers, strict=True)]
-    scores = fluent_first(report.model.score(features(backend, explored, cfg.max_tokens)).tolist(), answers, k)
+    looping = loops(answers)
+    scores = fluent_first(report.model.score(features(backend, explored, cfg.max_tokens)).tolist(), looping, k)
     advantages: list[float] = []
     for g in range(len(prompts)):
         advantages += group_advantages(scores[g * k:(g + 1) * k], cfg.explore_weight, cfg.adv_clip)
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    looping = sum(repeated_ngrams(a) > REPEAT_GUARD for a in answers)
-    return Exploration(explored, advantages, reason, time.perf_counter() - started, looping)
+    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping))
