@@ -151,8 +151,7 @@ def _dead_line(d: dict) -> dict:
 
 @app.command()
 def history(as_json: JsonOpt = False) -> None:
-    """Every adapter version: ratings used (+ earlier ones replayed), held-out margin before/after, KL,
-    accepted tokens, verdict."""
+    """Every adapter version: ratings used (+ replayed), held-out margin before/after, KL, accepted tokens, verdict."""
     cfg = command_config(read_only=True)
     with queue_for(cfg) as q:
         st = status_dict(cfg, q)
