@@ -161,8 +161,10 @@ def test_then_switch_at_and_replay_options():
     assert (args.then, args.switch_at, args.replay) == ("question", 8, 0.0)
     assert parse(["--preference", "short:3", "--explore", "4"]).explore == 4
     assert parse(["--preference", "short:3"]).explore is None  # the config's train.explore
+    assert parse(["--preference", "short:3", "--beta", "0.1"]).beta == 0.1
+    assert parse(["--preference", "short:3"]).beta is None  # the preset's KL weight
     for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"],
-                ["--explore", "-1"]):
+                ["--explore", "-1"], ["--beta", "-0.1"]):
         with pytest.raises(SystemExit):
             parse(["--preference", "short:3", *bad])
 
@@ -266,7 +268,8 @@ def test_held_out_answers_in_batches_and_ratings_without_words(tiny_model_dir, t
 
 def _summary(objective, seed, rates, judged=16, preset="balanced"):
     cps = [{"ratings": 32 * i, "rate": r, "judged": judged, "ci95": list(wilson(round(r * judged), judged)),
-            "margin": 0.1 * i, "answer_words": 30.0 - i, "distinct2": 0.8, "entropy_ratio": 1.0}
+            "margin": 0.1 * i, "answer_words": 30.0 - i, "distinct2": 0.8, "repeat": 0.02 + 0.01 * i + 0.01 * seed,
+            "entropy_ratio": 1.0}
            for i, r in enumerate(rates)]  # fmt: skip
     return {"preference": "short:30", "objective": objective, "model": "m", "preset": preset, "threshold": 32,
             "seed": seed, "ratings": cps[-1]["ratings"], "base_rate": rates[0], "final_rate": rates[-1],
@@ -293,6 +296,8 @@ def test_seeds_of_one_variant_pool_into_one_row_with_a_narrower_interval():
     assert len(mispo["runs"]) == 2 and rows[1] is runs[2]  # one seed: the run itself
     table = markdown_table(rows).splitlines()
     assert table[2].startswith("| mispo | 32 | 2 | 0.19 | 0.62 | +0.44 |") and len(table) == 4
+    # Repeated trigrams, the fluency a gain must keep: averaged over the seeds (2.0 and 3.0 % before).
+    assert mispo["base_repeat"] == pytest.approx(0.025) and "| 2.5 % → 3.5 % |" in table[2]
 
 
 def test_labels_name_only_what_varies_within_a_preference():

@@ -73,6 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="balanced", choices=["careful", "balanced", "aggressive"])
     ap.add_argument("--lr", type=float, help="override the preset's learning rate")
     ap.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
+    ap.add_argument("--beta", type=float, help="override the preset's KL weight (train.beta: how hard a run is "
+                    "held to the base model)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -98,6 +100,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--replay must be between 0 and 4")
     if args.explore is not None and not 0 <= args.explore <= 64:
         ap.error("--explore must be between 0 and 64")
+    if args.beta is not None and not 0 <= args.beta <= 10:
+        ap.error("--beta must be between 0 and 10")
     return args
 
 
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         return 2
-    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("advantage", args.advantage),
+    overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("beta", args.beta),
+                                   ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []

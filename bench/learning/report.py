@@ -15,6 +15,10 @@ def _f(x: float | None, fmt: str) -> str:
     return "n/a" if x is None or x != x else format(x, fmt)
 
 
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f} %"
+
+
 def slug(name: str) -> str:
     """A preference spec as a file name: ``short:30`` -> ``short-30``."""
     return "".join(c if c.isalnum() else "-" for c in name)
@@ -26,8 +30,9 @@ def label(s: dict) -> str:
 
 def markdown_table(summaries: list[dict]) -> str:
     head = ("| variant | ratings | seeds | rate before | rate after | Δ | 95 % CI after | margin before → after "
-            "| words before → after | distinct-2 after | entropy ratio | runs promoted | seconds |")
-    rows = [head, "|" + "---|" * 13]
+            "| words before → after | distinct-2 after | repeated trigrams before → after | entropy ratio "
+            "| runs promoted | seconds |")
+    rows = [head, "|" + "---|" * 14]
     for s in summaries:
         lo, hi = s["ci95"]
         promoted = sum(1 for r in s["runs"] if r["state"] == "succeeded")
@@ -37,7 +42,9 @@ def markdown_table(summaries: list[dict]) -> str:
             f"| {_f(s['delta'], '+.2f')} | {_f(lo, '.2f')}–{_f(hi, '.2f')} "
             f"| {_f(s['margin_before'], '+.3f')} → {_f(s['margin_after'], '+.3f')} "
             f"| {_f(s['answer_words_before'], '.0f')} → {_f(s['answer_words_after'], '.0f')} "
-            f"| {_f(s['distinct2_after'], '.2f')} | {_f(s['entropy_ratio'], '.2f')} "
+            f"| {_f(s['distinct2_after'], '.2f')} "
+            f"| {_percent(s.get('base_repeat'))} → {_percent(s.get('final_repeat'))} "
+            f"| {_f(s['entropy_ratio'], '.2f')} "
             f"| {promoted}/{len(s['runs'])} | {s['seconds']:.0f} |"
         )
     return "\n".join(rows)
@@ -108,7 +115,8 @@ def pool(summaries: list[dict]) -> list[dict]:
 
 
 def plot(summaries: list[dict], path: Path) -> Path | None:
-    """Preferred rate (with its interval) and margin against ratings, one line per variant."""
+    """Preferred rate (with its interval), margin and repeated trigrams (the fluency the gains must
+    keep) against ratings, one line per variant."""
     try:
         import matplotlib
 
@@ -116,16 +124,20 @@ def plot(summaries: list[dict], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     for s in summaries:
         cps = s["checkpoints"]
         x = [c["ratings"] for c in cps]
         ax1.plot(x, [c["rate"] for c in cps], marker="o", label=label(s))
         ax1.fill_between(x, [c["ci95"][0] for c in cps], [c["ci95"][1] for c in cps], alpha=0.12)
         ax2.plot(x, [c["margin"] for c in cps], marker="o", label=label(s))
+        repeat = [c.get("repeat") for c in cps]
+        if all(r is not None for r in repeat):
+            ax3.plot(x, [100 * r for r in repeat], marker="o", label=label(s))
     pref = summaries[0]["preference"] if summaries else ""
     ax1.set(title=f"held-out preferred rate · {pref}", xlabel="ratings", ylabel="rate", ylim=(0, 1))
     ax2.set(title="held-out log-prob margin (good − bad)", xlabel="ratings", ylabel="nats / token")
+    ax3.set(title="repeated trigrams in held-out answers", xlabel="ratings", ylabel="%")
     ax1.legend(fontsize="small")
     fig.tight_layout()
     path = Path(path)
