@@ -234,6 +234,10 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert all(0 < c["distinct2"] <= 1 and 0 <= c["repeat"] < 1 for c in out["checkpoints"])
     promoted = [r for r in out["runs"] if r["state"] == "succeeded" and r["verdict"] == "promoted"]
     assert out["promoted"] == len(promoted) >= 1
+    # ... with the gate's own figures for each run it judged: why it promoted or refused.
+    for r in promoted:
+        assert r["heldout_kl"] >= 0 and r["entropy_ratio"] > 0 and r["distinct2_ratio"] > 0, r
+        assert 0 <= r["repetition"] <= 1 and 0 <= r["repetition_base"] <= 1, r
     assert out["teacher_gap"] is None and out["comments"] is True
     # The last run's reward model (None only where it had under two answers of a class, and then says so).
     last_run = out["runs"][-1]

@@ -330,6 +330,8 @@ def _last_run(cfg: Config, slug: str, given: int) -> dict:
     m = run.metrics or {}
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
-            "explore_reason", "explore_seconds", "explored_looping", "seconds", "verdict", "reason")
+            "explore_reason", "explore_seconds", "explored_looping", "seconds", "verdict", "reason",
+            # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
+            "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base")
     return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,
             **{k: m.get(k) for k in keys}}
