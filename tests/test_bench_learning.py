@@ -279,7 +279,8 @@ def _summary(objective, seed, rates, judged=16, preset="balanced"):
             "seed": seed, "ratings": cps[-1]["ratings"], "base_rate": rates[0], "final_rate": rates[-1],
             "delta": rates[-1] - rates[0], "ci95": cps[-1]["ci95"], "margin_before": 0.0,
             "margin_after": cps[-1]["margin"], "answer_words_before": 30.0, "answer_words_after": 28.0,
-            "distinct2_before": 0.8, "distinct2_after": 0.8, "entropy_ratio": 1.0, "checkpoints": cps,
+            "distinct2_before": 0.8, "distinct2_after": 0.8, "base_repeat": cps[0]["repeat"],
+            "final_repeat": cps[-1]["repeat"], "entropy_ratio": 1.0, "checkpoints": cps,
             "runs": [{"state": "succeeded"}], "seconds": 10.0 + seed}  # fmt: skip
 
 
@@ -344,6 +345,20 @@ def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, cap
     assert "### short:5 · 4 ratings" in text and "| mispo | 4 | 1 |" in text and "| reinforce | 4 | 1 |" in text
     assert (tmp_path / "plots" / "short-5.png").stat().st_size > 1000
     assert grid(["run", "--preference", "short", "--objective", "dpo", "--out", str(out)]) == 2
+
+
+def test_grid_report_pools_seeds_or_shows_each(tmp_path, capsys):
+    from bench.learning.grid import main as grid
+
+    for seed, rates in ((0, [0.25, 0.5]), (1, [0.125, 0.75])):
+        (tmp_path / f"s{seed}.json").write_text(json.dumps(_summary("mispo", seed, rates)))
+    assert grid(["report", str(tmp_path)]) == 0
+    pooled = [row for row in capsys.readouterr().out.splitlines() if row.startswith("| mispo")]
+    assert len(pooled) == 1 and pooled[0].startswith("| mispo | 32 | 2 | 0.19 | 0.62 |")
+    assert grid(["report", str(tmp_path), "--per-seed"]) == 0
+    rows = [row for row in capsys.readouterr().out.splitlines() if row.startswith("| mispo")]
+    assert [r.split(" | ")[0] for r in rows] == ["| mispo · seed 0", "| mispo · seed 1"]
+    assert rows[0].startswith("| mispo · seed 0 | 32 | 1 | 0.25 | 0.50 |") and "| 2.0 % → 3.0 % |" in rows[0]
 
 
 def test_grid_report_of_an_empty_folder_is_a_clear_error(tmp_path, capsys):

@@ -4,7 +4,7 @@
 objectives × presets × thresholds × seeds), `--jobs` at a time, and keeps each one's JSON and log in
 `--out`: a GPU box with many cores answers for many simulated users side by side. `report` reads such
 a folder (or several) and prints one markdown table per preference, runs of the same variant with
-different seeds pooled, and writes one PNG plot per preference.
+different seeds pooled (`--per-seed`: a row each), and writes one PNG plot per preference.
 
     python -m bench.learning.grid run --preference short:30 --preference question \\
         --objective mispo,soft,reinforce,kto --ratings 128 --jobs 16 --out runs/
@@ -146,7 +146,10 @@ def report(args: argparse.Namespace) -> int:
     for s in summaries:
         by_pref[s["preference"]].append(s)
     for pref, group in by_pref.items():
-        rows = pool(_labelled(group))
+        labelled = _labelled(group)
+        if args.per_seed:  # a row per run: what pooling would hide (one lucky seed, one that loops)
+            labelled = [{**s, "label": f"{s['label']} · seed {s.get('seed')}"} for s in labelled]
+        rows = pool(labelled)
         order = {o: i for i, o in enumerate(OBJECTIVES)}
         rows.sort(key=lambda s: (order.get(s["objective"], 9), s["label"]))
         print(f"\n### {pref} · {rows[0]['ratings']} ratings\n")
@@ -176,6 +179,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = sub.add_parser("report", help="tables per preference (seeds pooled) and a PNG plot each")
     p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--plots", type=Path, help="folder to write one PNG per preference into")
+    p.add_argument("--per-seed", action="store_true", help="a row per seed instead of the seeds pooled")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         args.extra = [a for a in args.extra if a != "--"]
