@@ -58,6 +58,12 @@ class TrainSettings(BaseModel):
     steps: int | None = Field(None, ge=1, le=10_000)
     rank: int | None = Field(None, ge=1, le=512)
     beta: float | None = Field(None, ge=0)
+    # The KL anchor compares the base's K likeliest next tokens and the rest (docs/objective.md);
+    # 0: only the answer's own token. None: the preset's.
+    kl_top_k: int | None = Field(None, ge=0, le=1024)
+    # The weight of the unlikelihood term on the answers the policy loops in while it trains
+    # (docs/objective.md); 0: off. None: the preset's.
+    unlikelihood: float | None = Field(None, ge=0, le=100)
     seq_band: tuple[float, float] | None = None
     max_tokens: int = Field(1024, ge=16, description="prompt+response tokens kept per sample")
     # Padded tokens per micro-batch (gradients accumulate to the same step either way). None: 512 on a

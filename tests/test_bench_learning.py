@@ -163,8 +163,11 @@ def test_then_switch_at_and_replay_options():
     assert parse(["--preference", "short:3"]).explore is None  # the config's train.explore
     assert parse(["--preference", "short:3", "--beta", "0.1"]).beta == 0.1
     assert parse(["--preference", "short:3"]).beta is None  # the preset's KL weight
+    args = parse(["--preference", "short:3", "--kl-top-k", "32", "--unlikelihood", "1.5"])
+    assert (args.kl_top_k, args.unlikelihood) == (32, 1.5)
+    assert parse(["--preference", "short:3"]).kl_top_k is None
     for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"],
-                ["--explore", "-1"], ["--beta", "-0.1"]):
+                ["--explore", "-1"], ["--beta", "-0.1"], ["--kl-top-k", "-1"], ["--unlikelihood", "-2"]):
         with pytest.raises(SystemExit):
             parse(["--preference", "short:3", *bad])
 

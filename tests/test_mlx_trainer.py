@@ -18,13 +18,16 @@ pytest.importorskip("mlx_lm", exc_type=ImportError, reason="the MLX trainer need
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from test_loops import check_unlikelihood_lowers_the_marked_tokens  # noqa: E402
 from test_trainer import (  # noqa: E402
     GOOD,
     LEARN,
     chat,
+    check_anchor_reference_is_the_base,
     check_replayed_behaviour_is_the_start_policy,
     check_still_at_parent,
     check_stored_behaviour_is_used,
+    check_top_k_anchor_holds_near_the_base,
     held_out_shifts,
     learning_run,
     preference_samples,
@@ -123,6 +126,22 @@ def test_mlx_loss_matches_torch_mispo_loss():
     np.testing.assert_allclose(np.array(grad), t_new.grad.numpy(), atol=1e-6)
     got_kl = np.array(objective_mlx.k3_kl(mx.array(new[1].numpy()), mx.array(ref[1].numpy())))
     np.testing.assert_allclose(got_kl, objective.k3_kl(new[1], ref[1]).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_mlx_top_k_anchor_matches_torch():
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.log_softmax(torch.randn(3, 7, 30, generator=gen) * 2, -1)
+    ids = ref.topk(8, -1).indices
+    new = torch.log_softmax(torch.randn(3, 7, 30, generator=gen), -1).gather(-1, ids)
+    ref_top = ref.gather(-1, ids)
+    t_new = new.clone().requires_grad_(True)
+    want = objective.top_k_kl(t_new, ref_top)
+    want.sum().backward()
+    got, grad = mx.value_and_grad(lambda x: objective_mlx.top_k_kl(x, mx.array(ref_top.numpy())).sum())(
+        mx.array(new.numpy())
+    )
+    assert float(got) == pytest.approx(want.sum().item(), rel=1e-5)
+    np.testing.assert_allclose(np.array(grad), t_new.grad.numpy(), atol=1e-5)
 
 
 # -- selection --------------------------------------------------------------------------------
@@ -228,6 +247,34 @@ def test_first_step_ratios_are_one_and_runs_repeat(mlx_trainer, tmp_path):
 
 def test_stored_behaviour_logprobs_are_used(mlx_trainer, tmp_path):
     check_stored_behaviour_is_used(mlx_trainer, tmp_path / "a")
+
+
+def test_anchor_reference_is_the_base(mlx_trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_anchor_reference_is_the_base(mlx_trainer, parent, tmp_path)
+
+
+def test_the_top_k_anchor_holds_the_next_token_distribution_near_the_base(mlx_trainer, tmp_path):
+    check_top_k_anchor_holds_near_the_base(mlx_trainer, tmp_path)
+
+
+def test_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path):
+    check_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path / "a")
+
+
+def test_mlx_unlikelihood_matches_torch():
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(4, 9, generator=gen) > 0.2
+    marks = torch.rand(4, 9, generator=gen) > 0.6
+    logp = torch.log(torch.rand(4, 9, generator=gen).clamp(min=0.01, max=0.99))
+    t_logp = logp.clone().requires_grad_(True)
+    want = objective.unlikelihood(t_logp, mask, marks)
+    want.backward()
+    got, grad = mx.value_and_grad(
+        lambda x: objective_mlx.unlikelihood(x, mx.array(mask.numpy()), mx.array(marks.numpy()))
+    )(mx.array(logp.numpy()))
+    assert float(got) == pytest.approx(want.item(), rel=1e-5)
+    np.testing.assert_allclose(np.array(grad), t_logp.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
 def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):

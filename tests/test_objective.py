@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from rlfleet.worker.objective import advantages, k3_kl, mispo_loss, update_ema
+from rlfleet.worker.objective import (
+    advantages,
+    k3_kl,
+    loss_for,
+    mispo_loss,
+    soft_loss,
+    top_k_kl,
+    unlikelihood,
+    update_ema,
+)
 
 LN = math.log
 WIDE = (0.0, float("inf"))
@@ -41,6 +50,85 @@ def test_k3_kl_values():
     ref = torch.tensor([LN(0.25), LN(0.5), LN(1.0)])
     # d = ref - new = [ln .5, 0, ln 2]: exp(d) - d - 1
     assert k3_kl(new, ref).tolist() == pytest.approx([0.5 + LN(2) - 1, 0.0, 2 - LN(2) - 1], abs=1e-6)
+
+
+def _full_kl(new_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    new, ref = torch.log_softmax(new_logits, -1), torch.log_softmax(ref_logits, -1)
+    return (new.exp() * (new - ref)).sum(-1)
+
+
+def _top(new_logits: torch.Tensor, ref_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' log-probs at the reference's k likeliest tokens."""
+    new, ref = torch.log_softmax(new_logits, -1), torch.log_softmax(ref_logits, -1)
+    ids = ref.topk(k, -1).indices
+    return new.gather(-1, ids), ref.gather(-1, ids)
+
+
+def test_top_k_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
+    gen = torch.Generator().manual_seed(0)
+    ref_logits = torch.randn(5, 40, generator=gen) * 2
+    new_logits = ref_logits + torch.randn(5, 40, generator=gen)
+    full = _full_kl(new_logits, ref_logits)
+    # K = V: the tail bin is empty (floored), and the K bins are the whole distribution.
+    assert top_k_kl(*_top(new_logits, ref_logits, 40)).tolist() == pytest.approx(full.tolist(), abs=1e-4)
+    # Fewer bins: merging bins never raises a KL (log-sum inequality), and it grows toward the full KL.
+    few, more = top_k_kl(*_top(new_logits, ref_logits, 4)), top_k_kl(*_top(new_logits, ref_logits, 16))
+    assert bool((few <= more + 1e-6).all()) and bool((more <= full + 1e-6).all())
+    assert bool((few > 0).all())
+    # At new = ref: zero, with zero gradient.
+    same = torch.log_softmax(ref_logits, -1).topk(8, -1).values.clone().requires_grad_(True)
+    kl = top_k_kl(same, same.detach())
+    kl.sum().backward()
+    assert kl.abs().max().item() < 1e-6 and same.grad.abs().max().item() < 1e-5
+
+
+def test_top_k_kl_sees_mass_moving_between_tokens_the_answer_did_not_use():
+    """What the k3 estimate on the answer's own token cannot see: the token keeps its probability
+    while the rest moves onto one other token (as a push off a 👎 answer moves it)."""
+    ref = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]]))
+    new = torch.log(torch.tensor([[0.5, 0.45, 0.025, 0.025]]))
+    answered = torch.tensor([0])  # the answer's token: its probability did not move
+    assert k3_kl(new[0, answered], ref[0, answered]).item() == pytest.approx(0.0, abs=1e-7)
+    assert top_k_kl(new[:, :3], ref[:, :3]).item() > 0.1
+
+
+def test_the_anchor_replaces_the_k3_term_in_the_loss():
+    mask = torch.tensor([[1, 1, 0]])
+    beh = torch.tensor([[-1.0, -2.0, -3.0]])
+    new = _leaf(beh.tolist())
+    adv = torch.tensor([0.0])  # no policy term: the loss is the KL term alone
+    anchor = torch.tensor([[0.3, 0.1, 99.0]], requires_grad=True)  # padding ignored
+    out = mispo_loss(new, beh, beh - 0.5, mask, adv, seq_band=(0.5, 2.0), beta=0.5, anchor=anchor)
+    assert out.loss.item() == pytest.approx(0.5 * (0.3 + 0.1) / 2)
+    assert out.mean_kl == pytest.approx(k3_kl(torch.tensor(0.0), torch.tensor(-0.5)).item())  # still reported
+    out.loss.backward()
+    assert anchor.grad[0].tolist() == pytest.approx([0.25, 0.25, 0.0])
+    soft = soft_loss(new, beh, beh, mask, adv, beta=0.5, anchor=anchor.detach())
+    assert soft.loss.item() == pytest.approx(0.5 * 0.2)
+
+    class Cfg:
+        objective, token_band, seq_band, beta = "mispo", (0.5, 2.0), (0.5, 2.0), 0.5
+
+    bound = loss_for(Cfg())(new, beh, beh, mask, adv, anchor=anchor)
+    assert bound.loss.item() == pytest.approx(out.loss.item())
+
+
+def test_unlikelihood_on_marked_tokens_value_and_gradient():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    marks = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]])  # [0, 0] and [1, 2] are off the mask: ignored
+    logp = _leaf([[LN(0.9), LN(0.5), LN(0.8), LN(0.1)], [LN(0.3), LN(0.6), LN(0.99), 0.0]])
+    loss = unlikelihood(logp, mask, marks)
+    # Row 0: -(ln 0.2 + ln 0.9) / 3; row 1: -ln 0.4 / 2; the mean over the two answers.
+    want = (-(LN(0.2) + LN(0.9)) / 3 - LN(0.4) / 2) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    loss.backward()
+    # d/dlogp of -log(1 - exp(logp)) = p / (1 - p), over the answer's tokens and the two answers.
+    assert logp.grad[0, 2].item() == pytest.approx(0.8 / 0.2 / 3 / 2, rel=1e-4)
+    assert logp.grad[1, 1].item() == pytest.approx(0.6 / 0.4 / 2 / 2, rel=1e-4)
+    assert logp.grad[0, 0].item() == logp.grad[0, 1].item() == logp.grad[1, 2].item() == 0.0
+    # A token the policy is certain of stays finite.
+    sure = unlikelihood(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    assert math.isfinite(sure.item()) and sure.item() > 10
 
 
 def _leaf(values):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
+from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.presets import TrainConfig, preset
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
@@ -316,6 +317,48 @@ def check_replayed_behaviour_is_the_start_policy(trainer, parent, out) -> None:
     assert (replayed["replayed"], replayed["ratings_used"]) == (6, 0)
     fresh = trainer.run(recorded, None, cfg, parent, out / "b").metrics
     assert (fresh["accepted_seq_frac"], fresh["replayed"], fresh["ratings_used"]) == (0.0, 0, 6)
+
+
+def check_anchor_reference_is_the_base(trainer, parent, out) -> None:
+    """The top-k KL anchor's reference is the base with the adapter switched off (a reference pass
+    that silently kept the adapter on would make the anchor 0). Continuing ``parent`` with lr 0 and
+    K above the vocabulary, the anchor's KL before the first update is the exact KL of the parent to
+    the base that the gate measures on the same answers; the base itself (no parent) starts at 0."""
+    samples = preference_samples()[:8]
+    cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, kl_top_k=1024)
+    assert len(trainer.tokenizer) <= cfg.kl_top_k
+    from_parent = trainer.run(samples, None, cfg, parent, out / "a").metrics
+    exact = trainer.score_model([(s.prompt, s.response) for s in samples], parent, GateConfig(eval_samples=0)).kl
+    assert exact > 1e-3
+    assert from_parent["anchor_kl_start"] == pytest.approx(exact, rel=1e-3)
+    from_base = trainer.run(samples, None, cfg, None, out / "b").metrics
+    assert from_base["anchor_kl_start"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_anchor_reference_is_the_base(trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_anchor_reference_is_the_base(trainer, parent, tmp_path)
+
+
+def test_the_top_k_anchor_holds_the_next_token_distribution_near_the_base(trainer, tmp_path):
+    check_top_k_anchor_holds_near_the_base(trainer, tmp_path)
+
+
+def check_top_k_anchor_holds_near_the_base(trainer, folder: Path) -> None:
+    """With the top-k anchor weighted in, the trained policy's exact KL to the base on the rated
+    answers stays well below the same run's without any anchor, and it still learns the rated
+    direction (a wrong or zero anchor gradient fails the first; an anchor that swamps the policy
+    term, the second)."""
+    samples = preference_samples()
+    pairs = [(s.prompt, s.response) for s in samples]
+    exact = {}
+    for beta in (0.0, 50.0):
+        out = folder / f"beta{beta}"
+        trainer.run(samples, None, replace(LEARN, beta=beta, kl_top_k=1024), None, out)
+        exact[beta] = trainer.score_model(pairs, out, GateConfig(eval_samples=0)).kl
+        good_shift, bad_shift = held_out_shifts(trainer, out)
+        assert good_shift > 0.05 and bad_shift < -0.05, (beta, good_shift, bad_shift)
+    assert exact[50.0] < 0.5 * exact[0.0], exact
 
 
 def test_replayed_samples_start_from_the_parent_as_their_behaviour(trainer, learned, tmp_path):

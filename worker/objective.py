@@ -11,6 +11,10 @@ and ``new`` (the policy being trained). Per response token ``t`` of a sequence::
 
     loss = mean_over_sequences[ -sum_t(keep_t * ratio_t * A) / n_tokens ] + beta * mean_t(kl_t)
 
+With ``kl_top_k = K > 0`` the anchor ``kl_t`` is instead the KL of the whole next-token distribution
+at ``t`` over the base's K likeliest tokens and one bin for the rest (:func:`top_k_kl`): the k3
+estimate sees only the answer's own token, so mass a 👎 pushes off it may land anywhere else unseen.
+
 ``n_tokens`` is the sequence's own number of response tokens (filtered tokens still count, so a
 filter only ever removes gradient, never rescales the rest); a dropped sequence contributes zero
 but still counts in the mean over sequences, so a band that drops most of a batch visibly shrinks
@@ -48,6 +52,24 @@ def k3_kl(logp_new: Tensor, logp_ref: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
+_TAIL_FLOOR = 1e-6  # the tail bin's probability, floored: fp32 rounding can take 1 - sum(p) to 0 or below
+
+
+def top_k_kl(new_top: Tensor, ref_top: Tensor) -> Tensor:
+    """Per-position KL(new || ref) over ``K + 1`` bins: the reference's K likeliest tokens and the
+    rest of the vocabulary as one tail bin.
+
+    ``new_top`` and ``ref_top`` are ``[..., K]`` log-probs of the same K tokens under each model (the
+    full log-softmax at those tokens, so each row sums to at most 1 in probability). A lower bound of
+    the full KL (merging bins never raises a KL), exact when the K tokens hold all of both models'
+    mass; zero with zero gradient at ``new = ref``.
+    """
+    p_new = new_top.exp()
+    tail_new = (1.0 - p_new.sum(-1)).clamp(min=_TAIL_FLOOR)
+    tail_ref = (1.0 - ref_top.exp().sum(-1)).clamp(min=_TAIL_FLOOR)
+    return (p_new * (new_top - ref_top)).sum(-1) + tail_new * (tail_new.log() - tail_ref.log())
+
+
 @dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable w.r.t. logp_new only
@@ -55,6 +77,7 @@ class LossOutput:
     accepted_seq_frac: float  # sequences whose rho is inside seq_band
     mean_kl: float  # mean k3 KL per response token (all tokens, unfiltered)
     n_tokens: int  # response tokens in the batch
+    anchor_kl: float | None = None  # the KL term's own mean per response token, where it is not the k3 one
 
 
 def mispo_loss(
@@ -67,11 +90,14 @@ def mispo_loss(
     token_band: tuple[float, float] = (0.5, 2.0),
     seq_band: tuple[float, float],
     beta: float,
+    anchor: Tensor | None = None,
 ) -> LossOutput:
     """The loss of one (micro-)batch; see the module docstring for the formula.
 
     Shapes: ``logp_*`` and ``mask`` are ``[B, T]`` (``mask`` = 1 on response tokens, 0 on prompt and
-    padding); ``advantages`` is ``[B]``. Values of ``logp_*`` off the mask are ignored.
+    padding); ``advantages`` is ``[B]``. Values of ``logp_*`` off the mask are ignored. ``anchor``,
+    ``[B, T]`` with gradient: a per-token KL to the base to weight by ``beta`` in place of the k3
+    estimate (:func:`top_k_kl`); ``mean_kl`` reports the k3 estimate either way.
     """
     mask_b = mask.bool()
     maskf = mask_b.to(logp_new.dtype)
@@ -98,14 +124,40 @@ def mispo_loss(
     kl = k3_kl(torch.where(mask_b, logp_new, zeros), torch.where(mask_b, logp_ref, zeros))
     kl_mean = (kl * maskf).sum() / max(n_tokens, 1)
 
-    loss = policy + beta * kl_mean
+    anchor_mean = _anchor_mean(anchor, kl_mean, mask_b, n_tokens)
     return LossOutput(
-        loss=loss,
+        loss=policy + beta * anchor_mean,
         accepted_token_frac=float(tok_keep.sum().item()) / max(n_tokens, 1),
         accepted_seq_frac=float(seq_keep.float().mean().item()) if seq_keep.numel() else 0.0,
         mean_kl=float(kl_mean.detach().item()),
         n_tokens=n_tokens,
+        anchor_kl=None if anchor is None else float(anchor_mean.detach().item()),
     )
+
+
+_P_CEILING = 1.0 - 1e-6  # keeps -log(1 - p) finite where the policy is certain of a looping token
+
+
+def unlikelihood(logp_new: Tensor, mask: Tensor, marks: Tensor) -> Tensor:
+    """Sequence-level unlikelihood (arXiv 1908.04319) on the marked tokens of the policy's own
+    answers: per answer ``sum_marked -log(1 - p_t) / n_tokens`` (its response tokens), the mean over
+    answers. ``logp_new``, ``mask`` and ``marks`` are ``[B, T]``; a marked token off the mask is ignored.
+
+    Its gradient on a marked token's logit is ``p_t``: a token the policy repeats with certainty is
+    pushed hardest, one it barely considers hardly at all.
+    """
+    mask_b = mask.bool()
+    hit = mask_b & marks.bool()
+    p = torch.where(hit, logp_new, torch.full_like(logp_new, -30.0)).exp().clamp(max=_P_CEILING)
+    per_seq = -(torch.log1p(-p) * hit.to(p.dtype)).sum(dim=1) / mask_b.sum(dim=1).clamp(min=1)
+    return per_seq.mean()
+
+
+def _anchor_mean(anchor: Tensor | None, k3_mean: Tensor, mask_b: Tensor, n_tokens: int) -> Tensor:
+    """The KL term's mean per response token: ``anchor``'s where given, else the k3 estimate's."""
+    if anchor is None:
+        return k3_mean
+    return torch.where(mask_b, anchor, torch.zeros_like(anchor)).sum() / max(n_tokens, 1)
 
 
 def run_check(loss: float, start_kl: float, final_kl: float, max_run_kl: float) -> tuple[bool, str | None]:
@@ -143,10 +195,12 @@ def soft_loss(
     clip_eps: float = 0.2,
     drift_tau: float = 0.05,
     beta: float,
+    anchor: Tensor | None = None,
 ) -> LossOutput:
     """A ReinforceClaw-style soft objective: PPO's pessimistic clipped surrogate per token, each
     sequence weighted by ``exp(-drift / drift_tau)`` where ``drift`` is its mean k3 KL to the base
-    (soft: a sequence that drifted is down-weighted, not dropped), plus ``beta`` * KL.
+    (soft: a sequence that drifted is down-weighted, not dropped), plus ``beta`` * KL (``anchor``'s
+    where given, as in :func:`mispo_loss`).
 
     accepted_token_frac = tokens whose ratio is inside the clip range; accepted_seq_frac = the mean
     sequence weight.
@@ -163,20 +217,22 @@ def soft_loss(
     policy = (-(surrogate * maskf).sum(dim=1) / n_seq * weight).mean()
     n_tokens = int(mask_b.sum().item())
     kl_mean = kl.sum() / max(n_tokens, 1)
+    anchor_mean = _anchor_mean(anchor, kl_mean, mask_b, n_tokens)
     return LossOutput(
-        loss=policy + beta * kl_mean,
+        loss=policy + beta * anchor_mean,
         accepted_token_frac=float(inside.sum().item()) / max(n_tokens, 1),
         accepted_seq_frac=float(weight.mean().item()) if weight.numel() else 0.0,
         mean_kl=float(kl_mean.detach().item()),
         n_tokens=n_tokens,
+        anchor_kl=None if anchor is None else float(anchor_mean.detach().item()),
     )
 
 
 def reinforce_loss(
-    logp_new: Tensor, logp_beh: Tensor, logp_ref: Tensor, mask: Tensor, advantages: Tensor
+    logp_new: Tensor, logp_beh: Tensor, logp_ref: Tensor, mask: Tensor, advantages: Tensor, anchor: Tensor | None = None
 ) -> LossOutput:
     """Plain REINFORCE with the EMA baseline: ``-A * mean_t logp_new``; no ratio, filter or KL term
-    (the KL is still measured and reported)."""
+    (the KL is still measured and reported; ``anchor`` is ignored)."""
     mask_b, new, _beh, ref, n_seq, adv = _masked(logp_new, logp_beh, logp_ref, mask, advantages)
     maskf = mask_b.to(new.dtype)
     policy = (-(new * maskf).sum(dim=1) / n_seq * adv).mean()
@@ -190,13 +246,18 @@ def reinforce_loss(
 OBJECTIVES = ("mispo", "soft", "reinforce")
 
 
-def loss_for(cfg: Any) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], LossOutput]:
-    """The loss named by ``cfg.objective``, with that config's knobs bound."""
+def loss_for(cfg: Any) -> Callable[..., LossOutput]:
+    """The loss named by ``cfg.objective``, with that config's knobs bound: called with ``logp_new,
+    logp_beh, logp_ref, mask, advantages`` and optionally ``anchor``."""
     name = getattr(cfg, "objective", "mispo")
     if name == "mispo":
-        return lambda *t: mispo_loss(*t, token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta)
+        return lambda *t, anchor=None: mispo_loss(
+            *t, token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor
+        )
     if name == "soft":
-        return lambda *t: soft_loss(*t, clip_eps=cfg.clip_eps, drift_tau=cfg.drift_tau, beta=cfg.beta)
+        return lambda *t, anchor=None: soft_loss(
+            *t, clip_eps=cfg.clip_eps, drift_tau=cfg.drift_tau, beta=cfg.beta, anchor=anchor
+        )
     if name == "reinforce":
         return reinforce_loss
     raise ValueError(f"unknown objective {name!r} (known: {', '.join(OBJECTIVES)})")

@@ -19,6 +19,26 @@ def k3_kl(logp_new: mx.array, logp_ref: mx.array) -> mx.array:
     return mx.exp(d) - d - 1.0
 
 
+_TAIL_FLOOR = 1e-6  # as objective._TAIL_FLOOR
+
+
+def top_k_kl(new_top: mx.array, ref_top: mx.array) -> mx.array:
+    """Per-position KL(new || ref) over the reference's K likeliest tokens and a tail bin; equal to
+    :func:`objective.top_k_kl` on the same inputs (``[..., K]`` log-probs -> ``[...]``)."""
+    p_new = mx.exp(new_top)
+    tail_new = mx.maximum(1.0 - p_new.sum(axis=-1), _TAIL_FLOOR)
+    tail_ref = mx.maximum(1.0 - mx.exp(ref_top).sum(axis=-1), _TAIL_FLOOR)
+    return (p_new * (new_top - ref_top)).sum(axis=-1) + tail_new * (mx.log(tail_new) - mx.log(tail_ref))
+
+
+def unlikelihood(logp_new: mx.array, mask: mx.array, marks: mx.array) -> mx.array:
+    """Equal to :func:`objective.unlikelihood` on the same inputs."""
+    hit = mask.astype(mx.bool_) & marks.astype(mx.bool_)
+    p = mx.minimum(mx.exp(mx.where(hit, logp_new, mx.full(logp_new.shape, -30.0))), 1.0 - 1e-6)
+    n = mx.maximum(mask.astype(mx.float32).sum(axis=1), 1.0)
+    return (-(mx.log1p(-p) * hit.astype(p.dtype)).sum(axis=1) / n).mean()
+
+
 @dataclass(frozen=True)
 class MlxLossOutput:
     loss: mx.array  # scalar, differentiable w.r.t. logp_new only
@@ -26,6 +46,7 @@ class MlxLossOutput:
     accepted_seqs: mx.array  # sequences whose rho is inside seq_band (a count)
     mean_kl: mx.array  # mean k3 KL per response token (all tokens, unfiltered)
     n_tokens: mx.array  # response tokens in the batch
+    anchor_kl: mx.array  # the KL term's mean per response token (the k3 one without an anchor)
 
     def stats(self) -> dict[str, mx.array]:
         return {
@@ -33,6 +54,7 @@ class MlxLossOutput:
             "accepted_seqs": self.accepted_seqs,
             "mean_kl": self.mean_kl,
             "n_tokens": self.n_tokens,
+            "anchor_kl": self.anchor_kl,
         }
 
 
@@ -46,11 +68,12 @@ def mispo_loss(
     token_band: tuple[float, float] = (0.5, 2.0),
     seq_band: tuple[float, float],
     beta: float,
+    anchor: mx.array | None = None,
 ) -> MlxLossOutput:
     """The loss of one (micro-)batch, equal to :func:`objective.mispo_loss` on the same inputs.
 
     Shapes: ``logp_*`` and ``mask`` are ``[B, T]`` (``mask`` true on response tokens); ``advantages``
-    is ``[B]``. Values of ``logp_*`` off the mask are ignored.
+    is ``[B]``. Values of ``logp_*`` off the mask are ignored; ``anchor`` as in the torch loss.
     """
     mask_b = mask.astype(mx.bool_)
     dtype = logp_new.dtype
@@ -78,11 +101,15 @@ def mispo_loss(
     n_tokens = maskf.sum()
     kl = k3_kl(mx.where(mask_b, logp_new, zeros), mx.where(mask_b, logp_ref, zeros))
     kl_mean = (kl * maskf).sum() / mx.maximum(n_tokens, 1.0)
+    anchor_mean = kl_mean if anchor is None else (mx.where(mask_b, anchor, zeros) * maskf).sum() / mx.maximum(
+        n_tokens, 1.0
+    )
 
     return MlxLossOutput(
-        loss=policy + beta * kl_mean,
+        loss=policy + beta * anchor_mean,
         accepted_tokens=tok_keep.astype(mx.float32).sum(),
         accepted_seqs=seq_keep.astype(mx.float32).sum(),
         mean_kl=mx.stop_gradient(kl_mean),
         n_tokens=n_tokens,
+        anchor_kl=mx.stop_gradient(anchor_mean),
     )

@@ -36,6 +36,11 @@ class TrainConfig:
     ema_decay: float = 0.99
     max_tokens: int = 1024
     micro_batch_tokens: int = 2048
+    # The KL anchor over the base's K likeliest next tokens and a tail bin (objective.top_k_kl);
+    # 0: the k3 estimate on the answer's own token only.
+    kl_top_k: int = 0
+    # The weight of the unlikelihood term on the policy's own loops (training/loops.py); 0: off.
+    unlikelihood: float = 0.0
     max_mean_kl: float = 1.0  # a run that raises the mean per-token KL to the base by more is not promoted
     seed: int = 0
     device: str = "auto"
@@ -88,6 +93,8 @@ def resolve(
         rank=settings.rank or rank,
         alpha=settings.rank or rank,
         beta=beta if settings.beta is None else settings.beta,
+        kl_top_k=cfg.kl_top_k if settings.kl_top_k is None else settings.kl_top_k,
+        unlikelihood=cfg.unlikelihood if settings.unlikelihood is None else settings.unlikelihood,
         seq_band=settings.seq_band or cfg.seq_band,
         max_tokens=settings.max_tokens,
         micro_batch_tokens=settings.micro_batch_tokens

@@ -75,6 +75,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="override the preset's optimizer steps per run")
     ap.add_argument("--beta", type=float, help="override the preset's KL weight (train.beta: how hard a run is "
                     "held to the base model)")
+    ap.add_argument("--kl-top-k", type=int, metavar="K", help="override train.kl_top_k: the KL anchor over the "
+                    "base's K likeliest next tokens and the rest (0: the answer's own token only)")
+    ap.add_argument("--unlikelihood", type=float, metavar="W", help="override train.unlikelihood: the weight of "
+                    "the unlikelihood term on the trigrams the policy repeats while it trains (0: off)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -102,6 +106,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--explore must be between 0 and 64")
     if args.beta is not None and not 0 <= args.beta <= 10:
         ap.error("--beta must be between 0 and 10")
+    if args.unlikelihood is not None and not 0 <= args.unlikelihood <= 100:
+        ap.error("--unlikelihood must be between 0 and 100")
+    if args.kl_top_k is not None and not 0 <= args.kl_top_k <= 1024:
+        ap.error("--kl-top-k must be between 0 and 1024")
     return args
 
 
@@ -115,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {exc}")
         return 2
     overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("beta", args.beta),
+                                   ("kl_top_k", args.kl_top_k), ("unlikelihood", args.unlikelihood),
                                    ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)

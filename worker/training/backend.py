@@ -31,6 +31,7 @@ class StepStats:
     n_tokens: float  # response tokens in the micro-batch
     accepted_tokens: float  # response tokens the objective's token filter kept
     accepted_seqs: float  # sequences the objective's sequence filter kept
+    anchor_kl: float | None = None  # mean top-k anchor KL per response token, with ``ref_top``
 
 
 class TokenSums(NamedTuple):
@@ -86,6 +87,10 @@ class Backend(Protocol):
     def logprobs(self, batch: Batch) -> Tensor:
         """``[B, L]`` fp32 log-prob of each response token given its prefix, 0 elsewhere; no gradient."""
 
+    def logprobs_top(self, batch: Batch, k: int) -> tuple[Tensor, Any]:
+        """:meth:`logprobs`, and from the same pass the k likeliest next tokens at each response
+        position with their log-probs (the KL anchor's reference: ``accumulate``'s ``ref_top``)."""
+
     def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
         """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``."""
 
@@ -101,8 +106,20 @@ class Backend(Protocol):
     def begin_step(self) -> None:
         """Clear the accumulated gradient."""
 
-    def accumulate(self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float) -> StepStats:
-        """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated."""
+    def accumulate(
+        self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float, ref_top: Any = None
+    ) -> StepStats:
+        """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated.
+        With ``ref_top`` (from :meth:`logprobs_top` under :meth:`reference`) the KL term is the
+        top-k anchor (:func:`rlfleet.worker.objective.top_k_kl`)."""
+
+    def accumulate_unlikelihood(
+        self, batch: Batch, marks: Sequence[tuple[int, int, Sequence[int]]], weight: float, share: float
+    ) -> float:
+        """The unlikelihood term (:func:`rlfleet.worker.objective.unlikelihood`) on one micro-batch of
+        the policy's own answers, ``marks`` holding ``(row, start, positions)``: the tokens at
+        ``start + position`` of that row are marked. Its gradient, times ``weight * share``, is
+        accumulated; the term's value is returned."""
 
     def finish_step(self, apply: bool) -> None:
         """Clip the accumulated gradient; update the weights when ``apply``."""

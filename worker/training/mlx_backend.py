@@ -63,6 +63,7 @@ class MlxTrainer(TrainerInterface):
         self._loras: dict[str, Any] = {}  # module path -> LoRALinear while an adapter is applied
         self._spec: LoraSpec | None = None
         self._train: Any = None  # value_and_grad of the objective while training
+        self._train_unlikelihood: Any = None  # and of the unlikelihood term on the policy's loops
         self._opt: Any = None
         self._grads: Any = None
         self._grad_clip = 0.0
@@ -210,17 +211,41 @@ class MlxTrainer(TrainerInterface):
         mx = _mx()
         return mx.array(list(values), dtype=mx.float32)
 
-    def _logprobs(self, ids: Any, mask: Any) -> Any:
-        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask.
+    def _logits(self, ids: Any) -> tuple[Any, Any]:
+        """``[B, L-1, V]`` fp32 next-token logits at every position but the last, and their logsumexp
+        (``[B, L-1, 1]``).
 
         Batches are right-padded: with causal attention the padding never reaches a real position,
         so no attention mask is needed."""
         mx = _mx()
         logits = self.model(ids)[:, :-1].astype(mx.float32)
-        target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1).squeeze(-1)
-        lp = target - mx.logsumexp(logits, axis=-1)
-        lp = mx.concatenate([mx.zeros((ids.shape[0], 1), dtype=mx.float32), lp], axis=1)
-        return mx.where(mask, lp, mx.zeros_like(lp))
+        return logits, mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _at_positions(self, values: Any, mask: Any) -> Any:
+        """``[B, L-1]`` per-prediction values as ``[B, L]`` per-token ones (token t is predicted at
+        t-1), 0 off the response mask."""
+        mx = _mx()
+        out = mx.concatenate([mx.zeros((values.shape[0], 1), dtype=mx.float32), values], axis=1)
+        return mx.where(mask, out, mx.zeros_like(out))
+
+    def _logprobs(self, ids: Any, mask: Any) -> Any:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
+        mx = _mx()
+        logits, lse = self._logits(ids)
+        target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)
+        return self._at_positions((target - lse).squeeze(-1), mask)
+
+    def logprobs_top(self, batch: dict, k: int) -> tuple[Any, tuple[Any, Any]]:
+        mx = _mx()
+        ids, mask = batch["input_ids"], batch["response_mask"]
+        logits, lse = self._logits(ids)
+        target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)
+        k = min(k, logits.shape[-1])
+        top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        top = mx.take_along_axis(logits, top_ids, axis=-1) - lse
+        lp = self._at_positions((target - lse).squeeze(-1), mask)
+        mx.eval(lp, top_ids, top)
+        return lp, (top_ids, top)
 
     def logprobs(self, batch: dict) -> Any:
         lp = self._logprobs(batch["input_ids"], batch["response_mask"])
@@ -250,8 +275,9 @@ class MlxTrainer(TrainerInterface):
         import mlx.nn as nn
         import mlx.optimizers as optim
 
-        from ..objective_mlx import mispo_loss
+        from ..objective_mlx import mispo_loss, top_k_kl, unlikelihood
 
+        mx = _mx()
         objective = getattr(cfg, "objective", "mispo")
         if objective != "mispo":
             raise ConfigError(
@@ -259,25 +285,39 @@ class MlxTrainer(TrainerInterface):
                 "use train.device = 'auto' for it"
             )
 
-        def loss_fn(ids, mask, beh, ref, advantages, share):
+        def loss_fn(ids, mask, beh, ref, advantages, share, ref_top):
+            logits, lse = self._logits(ids)
+            logp = self._at_positions((mx.take_along_axis(logits, ids[:, 1:, None], axis=-1) - lse).squeeze(-1), mask)
+            anchor = None
+            if ref_top is not None:
+                top_ids, top_ref = ref_top
+                anchor = self._at_positions(top_k_kl(mx.take_along_axis(logits, top_ids, axis=-1) - lse, top_ref), mask)
             out = mispo_loss(
-                self._logprobs(ids, mask), beh, ref, mask, advantages,
-                token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta,
+                logp, beh, ref, mask, advantages,
+                token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor,
             )  # fmt: skip
             return out.loss * share, {"loss": out.loss, **out.stats()}
 
         self._train = nn.value_and_grad(self.model, loss_fn)
+
+        def unlikelihood_fn(ids, mask, marks, scale):
+            value = unlikelihood(self._logprobs(ids, mask), mask, marks)
+            return value * scale, value
+
+        self._train_unlikelihood = nn.value_and_grad(self.model, unlikelihood_fn)
         self._opt = optim.AdamW(learning_rate=cfg.lr, bias_correction=True)  # torch.optim.AdamW's defaults
         self._grad_clip = cfg.grad_clip
 
     def begin_step(self) -> None:
         self._grads = None
 
-    def accumulate(self, batch: dict, beh: Any, ref: Any, advantages: Any, share: float) -> StepStats:
+    def accumulate(
+        self, batch: dict, beh: Any, ref: Any, advantages: Any, share: float, ref_top: Any = None
+    ) -> StepStats:
         from mlx.utils import tree_map
 
         mx = _mx()
-        (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share)
+        (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share, ref_top)
         self._grads = g if self._grads is None else tree_map(mx.add, self._grads, g)
         mx.eval(self._grads, stats)
         return StepStats(
@@ -286,7 +326,24 @@ class MlxTrainer(TrainerInterface):
             n_tokens=float(stats["n_tokens"]),
             accepted_tokens=float(stats["accepted_tokens"]),
             accepted_seqs=float(stats["accepted_seqs"]),
+            anchor_kl=float(stats["anchor_kl"]) if ref_top is not None else None,
         )
+
+    def accumulate_unlikelihood(
+        self, batch: dict, marks: Sequence[tuple[int, int, Sequence[int]]], weight: float, share: float
+    ) -> float:
+        import numpy as np
+        from mlx.utils import tree_map
+
+        mx = _mx()
+        hit = np.zeros(batch["response_mask"].shape, dtype=bool)
+        for row, start, positions in marks:
+            hit[row, [start + t for t in positions]] = True
+        (_, value), g = self._train_unlikelihood(batch["input_ids"], batch["response_mask"], mx.array(hit),
+                                                 weight * share)
+        self._grads = g if self._grads is None else tree_map(mx.add, self._grads, g)
+        mx.eval(self._grads, value)
+        return float(value)
 
     def finish_step(self, apply: bool) -> None:
         import mlx.optimizers as optim
@@ -343,9 +400,8 @@ class MlxTrainer(TrainerInterface):
 
     def _log_softmax(self, ids: Any) -> Any:
         """``[B, L-1, V]`` fp32 next-token log-probs at every position but the last."""
-        mx = _mx()
-        logits = self.model(ids)[:, :-1].astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logits, lse = self._logits(ids)
+        return logits - lse
 
     def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
         """One answer at a time, seeded ``seed + j`` for the j-th prompt; no top-p or top-k."""

@@ -19,6 +19,7 @@ from ..samples import Progress, TrainSample
 from .advantages import run_advantages
 from .backend import Backend, Batch, Tensor
 from .loop import Outcome, Report, RunData, Selection
+from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
 
 
 class PolicyGradient:
@@ -34,7 +35,7 @@ class PolicyGradient:
         backend.begin_training(cfg)
         groups, batches = backend.batches(data.encoded, cfg.micro_batch_tokens)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
-        ref, beh = _fixed_logprobs(backend, data, groups, batches)
+        ref, ref_top, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
         advantages = [backend.vector([data.advantages[i] for i in g]) for g in groups]
@@ -42,25 +43,37 @@ class PolicyGradient:
         token_fracs: list[float] = []
         seq_fracs: list[float] = []
         loss_value = mean_kl = start_kl = float("nan")
+        anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
+        loops = LoopPool()  # the policy's own looping answers (train.unlikelihood)
+        loop_batches: list[LoopBatch] = []
         train_started = time.perf_counter()
         for step in range(cfg.steps):
+            if cfg.unlikelihood > 0 and step > 0 and step % CHECK_EVERY == 0:
+                caught = len(loops.encoded)
+                check(backend, loops, data.samples, step, cfg.seed)
+                if len(loops.encoded) > caught:
+                    loop_batches = batched(backend, loops, cfg.micro_batch_tokens)
             backend.begin_step()
-            step_loss = kl_sum = tok_acc = seq_acc = 0.0
+            step_loss = kl_sum = anchor_sum = tok_acc = seq_acc = 0.0
             for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
                 # Each micro-batch's loss is a mean over its sequences: weighting by its share of
                 # sequences makes the accumulated gradient the mean over the whole step.
                 share = len(group) / n_samples
-                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share)
+                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share, ref_top=ref_top[k])
                 step_loss += stats.loss * share
                 kl_sum += stats.mean_kl * stats.n_tokens
+                anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
                 tok_acc += stats.accepted_tokens
                 seq_acc += stats.accepted_seqs
+            for batch, marks, share in loop_batches:
+                backend.accumulate_unlikelihood(batch, marks, cfg.unlikelihood, share)
             # With every sequence filtered out the gradient is KL-only; AdamW's momentum and decay
             # would still move the weights, defeating the filter as a trust region.
             backend.finish_step(apply=seq_acc > 0)
             loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
             if step == 0:  # measured before the first update: where the run starts
                 start_kl = mean_kl
+            anchor_kls.append(anchor_sum / max(n_response, 1))
             token_fracs.append(tok_acc / max(n_response, 1))
             seq_fracs.append(seq_acc / n_samples)
             elapsed = time.perf_counter() - train_started
@@ -75,13 +88,19 @@ class PolicyGradient:
             mean_kl=mean_kl,
             start_kl=start_kl,
             final_kl=_mean_kl(backend, batches, ref),  # of what is saved: the last step's predates its update
+            # The anchor's KL before the first update and at the last step (before its update).
+            extra={
+                **({"anchor_kl_start": anchor_kls[0], "anchor_kl": anchor_kls[-1]} if cfg.kl_top_k else {}),
+                **(loops.metrics() if cfg.unlikelihood > 0 else {}),
+            },
         )
 
 
 def _fixed_logprobs(
-    backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch]
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Per micro-batch: reference log-probs (adapter off) and behaviour log-probs.
+    backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0
+) -> tuple[list[Tensor], list[Any], list[Tensor]]:
+    """Per micro-batch: reference log-probs (adapter off), the reference's ``top_k`` likeliest next
+    tokens (None each without them), and behaviour log-probs.
 
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
@@ -89,7 +108,11 @@ def _fixed_logprobs(
     """
     encoded = data.encoded
     with backend.reference():
-        ref = [backend.logprobs(b) for b in batches]
+        if top_k:
+            pairs = [backend.logprobs_top(b, top_k) for b in batches]
+            ref, ref_top = [lp for lp, _ in pairs], [top for _, top in pairs]
+        else:
+            ref, ref_top = [backend.logprobs(b) for b in batches], [None] * len(batches)
     need_start = data.parent_adapter is not None and any(
         e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
     )
@@ -102,7 +125,7 @@ def _fixed_logprobs(
             if encoded[i].behaviour_logprobs
         ]
         beh.append(backend.with_recorded(lp, recorded))
-    return ref, beh
+    return ref, ref_top, beh
 
 
 def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:

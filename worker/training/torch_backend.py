@@ -24,7 +24,7 @@ from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import seeded_rng
 
 from ..batching import Encoded, _ids, collate, micro_batches
-from ..objective import k3_kl, loss_for
+from ..objective import k3_kl, loss_for, top_k_kl, unlikelihood
 from ..presets import TrainConfig
 from .backend import StepStats, TokenSums
 from .interface import TrainerInterface
@@ -164,8 +164,9 @@ class Trainer(TrainerInterface):
     def vector(self, values: Sequence[float]) -> Tensor:
         return torch.tensor(list(values), dtype=torch.float32, device=self.device)
 
-    def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
-        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask.
+    def _response_logits(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``[N, V]`` fp32 next-token logits at the N response positions (row-major over the batch's
+        response mask) and the token each predicts.
 
         Where the architecture allows, the output head runs on response positions only (hidden
         states are sliced first): the prompt's logits are never needed and cost vocab-sized rows.
@@ -192,9 +193,27 @@ class Trainer(TrainerInterface):
             with self.autocast():
                 full = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits
             logits = full[:, :-1][pred_mask].float()
-        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return logits, targets
+
+    def _scatter(self, batch: dict[str, Tensor], values: Tensor) -> Tensor:
+        """``[N]`` values at the response positions as ``[B, L]``, 0 elsewhere."""
+        resp = batch["response_mask"]
         # Boolean-mask order is row-major, the same order masked_scatter fills in.
-        return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device).masked_scatter(resp, lp)
+        return torch.zeros(resp.shape, dtype=torch.float32, device=resp.device).masked_scatter(resp, values)
+
+    def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
+        logits, targets = self._response_logits(batch)
+        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return self._scatter(batch, lp)
+
+    @torch.no_grad()
+    def logprobs_top(self, batch: dict[str, Tensor], k: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        logits, targets = self._response_logits(batch)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse.squeeze(-1)
+        top_logits, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        return self._scatter(batch, lp), (top_ids, top_logits - lse)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
@@ -224,9 +243,22 @@ class Trainer(TrainerInterface):
         self._opt.zero_grad(set_to_none=True)
 
     def accumulate(
-        self, batch: dict[str, Tensor], beh: Tensor, ref: Tensor, advantages: Tensor, share: float
+        self,
+        batch: dict[str, Tensor],
+        beh: Tensor,
+        ref: Tensor,
+        advantages: Tensor,
+        share: float,
+        ref_top: tuple[Tensor, Tensor] | None = None,
     ) -> StepStats:
-        out = self._loss(self._logprobs(batch), beh, ref, batch["response_mask"], advantages)
+        logits, targets = self._response_logits(batch)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        logp = self._scatter(batch, logits.gather(-1, targets[:, None]).squeeze(-1) - lse.squeeze(-1))
+        anchor = None
+        if ref_top is not None:
+            top_ids, top_ref = ref_top
+            anchor = self._scatter(batch, top_k_kl(logits.gather(-1, top_ids) - lse, top_ref))
+        out = self._loss(logp, beh, ref, batch["response_mask"], advantages, anchor=anchor)
         (out.loss * share).backward()
         return StepStats(
             loss=float(out.loss.detach()),
@@ -234,7 +266,18 @@ class Trainer(TrainerInterface):
             n_tokens=out.n_tokens,
             accepted_tokens=out.accepted_token_frac * out.n_tokens,
             accepted_seqs=out.accepted_seq_frac * batch["input_ids"].shape[0],
+            anchor_kl=out.anchor_kl,
         )
+
+    def accumulate_unlikelihood(
+        self, batch: dict[str, Tensor], marks: Sequence[tuple[int, int, Sequence[int]]], weight: float, share: float
+    ) -> float:
+        hit = torch.zeros_like(batch["response_mask"])
+        for row, start, positions in marks:
+            hit[row, [start + t for t in positions]] = True
+        loss = unlikelihood(self._logprobs(batch), batch["response_mask"], hit)
+        (loss * (weight * share)).backward()
+        return float(loss.detach())
 
     def finish_step(self, apply: bool) -> None:
         torch.nn.utils.clip_grad_norm_(self._params, self._grad_clip)

@@ -1,0 +1,74 @@
+"""The unlikelihood term's answers: which tokens make an answer repeat itself, and that the term
+lowers exactly those tokens on both backends' training path."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from test_trainer import LEARN, chat, preference_samples
+
+from rlfleet.worker.batching import Encoded, _ids
+from rlfleet.worker.gate import repeated_ngrams
+from rlfleet.worker.training.loops import ANSWERS, CHECK_EVERY, LoopPool, batched, repeated_positions
+
+
+def test_repeated_positions_mark_the_tokens_that_complete_an_earlier_trigram():
+    assert repeated_positions([1, 2, 3, 1, 2, 3, 1]) == [5, 6]
+    assert repeated_positions([1, 2, 3, 4, 5]) == []
+    assert repeated_positions([7, 7, 7, 7]) == [3]
+    assert repeated_positions([1, 2]) == []
+
+
+def test_marked_share_is_what_the_gate_counts_as_repetition():
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(3, 30))]
+        assert len(repeated_positions(tokens)) / (len(tokens) - 2) == pytest.approx(repeated_ngrams(tokens))
+
+
+def check_unlikelihood_lowers_the_marked_tokens(trainer, out) -> None:
+    """Four optimizer steps of the unlikelihood term alone on one looping answer: the tokens that
+    complete a repeated trigram lose log-prob, far more than an unrelated answer's tokens move."""
+    tok = trainer.tokenizer
+    prompt = chat("Tell me about cats.")
+    text = " ".join(["la", "da", "ba"] * 5)
+    answer = tok(text, add_special_tokens=False)["input_ids"]
+    marks = repeated_positions(answer)
+    assert len(marks) >= 5
+    ids = _ids(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+    pool = LoopPool(encoded=[Encoded(input_ids=ids + answer, prompt_len=len(ids))], marks=[marks])
+    cfg = replace(LEARN, lr=1e-2)
+    other = (chat("What is rain?"), "Water falling from clouds.")
+    before = trainer.token_logprobs([(prompt, text)])[0][: len(answer)]
+    other_before = trainer.token_logprobs([other])[0]
+    with trainer.adapter(None, cfg, trainable=True):
+        trainer.begin_training(cfg)
+        for _ in range(4):
+            trainer.begin_step()
+            values = [trainer.accumulate_unlikelihood(b, m, 1.0, share) for b, m, share in batched(trainer, pool, 4096)]
+            assert values and all(v > 0 for v in values)
+            trainer.finish_step(apply=True)
+        trainer.save(out)
+    after = trainer.token_logprobs([(prompt, text)], out)[0][: len(answer)]
+    drop = [b - a for b, a in zip(before, after, strict=True)]
+    marked = sum(drop[t] for t in marks) / len(marks)
+    moved = [abs(b - a) for b, a in zip(other_before, trainer.token_logprobs([other], out)[0], strict=True)]
+    assert marked > 0.2, drop
+    assert marked > 2 * sum(moved) / len(moved), (marked, moved)
+
+
+def test_unlikelihood_lowers_the_marked_tokens(tiny_trainer, tmp_path):
+    check_unlikelihood_lowers_the_marked_tokens(tiny_trainer, tmp_path / "a")
+
+
+def test_a_run_with_unlikelihood_checks_its_own_answers_every_few_steps(tiny_trainer, tmp_path):
+    cfg = replace(LEARN, unlikelihood=1.0)
+    metrics = tiny_trainer.run(preference_samples(), None, cfg, None, tmp_path / "a").metrics
+    checks = len(range(CHECK_EVERY, cfg.steps, CHECK_EVERY))
+    assert metrics["loop_checked"] == ANSWERS * checks
+    assert 0 <= metrics["loop_answers"] <= metrics["loop_checked"]
+    assert 0.0 <= metrics["loop_marked_share"] <= 1.0
+    off = tiny_trainer.run(preference_samples()[:4], None, replace(LEARN, steps=1), None, tmp_path / "b").metrics
+    assert "loop_checked" not in off
