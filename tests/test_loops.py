@@ -64,11 +64,13 @@ def test_unlikelihood_lowers_the_marked_tokens(tiny_trainer, tmp_path):
 
 
 def test_a_run_with_unlikelihood_checks_its_own_answers_every_few_steps(tiny_trainer, tmp_path):
+    assert LEARN.unlikelihood > 0  # the presets' default
     cfg = replace(LEARN, unlikelihood=1.0)
     metrics = tiny_trainer.run(preference_samples(), None, cfg, None, tmp_path / "a").metrics
     checks = len(range(CHECK_EVERY, cfg.steps, CHECK_EVERY))
     assert metrics["loop_checked"] == ANSWERS * checks
     assert 0 <= metrics["loop_answers"] <= metrics["loop_checked"]
     assert 0.0 <= metrics["loop_marked_share"] <= 1.0
-    off = tiny_trainer.run(preference_samples()[:4], None, replace(LEARN, steps=1), None, tmp_path / "b").metrics
+    off = replace(LEARN, steps=3, unlikelihood=0.0)
+    off = tiny_trainer.run(preference_samples()[:4], None, off, None, tmp_path / "b").metrics
     assert "loop_checked" not in off

@@ -39,8 +39,10 @@ class TrainConfig:
     # The KL anchor over the base's K likeliest next tokens and a tail bin (objective.top_k_kl);
     # 0: the k3 estimate on the answer's own token only.
     kl_top_k: int = 0
-    # The weight of the unlikelihood term on the policy's own loops (training/loops.py); 0: off.
-    unlikelihood: float = 0.0
+    # The weight of the unlikelihood term on the policy's own loops (training/loops.py); 0: off. On:
+    # on a taste the model rarely shows, the versions trained with it kept the base's fluency on more
+    # runs at about the same gain (bench/RESULTS.md, "unlikelihood on the policy's own loops").
+    unlikelihood: float = 1.0
     max_mean_kl: float = 1.0  # a run that raises the mean per-token KL to the base by more is not promoted
     seed: int = 0
     device: str = "auto"
