@@ -20,6 +20,7 @@ def k3_kl(logp_new: mx.array, logp_ref: mx.array) -> mx.array:
 
 
 _TAIL_FLOOR = 1e-6  # as objective._TAIL_FLOOR
+_P_CEILING = 1.0 - 1e-6  # as objective._P_CEILING
 
 
 def top_k_kl(new_top: mx.array, ref_top: mx.array) -> mx.array:
@@ -34,7 +35,7 @@ def top_k_kl(new_top: mx.array, ref_top: mx.array) -> mx.array:
 def unlikelihood(logp_new: mx.array, mask: mx.array, marks: mx.array) -> mx.array:
     """Equal to :func:`objective.unlikelihood` on the same inputs."""
     hit = mask.astype(mx.bool_) & marks.astype(mx.bool_)
-    p = mx.minimum(mx.exp(mx.where(hit, logp_new, mx.full(logp_new.shape, -30.0))), 1.0 - 1e-6)
+    p = mx.minimum(mx.exp(mx.where(hit, logp_new, mx.full(logp_new.shape, -30.0))), _P_CEILING)
     n = mx.maximum(mask.astype(mx.float32).sum(axis=1), 1.0)
     return (-(mx.log1p(-p) * hit.astype(p.dtype)).sum(axis=1) / n).mean()
 

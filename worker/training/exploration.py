@@ -69,14 +69,19 @@ def prompts_to_explore(samples: Sequence[TrainSample], n: int,
     ``captured`` ones (newest first), taken in turn, so that a run of many ratings still explores what
     the user asked and did not rate, and one of few ratings fills up with captured prompts."""
     rated = [s.prompt for s in sorted(labelled(samples), key=lambda s: -(s.rating_id or 0))]
+    return distinct(_in_turn(rated, list(captured)))[:n]
+
+
+def distinct(prompts: Sequence[list[dict]]) -> list[list[dict]]:
+    """``prompts`` without repeats, in their order (the first of equal ones kept)."""
     seen: set[str] = set()
-    prompts: list[list[dict]] = []
-    for prompt in _in_turn(rated, list(captured)):
+    out: list[list[dict]] = []
+    for prompt in prompts:
         key = json.dumps(prompt, sort_keys=True)
-        if key not in seen and len(prompts) < n:
+        if key not in seen:
             seen.add(key)
-            prompts.append(prompt)
-    return prompts
+            out.append(prompt)
+    return out
 
 
 def _in_turn(a: list[list[dict]], b: list[list[dict]]) -> list[list[dict]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..batching import Encoded, _ids
 from ..samples import TrainSample
 from .backend import Backend, Batch
+from .exploration import distinct
 
 # A micro-batch of caught answers, its rows' marks (row, first response position, marked positions)
 # and its share of all the caught answers.
@@ -69,7 +70,7 @@ def check(backend: Backend, pool: LoopPool, samples: Sequence[TrainSample], step
     """Sample :data:`ANSWERS` answers from the active policy for the run's prompts (the k-th check
     starts where the previous one stopped) and add those that repeat a trigram to ``pool``."""
     started = time.perf_counter()
-    prompts = _distinct_prompts(samples)
+    prompts = distinct([s.prompt for s in samples])
     if not prompts:
         return
     first = pool.checked % len(prompts)
@@ -96,14 +97,3 @@ def batched(backend: Backend, pool: LoopPool, budget: int) -> list[LoopBatch]:
         (batch, [(row, pool.encoded[i].prompt_len, pool.marks[i]) for row, i in enumerate(g)], len(g) / n)
         for g, batch in zip(groups, batches, strict=True)
     ]
-
-
-def _distinct_prompts(samples: Sequence[TrainSample]) -> list[list[dict]]:
-    seen: set[str] = set()
-    out = []
-    for s in samples:
-        key = repr(s.prompt)
-        if key not in seen:
-            seen.add(key)
-            out.append(s.prompt)
-    return out

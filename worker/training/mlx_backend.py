@@ -228,22 +228,24 @@ class MlxTrainer(TrainerInterface):
         out = mx.concatenate([mx.zeros((values.shape[0], 1), dtype=mx.float32), values], axis=1)
         return mx.where(mask, out, mx.zeros_like(out))
 
-    def _logprobs(self, ids: Any, mask: Any) -> Any:
-        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
+    def _logits_and_logprobs(self, ids: Any, mask: Any) -> tuple[Any, Any, Any]:
+        """:meth:`_logits`, and the ``[B, L]`` fp32 log-prob of each response token given its prefix
+        (0 off the response mask)."""
         mx = _mx()
         logits, lse = self._logits(ids)
         target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)
-        return self._at_positions((target - lse).squeeze(-1), mask)
+        return logits, lse, self._at_positions((target - lse).squeeze(-1), mask)
+
+    def _logprobs(self, ids: Any, mask: Any) -> Any:
+        """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
+        return self._logits_and_logprobs(ids, mask)[2]
 
     def logprobs_top(self, batch: dict, k: int) -> tuple[Any, tuple[Any, Any]]:
         mx = _mx()
-        ids, mask = batch["input_ids"], batch["response_mask"]
-        logits, lse = self._logits(ids)
-        target = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)
+        logits, lse, lp = self._logits_and_logprobs(batch["input_ids"], batch["response_mask"])
         k = min(k, logits.shape[-1])
         top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
         top = mx.take_along_axis(logits, top_ids, axis=-1) - lse
-        lp = self._at_positions((target - lse).squeeze(-1), mask)
         mx.eval(lp, top_ids, top)
         return lp, (top_ids, top)
 
@@ -286,8 +288,7 @@ class MlxTrainer(TrainerInterface):
             )
 
         def loss_fn(ids, mask, beh, ref, advantages, share, ref_top):
-            logits, lse = self._logits(ids)
-            logp = self._at_positions((mx.take_along_axis(logits, ids[:, 1:, None], axis=-1) - lse).squeeze(-1), mask)
+            logits, lse, logp = self._logits_and_logprobs(ids, mask)
             anchor = None
             if ref_top is not None:
                 top_ids, top_ref = ref_top

@@ -201,19 +201,23 @@ class Trainer(TrainerInterface):
         # Boolean-mask order is row-major, the same order masked_scatter fills in.
         return torch.zeros(resp.shape, dtype=torch.float32, device=resp.device).masked_scatter(resp, values)
 
+    def _logits_and_logprobs(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The response positions' ``[N, V]`` logits and ``[N, 1]`` logsumexp, and the ``[B, L]`` fp32
+        log-prob of each response token given its prefix (0 off the response mask)."""
+        logits, targets = self._response_logits(batch)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        lp = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1)
+        return logits, lse, self._scatter(batch, lp)
+
     def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
         """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
-        logits, targets = self._response_logits(batch)
-        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        return self._scatter(batch, lp)
+        return self._logits_and_logprobs(batch)[2]
 
     @torch.no_grad()
     def logprobs_top(self, batch: dict[str, Tensor], k: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        logits, targets = self._response_logits(batch)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse.squeeze(-1)
+        logits, lse, lp = self._logits_and_logprobs(batch)
         top_logits, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-        return self._scatter(batch, lp), (top_ids, top_logits - lse)
+        return lp, (top_ids, top_logits - lse)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
@@ -251,9 +255,7 @@ class Trainer(TrainerInterface):
         share: float,
         ref_top: tuple[Tensor, Tensor] | None = None,
     ) -> StepStats:
-        logits, targets = self._response_logits(batch)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        logp = self._scatter(batch, logits.gather(-1, targets[:, None]).squeeze(-1) - lse.squeeze(-1))
+        logits, lse, logp = self._logits_and_logprobs(batch)
         anchor = None
         if ref_top is not None:
             top_ids, top_ref = ref_top
