@@ -59,7 +59,9 @@ class TrainingNews:
             check = (f"held-out margin {before:+.3f} → {after:+.3f}" if before is not None and after is not None
                      else "no held-out check")
             used = m.get("ratings_used")
-            return f"✓ {run.version} promoted: {check}" + (f" on {used} ratings" if used else "") + \
+            halfway = (f" (the step from halfway through the run: the whole run was refused, {m.get('refused_full')})"
+                       if m.get("fallback") == "halfway" else "")
+            return f"✓ {run.version} promoted: {check}" + (f" on {used} ratings" if used else "") + halfway + \
                 "; now answering with it"
         if run.state == "skipped":
             return f"· training run {run.id} trained nothing: {run.error or 'see rlfleet status'}; {self._next()}"

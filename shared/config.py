@@ -47,6 +47,10 @@ class TrainSettings(BaseModel):
     min_holdout: int = Field(4, ge=1, le=1000)
     # KL cap (nats/token) for a candidate whose held-out ratings are all good or all bad (worker/gate.py)
     gate_one_class_kl: float = Field(0.1, gt=0, le=10)
+    # When the gate refuses a run's version, judge the adapter as it was halfway through the run (after
+    # half the optimizer steps) by the same gate and serve that if it passes: a run that overshot
+    # still delivers the step it could take safely (docs/objective.md, "The gate").
+    fallback: bool = True
     # The training worker loads the model when it starts, not inside the first run: the load (20-35 s
     # on a CPU for the default model) overlaps the minutes it takes to collect the first ratings.
     # false: load on the first run (memory is held only once training has happened).

@@ -66,6 +66,11 @@ def read_pointer(folder: Path) -> Pointer:
     return Pointer(name)
 
 
+def is_adapter(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete adapter (a version, or one staged to become one)."""
+    return all((folder / f).is_file() for f in ADAPTER_FILES)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -104,8 +109,7 @@ class AdapterRegistry:
         return self.dir / version
 
     def exists(self, version: str) -> bool:
-        p = self.path(version)
-        return all((p / f).is_file() for f in ADAPTER_FILES)
+        return is_adapter(self.path(version))
 
     def staging(self, version: str) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)

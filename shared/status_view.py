@@ -58,7 +58,7 @@ def bot_line(b: dict) -> str:
 
 HISTORY_FIELDS = ("ratings_used", "replayed", "heldout_n", "heldout_margin_before", "heldout_margin_after",
                   "heldout_kl", "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "reward_model_auc",
-                  "explored", "explore_reason", "verdict", "reason")
+                  "explored", "explore_reason", "verdict", "reason", "fallback", "steps_served", "refused_full")
 
 
 def history_rows(versions: list[dict]) -> list[dict]:
@@ -77,6 +77,8 @@ def versions_table(versions: list[dict], title: str | None = None) -> Table:
         before, after = r["heldout_margin_before"], r["heldout_margin_after"]
         margin = f"{before:+.3f} → {after:+.3f}" if before is not None and after is not None else "–"
         verdict = r["verdict"] or ""
+        if r["fallback"] == "halfway":  # the whole run was refused; the step from halfway through it passed
+            verdict += f" (step {r['steps_served']}, halfway)"
         if r["reason"] and r["status"] != "active":
             verdict += f": {r['reason']}"
         kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]

@@ -253,6 +253,11 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     replayed = [c["replayed"] for c in out["checkpoints"]]
     assert replayed[0] == 0 and sum(replayed) == out["replayed"] == sum(r["replayed"] or 0 for r in out["runs"])
     assert out["then"] is None and "first_kept" not in out
+    # What each run trained with, as it ran: the command line's overrides over the preset's values.
+    for r in out["runs"]:
+        if r["state"] == "succeeded":
+            assert r["train"]["lr"] == pytest.approx(3e-3) and r["train"]["steps"] == 8, r["train"]
+            assert r["train"]["beta"] == 0.02 and r["train"]["advantage"] == "ema", r["train"]  # aggressive's
 
 
 def test_held_out_answers_in_batches_and_ratings_without_words(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -306,6 +311,9 @@ def test_seeds_of_one_variant_pool_into_one_row_with_a_narrower_interval():
     assert table[2].startswith("| mispo | 32 | 2 | 0.19 | 0.62 | +0.44 |") and len(table) == 4
     # Repeated trigrams, the fluency a gain must keep: averaged over the seeds (2.0 and 3.0 % before).
     assert mispo["base_repeat"] == pytest.approx(0.025) and "| 2.5 % → 3.5 % |" in table[2]
+    # A version served from halfway through its run is counted as promoted, and said.
+    runs[0]["runs"] = [{"state": "succeeded", "fallback": "halfway"}]
+    assert "| 2/2 (1 halfway) |" in markdown_table(pool(runs)).splitlines()[2]
 
 
 def test_labels_name_only_what_varies_within_a_preference():
@@ -322,6 +330,11 @@ def test_labels_name_only_what_varies_within_a_preference():
                                                                                      "mispo · lr=5e-05"}
     rules = [{**_summary("mispo", 0, [0, 0]), "overrides": {"advantage": a}} for a in ("ema", "asymmetric")]
     assert {s["label"] for s in _labelled(rules)} == {"mispo · advantage=ema", "mispo · advantage=asymmetric"}
+    # A run that recorded what it trained with is labelled by that, not by "preset": the preset's
+    # default moved between these two (unlikelihood 0, then 1), and only one of them said so.
+    ran = [{**_summary("mispo", 0, [0, 0]), "overrides": {"unlikelihood": 1.0} if u else {},
+            "runs": [{"state": "succeeded", "train": {"beta": 0.04, "unlikelihood": u}}]} for u in (0.0, 1.0)]
+    assert {s["label"] for s in _labelled(ran)} == {"mispo · unlikelihood=0", "mispo · unlikelihood=1"}
 
 
 def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):

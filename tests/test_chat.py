@@ -121,3 +121,21 @@ def test_already_running_is_said_once_per_run(home):
     store.create_run(slug)
     assert news.about_trigger(TRAINING_BUSY) == TRAINING_BUSY  # a new run: said again, once
     assert news.about_trigger(TRAINING_BUSY) is None
+
+
+def test_a_promotion_of_the_halfway_step_says_the_whole_run_was_refused(queued_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    slug = model_slug(cfg.model)
+    store = Store(cfg.db_url)
+    news = TrainingNews(store, None, slug, cfg.train.threshold)
+    run_id = store.create_run(slug)
+    store.start_run(run_id, None)
+    why = "degenerating: sampled answers repeat 12% of their trigrams (base 1%)"
+    store.finish_run(run_id, model=slug, version="v0001", parent=None, advantages={}, retracted=[], new_ema=0.0,
+                     promote=True, reason=None,
+                     metrics={"heldout_margin_before": -0.25, "heldout_margin_after": 0.5, "ratings_used": 12,
+                              "fallback": "halfway", "steps_served": 4, "refused_full": why})
+    (said,) = news.poll().ended
+    assert said == ("✓ v0001 promoted: held-out margin -0.250 → +0.500 on 12 ratings (the step from halfway "
+                    f"through the run: the whole run was refused, {why}); now answering with it")

@@ -4,6 +4,7 @@ against the user's current taste is rejected and kept out of service, `promote -
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,7 @@ from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
-from rlfleet.worker.orchestrate import evaluate_candidate
+from rlfleet.worker.orchestrate import GateReferences, evaluate_candidate, fall_back
 from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
 
@@ -67,6 +68,37 @@ def test_gate_compares_with_the_parent_not_the_base(trainer, tmp_path):
     assert v.metrics["heldout_margin_before"] > 0.3  # the parent's margin, not the base's ~0
 
 
+def test_a_refused_run_falls_back_to_its_halfway_step_when_that_passes(trainer, tmp_path):
+    # The KL cap is set between what the halfway adapter and the full run measure on the held-out
+    # answers, so the gate refuses the full run for its KL and only the smaller step can pass.
+    full, halfway = tmp_path / "staging", tmp_path / "halfway"
+    trainer.run(pairs(TOPICS), None, LEARN, None, full, halfway_dir=halfway)
+    refs = GateReferences.measure(trainer, pairs(HELD), None, GateConfig(), 1024)
+    kl = {name: refs.judge(trainer, d).metrics["heldout_kl"] for name, d in (("full", full), ("half", halfway))}
+    assert 0 < kl["half"] < kl["full"], kl
+    halfway_bytes = {f.name: f.read_bytes() for f in halfway.iterdir()}
+
+    capped = replace(refs, gcfg=GateConfig(max_kl=(kl["half"] + kl["full"]) / 2))
+    refused = capped.judge(trainer, full)
+    assert not refused.promote and "KL to the base" in refused.reason
+    v = fall_back(capped, trainer, refused, full, halfway, 4)
+    assert v.promote, v
+    assert v.metrics["fallback"] == "halfway" and v.metrics["steps_served"] == 4
+    assert v.metrics["refused_full"] == refused.reason and v.metrics["heldout_kl"] == pytest.approx(kl["half"])
+    # The version to commit is now the halfway adapter, byte for byte.
+    assert {f.name: f.read_bytes() for f in full.iterdir()} == halfway_bytes
+
+    # A cap below both: refused, and the reason says the smaller step was tried too.
+    shutil.rmtree(full)
+    shutil.rmtree(halfway)
+    trainer.run(pairs(TOPICS), None, LEARN, None, full, halfway_dir=halfway)
+    low = replace(refs, gcfg=GateConfig(max_kl=kl["half"] / 2))
+    refused = low.judge(trainer, full)
+    v = fall_back(low, trainer, refused, full, halfway, 4)
+    assert not v.promote and v.metrics["fallback"] == "refused"
+    assert v.reason.startswith(refused.reason) and "halfway through the run (step 4) too: KL to the base" in v.reason
+
+
 # ---- through the queue, the worker and the CLI ----------------------------------------------------
 
 
@@ -110,6 +142,8 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
 
         hist = json.loads(rl("history", "--json").output)
         assert hist[0]["verdict"] == "rejected" and "margin fell" in hist[0]["reason"]
+        # The smaller step from halfway through the run was judged too, and refused as well.
+        assert hist[0]["fallback"] == "refused" and "halfway through the run (step 4) too: " in hist[0]["reason"]
         assert hist[0]["heldout_margin_after"] < hist[0]["heldout_margin_before"]
         # The run's reward model reaches meta.json and the history: both classes were rated.
         assert 0 <= hist[0]["reward_model_auc"] <= 1 and hist[0]["reward_model_auc"] == v["metrics"]["reward_model_auc"]
@@ -122,6 +156,7 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
         assert rl("promote", "v0001").exit_code != 0
         reg = AdapterRegistry(cfg.adapters_root, st["model_slug"])
         assert reg.current() is None
+        assert sorted(p.name for p in reg.dir.iterdir() if p.is_dir()) == ["v0001"]  # no staging left behind
 
         # One more rating does not retry at once on nearly the same data...
         assert _rate(cfg, handle, "owls", GOOD, 1)["training"] is None
@@ -172,3 +207,19 @@ def test_an_exploring_run_adds_answers_the_ledger_never_sees(gated_home):
         assert st["ratings"]["pending"] == (4 if v["status"] == "active" else 12)
         hist = json.loads(rl("history", "--json").output)
         assert (hist[0]["explored"], hist[0]["explore_reason"]) == (6, m["explore_reason"])
+
+
+def test_history_marks_a_version_served_from_halfway_through_its_run():
+    from rich.console import Console
+
+    from rlfleet.shared.status_view import history_rows, versions_table
+
+    why = "degenerating: next-token entropy 1.34x the base's (> 1.3)"
+    versions = [{"version": "v0002", "status": "active", "created": "2026-11-25T23:00:00Z", "parent": "v0001",
+                 "metrics": {"verdict": "promoted", "fallback": "halfway", "steps_served": 4, "refused_full": why,
+                             "ratings_used": 27, "heldout_margin_before": -0.4, "heldout_margin_after": -0.3}}]
+    (row,) = history_rows(versions)
+    assert (row["fallback"], row["steps_served"], row["refused_full"]) == ("halfway", 4, why)
+    console = Console(width=120, record=True)
+    console.print(versions_table(versions))
+    assert "promoted (step 4, halfway)" in console.export_text()

@@ -24,6 +24,7 @@ from test_trainer import (  # noqa: E402
     LEARN,
     chat,
     check_anchor_reference_is_the_base,
+    check_halfway_adapter_is_the_half_run,
     check_replayed_behaviour_is_the_start_policy,
     check_still_at_parent,
     check_stored_behaviour_is_used,
@@ -260,6 +261,10 @@ def test_the_top_k_anchor_holds_the_next_token_distribution_near_the_base(mlx_tr
 
 def test_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path):
     check_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path / "a")
+
+
+def test_the_halfway_adapter_is_the_run_after_half_its_steps(mlx_trainer, tmp_path):
+    check_halfway_adapter_is_the_half_run(mlx_trainer, tmp_path)
 
 
 def test_mlx_unlikelihood_matches_torch():

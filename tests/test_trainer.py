@@ -7,6 +7,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -359,6 +360,31 @@ def check_top_k_anchor_holds_near_the_base(trainer, folder: Path) -> None:
         good_shift, bad_shift = held_out_shifts(trainer, out)
         assert good_shift > 0.05 and bad_shift < -0.05, (beta, good_shift, bad_shift)
     assert exact[50.0] < 0.5 * exact[0.0], exact
+
+
+def test_the_halfway_adapter_is_the_run_after_half_its_steps(trainer, tmp_path):
+    check_halfway_adapter_is_the_half_run(trainer, tmp_path)
+
+
+def check_halfway_adapter_is_the_half_run(trainer, folder: Path) -> None:
+    """A run asked for its halfway adapter saves, beside its own, exactly what a run of half the
+    steps trains (same seed, same samples): the version the gate falls back on is that smaller step,
+    not a copy of the full run or of the start."""
+    from safetensors.numpy import load_file
+
+    samples = preference_samples()
+    cfg = replace(LEARN, steps=4)
+    trainer.run(samples, None, cfg, None, folder / "full", halfway_dir=folder / "halfway")
+    trainer.run(samples, None, replace(cfg, steps=2), None, folder / "half")
+    weights = {name: load_file(folder / name / "adapter_model.safetensors") for name in ("full", "halfway", "half")}
+    half, halfway, full = weights["half"], weights["halfway"], weights["full"]
+    assert half.keys() == halfway.keys() == full.keys()
+    assert all(np.allclose(halfway[k], half[k], rtol=1e-5, atol=1e-7) for k in half)
+    assert not all(np.allclose(halfway[k], full[k], rtol=1e-3, atol=1e-6) for k in half)
+    # ... and it acts: its held-out shift lies on the way to the full run's, in the rated direction.
+    g_half, b_half = held_out_shifts(trainer, folder / "halfway")
+    g_full, b_full = held_out_shifts(trainer, folder / "full")
+    assert 0 < g_half < g_full and b_full < b_half < 0, (g_half, g_full, b_half, b_full)
 
 
 def test_replayed_samples_start_from_the_parent_as_their_behaviour(trainer, learned, tmp_path):

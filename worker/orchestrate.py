@@ -11,6 +11,8 @@ replayed beside them (worker/replay.py); the run does not consume those.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -23,18 +25,19 @@ from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.job_result import JobResult
 from rlfleet.shared.queue import progress_key, train_lock_key
+from rlfleet.shared.registry import is_adapter
 from rlfleet.shared.runs import STOPPED_ON_REQUEST, fail_interrupted
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.status import publish_snapshot
 
 from .context import Context
-from .gate import GateConfig, Verdict, judge, split_holdout
+from .gate import GateConfig, ModelScores, Verdict, judge, split_holdout
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample
 from .trainer_cache import get_trainer
-from .training.loop import NothingToLearn
+from .training.loop import NothingToLearn, halfway_steps
 from .trigger import LOCK_TTL
 
 log = logging.getLogger("rlfleet.worker")
@@ -215,22 +218,48 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
     ema, _lineage = ctx.store.baseline(ctx.slug)
     version = ctx.registry.next_version()
     staging = ctx.registry.staging(version)
+    # Beside the staging folder, not in it: a version folder holds the adapter and meta.json only; the
+    # registry's clean-up of a crashed run's ".staging-*" folders takes this one too.
+    halfway = staging.with_name(staging.name + "-halfway") if inputs.held and ctx.cfg.train.fallback else None
     started = time.time()
     report = board.reporter(version)
     try:
         parent_dir = ctx.registry.path(parent) if parent else None
         result = trainer.run(inputs.trained, ema, tcfg, parent_dir, staging, progress=report,
-                             captured=inputs.captured, history=inputs.history)
+                             captured=inputs.captured, history=inputs.history, halfway_dir=halfway)
         verdict = None
         if inputs.held and result.promoted_ok:
             report(Progress(0, 1, 0.0, phase="evaluating"))
-            verdict = evaluate_candidate(trainer, inputs.held, parent_dir, staging, gcfg, tcfg.max_tokens)
+            refs = GateReferences.measure(trainer, inputs.held, parent_dir, gcfg, tcfg.max_tokens)
+            verdict = refs.judge(trainer, staging)
+            if not verdict.promote and halfway is not None and is_adapter(halfway):
+                verdict = fall_back(refs, trainer, verdict, staging, halfway, halfway_steps(tcfg.steps))
         candidate = _judge(result, verdict, inputs, ema, tcfg, version, parent)
+        if halfway is not None:
+            shutil.rmtree(halfway, ignore_errors=True)
         ctx.registry.commit(staging, version, _meta(ctx, run_id, inputs, candidate, tcfg, started))
     except BaseException:
         ctx.registry.discard(staging)
+        if halfway is not None:
+            ctx.registry.discard(halfway)
         raise
     return candidate
+
+
+def fall_back(refs: GateReferences, trainer: Any, refused: Verdict, staging: Path, halfway: Path,
+              steps: int) -> Verdict:
+    """The gate refused the run's version: judge the adapter saved after ``steps`` updates the same way.
+    If it passes, it replaces the run's adapter in ``staging`` (the version is the smaller step); either
+    way the verdict says what the full run did."""
+    half = refs.judge(trainer, halfway)
+    if not half.promote:
+        reason = f"{refused.reason}; the version halfway through the run (step {steps}) too: {half.reason}"
+        return replace(refused, reason=reason,
+                       metrics={**refused.metrics, "fallback": "refused", "fallback_reason": half.reason})
+    for f in halfway.iterdir():
+        os.replace(f, staging / f.name)
+    return replace(half, metrics={**half.metrics, "fallback": "halfway", "steps_served": steps,
+                                  "refused_full": refused.reason})
 
 
 def _judge(result: RunResult, verdict: Verdict | None, inputs: RunInputs, ema: float | None, tcfg: TrainConfig,
@@ -288,19 +317,41 @@ def gate_config(cfg: Config) -> GateConfig:
     )
 
 
+@dataclass(frozen=True)
+class GateReferences:
+    """What a candidate is judged against: the held-out ratings, and the base and the parent measured
+    on them once (a fallback candidate is judged against the same)."""
+
+    pairs: list[tuple[list[dict], str]]
+    rewards: list[float]
+    base: ModelScores
+    parent: ModelScores
+    gcfg: GateConfig
+    max_tokens: int
+
+    @classmethod
+    def measure(cls, trainer: Any, held: list[TrainSample], parent_dir: Path | None, gcfg: GateConfig,
+                max_tokens: int) -> GateReferences:
+        from .training.scoring import score_model
+
+        pairs = [(s.prompt, s.response) for s in held]
+        base = score_model(trainer, pairs, None, gcfg, max_tokens)
+        # The parent is only needed for its margin: no sampling.
+        parent = base if parent_dir is None else score_model(
+            trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
+        )
+        return cls(pairs, [s.reward for s in held], base, parent, gcfg, max_tokens)
+
+    def judge(self, trainer: Any, candidate_dir: Path) -> Verdict:
+        from .training.scoring import score_model
+
+        cand = score_model(trainer, self.pairs, candidate_dir, self.gcfg, self.max_tokens)
+        return judge(self.rewards, self.base, self.parent, cand, self.gcfg)
+
+
 def evaluate_candidate(
     trainer: Any, held: list[TrainSample], parent_dir: Path | None, candidate_dir: Path, gcfg: GateConfig,
     max_tokens: int,
 ) -> Verdict:
     """Measure base, parent and candidate on the held-out ratings and judge the candidate."""
-    from .training.scoring import score_model
-
-    pairs = [(s.prompt, s.response) for s in held]
-    rewards = [s.reward for s in held]
-    base = score_model(trainer, pairs, None, gcfg, max_tokens)
-    # The parent is only needed for its margin: no sampling.
-    parent = base if parent_dir is None else score_model(
-        trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
-    )
-    cand = score_model(trainer, pairs, candidate_dir, gcfg, max_tokens)
-    return judge(rewards, base, parent, cand, gcfg)
+    return GateReferences.measure(trainer, held, parent_dir, gcfg, max_tokens).judge(trainer, candidate_dir)

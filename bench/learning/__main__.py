@@ -63,7 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--switch-at", type=int, metavar="N", help="ratings given by the first preference before "
                     "--then's takes over (default: half of --ratings)")
     ap.add_argument("--replay", type=float, metavar="F", help="train.replay for the runs: earlier ratings "
-                    "replayed per new training rating (default: the config's, 0.5; 0: off)")
+                    "replayed per new training rating (default: the config's, 0: off)")
     ap.add_argument("--explore", type=int, metavar="K", help="train.explore for the runs: answers sampled per "
                     "rated prompt and scored by the user's reward model (default: the config's; 0: off)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
@@ -90,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     ap.add_argument("--no-gate", action="store_true", help="serve every run (no evaluation gate)")
+    ap.add_argument("--no-fallback", action="store_true", help="train.fallback off: a version the gate refuses "
+                    "is not replaced by the run's halfway step")
     ap.add_argument("--plot", type=Path, help="PNG to write (default with --compare: bench/learning/plots/)")
     ap.add_argument("--home", type=Path, help="data dir to run in and keep (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (a list with --compare)")
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("beta", args.beta),
                                    ("kl_top_k", args.kl_top_k), ("unlikelihood", args.unlikelihood),
                                    ("advantage", args.advantage),
-                                   ("replay", args.replay), ("explore", args.explore)) if v is not None}
+                                   ("replay", args.replay), ("explore", args.explore),
+                                   ("fallback", False if args.no_fallback else None)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),

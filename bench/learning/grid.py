@@ -117,23 +117,30 @@ def load(folders: list[Path]) -> list[dict]:
     return out
 
 
+def settings(s: dict) -> dict:
+    """What a run trained with: the settings its first training run recorded (the JSON of newer
+    runs), with the command line's overrides on top (older JSON has only those)."""
+    ran = next((r.get("train") for r in s.get("runs") or [] if r.get("train")), None) or {}
+    return {**ran, **(s.get("overrides") or {})}
+
+
 def _labelled(summaries: list[dict]) -> list[dict]:
-    """Label each run by what varies between the runs of its preference (seeds pool, so not by seed)."""
+    """Label each run by what varies between the runs of its preference (seeds pool, so not by seed).
+    A setting an older run's JSON does not record reads ``preset`` (the preset of that commit)."""
     keys = ("objective", "preset", "threshold")
     varying = [k for k in keys if len({s.get(k) for s in summaries}) > 1] or ["objective"]
     names = {"objective": "{}", "preset": "{}", "threshold": "t={}"}
-    overrides = sorted({k for s in summaries for k in s.get("overrides") or {}})
-    varied = [k for k in overrides if len({(s.get("overrides") or {}).get(k) for s in summaries}) > 1]
+    own = [settings(s) for s in summaries]
+    varied = sorted(k for k in {k for o in own for k in o} if len({repr(o.get(k)) for o in own}) > 1)
 
     def value(v: object) -> str:
         return f"{v:g}" if isinstance(v, (int, float)) else str(v)  # lr=5e-05, advantage=asymmetric
 
-    def name(s: dict) -> str:
-        own = s.get("overrides") or {}
+    def name(s: dict, o: dict) -> str:
         parts = [names[k].format(s.get(k)) for k in varying]
-        return " · ".join(parts + [f"{k}={value(own[k])}" if k in own else f"{k}=preset" for k in varied])
+        return " · ".join(parts + [f"{k}={value(o[k])}" if k in o else f"{k}=preset" for k in varied])
 
-    return [{**s, "label": name(s)} for s in summaries]
+    return [{**s, "label": name(s, o)} for s, o in zip(summaries, own, strict=True)]
 
 
 def report(args: argparse.Namespace) -> int:

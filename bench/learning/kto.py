@@ -79,12 +79,15 @@ class KtoTrainer:
         progress: Callable[[Progress], None] | None = None,
         captured: Sequence[list[dict]] = (),
         history: Sequence[TrainSample] = (),
+        halfway_dir: Path | None = None,
     ) -> RunResult:
         """Train ``cfg.steps`` KTO steps over ``samples``; save the adapter to ``out_dir``.
 
-        ``ema`` is not used: KTO has no reward baseline, only desirable/undesirable labels.
+        ``ema`` is not used: KTO has no reward baseline, only desirable/undesirable labels. TRL's
+        trainer runs its steps in one call, so no halfway adapter is saved (``halfway_dir`` stays
+        empty): a KTO version the gate refuses has no smaller step to fall back on.
         """
-        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history, halfway_dir)
         return run_training(self.trainer, Kto(self.beta), run)
 
 

@@ -36,6 +36,7 @@ def markdown_table(summaries: list[dict]) -> str:
     for s in summaries:
         lo, hi = s["ci95"]
         promoted = sum(1 for r in s["runs"] if r["state"] == "succeeded")
+        halfway = sum(1 for r in s["runs"] if r["state"] == "succeeded" and r.get("fallback") == "halfway")
         rows.append(
             f"| {label(s)} | {s['ratings']} | {s.get('seeds', 1)} "
             f"| {_f(s['base_rate'], '.2f')} | {_f(s['final_rate'], '.2f')} "
@@ -45,7 +46,7 @@ def markdown_table(summaries: list[dict]) -> str:
             f"| {_f(s['distinct2_after'], '.2f')} "
             f"| {_percent(s.get('base_repeat'))} → {_percent(s.get('final_repeat'))} "
             f"| {_f(s['entropy_ratio'], '.2f')} "
-            f"| {promoted}/{len(s['runs'])} | {s['seconds']:.0f} |"
+            f"| {promoted}/{len(s['runs'])}{f' ({halfway} halfway)' if halfway else ''} | {s['seconds']:.0f} |"
         )
     return "\n".join(rows)
 

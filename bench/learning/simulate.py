@@ -37,6 +37,7 @@ from .metrics import Checkpoint, collapse_signals, margin, preferred_rate, repea
 from .raters import Preference, controls
 
 if TYPE_CHECKING:
+    from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.responder import Sample
 
 TOPICS = [
@@ -297,7 +298,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                 SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(
                     burst=True
                 )
-                runs.append(_last_run(cfg, ref.slug, given))
+                runs.append(_last_run(cfg, ref.slug, given, registry))
                 responder.refresh()
             if given in marks and given > 0:
                 checkpoints.append(checkpoint(given, checkpoints[-1].ratings))
@@ -323,15 +324,24 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
     return outcome.event
 
 
-def _last_run(cfg: Config, slug: str, given: int) -> dict:
+# The resolved training settings a report labels runs by (a setting left at the preset's value has
+# no override, and the preset changes between commits: the label says what really ran).
+TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "advantage", "explore", "explore_weight")
+
+
+def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> dict:
     from rlfleet.shared.store import Store
 
     run = Store(cfg.db_url).latest_run(slug)
+    ran = (registry.meta(run.version).get("config") or {}) if run.version else {}
+    train = {k: ran[k] for k in TRAIN_KEYS if k in ran} | {"replay": cfg.train.replay, "fallback": cfg.train.fallback}
     m = run.metrics or {}
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
             "explore_reason", "explore_seconds", "explored_looping", "seconds", "verdict", "reason",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
-            "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base")
+            "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
+            # a version served from halfway through its run, and why the whole run was refused
+            "fallback", "steps_served", "refused_full")
     return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,
-            **{k: m.get(k) for k in keys}}
+            **{k: m.get(k) for k in keys}, "train": train}

@@ -28,9 +28,10 @@ class TrainerInterface:
         progress: Report | None = None,
         captured: Sequence[list[dict]] = (),
         history: Sequence[TrainSample] = (),
+        halfway_dir: Path | None = None,
     ) -> RunResult:
         """One run of the worker's learning signal; see :func:`.loop.run_training`."""
-        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history)
+        run = RunRequest(samples, ema, cfg, parent_adapter, out_dir, progress, captured, history, halfway_dir)
         return run_training(self, PolicyGradient(), run)
 
     def token_logprobs(

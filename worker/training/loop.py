@@ -52,6 +52,7 @@ class RunRequest:
     progress: Report | None = None
     captured: Sequence[list[dict]] = ()
     history: Sequence[TrainSample] = ()
+    halfway_dir: Path | None = None  # where to save the adapter as it is after half the steps (None: not)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class RunData:
     encoded: list[Encoded]
     advantages: list[float]
     parent_adapter: Path | None
+    halfway_dir: Path | None = None  # the signal saves the adapter here after half its steps
 
     @property
     def n_response(self) -> int:
@@ -109,7 +111,10 @@ class Signal(Protocol):
         self, backend: Backend, session: Any, data: RunData, cfg: TrainConfig, report: Report
     ) -> AbstractContextManager[Outcome]:
         """Run ``cfg.steps`` optimizer steps inside the adapter session (``session`` is what the
-        backend's ``adapter`` yielded); the context stays open while the loop saves the adapter."""
+        backend's ``adapter`` yielded); the context stays open while the loop saves the adapter.
+        With ``data.halfway_dir`` set, also save the adapter there as it is after
+        :func:`halfway_steps` updates (a signal that cannot leaves it empty: there is then nothing to
+        fall back on)."""
 
 
 def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult:
@@ -137,7 +142,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
         encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
         data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
-                       run.parent_adapter)
+                       run.parent_adapter, run.halfway_dir)
         if not any(data.advantages):
             raise NothingToLearn(nothing_to_learn(chosen.samples))
         with signal.train(backend, session, data, cfg, report) as outcome:
@@ -177,6 +182,12 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         promoted_ok=ok,
         reason=reason,
     )
+
+
+def halfway_steps(steps: int) -> int:
+    """After how many of a run's ``steps`` updates its halfway adapter is saved (0: a run too short
+    to have one)."""
+    return steps // 2 if steps >= 2 else 0
 
 
 def nothing_to_learn(samples: list[TrainSample]) -> str:

@@ -18,7 +18,7 @@ from ..presets import TrainConfig
 from ..samples import Progress, TrainSample
 from .advantages import run_advantages
 from .backend import Backend, Batch, Tensor
-from .loop import Outcome, Report, RunData, Selection
+from .loop import Outcome, Report, RunData, Selection, halfway_steps
 from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
 
 
@@ -70,6 +70,8 @@ class PolicyGradient:
             # With every sequence filtered out the gradient is KL-only; AdamW's momentum and decay
             # would still move the weights, defeating the filter as a trust region.
             backend.finish_step(apply=seq_acc > 0)
+            if data.halfway_dir is not None and step + 1 == halfway_steps(cfg.steps):
+                backend.save(data.halfway_dir)
             loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
             if step == 0:  # measured before the first update: where the run starts
                 start_kl = mean_kl
