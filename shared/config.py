@@ -68,6 +68,9 @@ class TrainSettings(BaseModel):
     # The weight of the unlikelihood term on the answers the policy loops in while it trains
     # (docs/objective.md); 0: off. None: the preset's.
     unlikelihood: float | None = Field(None, ge=0, le=100)
+    # The weight of a term that holds the trained policy's next-token entropy on the rated answers at
+    # or below the base's (docs/objective.md); 0: off. None: the preset's.
+    entropy_hinge: float | None = Field(None, ge=0, le=100)
     seq_band: tuple[float, float] | None = None
     max_tokens: int = Field(1024, ge=16, description="prompt+response tokens kept per sample")
     # Padded tokens per micro-batch (gradients accumulate to the same step either way). None: 512 on a

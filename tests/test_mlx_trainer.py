@@ -24,6 +24,7 @@ from test_trainer import (  # noqa: E402
     LEARN,
     chat,
     check_anchor_reference_is_the_base,
+    check_entropy_hinge,
     check_halfway_adapter_is_the_half_run,
     check_replayed_behaviour_is_the_start_policy,
     check_still_at_parent,
@@ -263,6 +264,11 @@ def test_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path):
     check_unlikelihood_lowers_the_marked_tokens(mlx_trainer, tmp_path / "a")
 
 
+def test_the_entropy_hinge_compares_with_the_base_and_holds_the_entropy_down(mlx_trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_entropy_hinge(mlx_trainer, parent, tmp_path)
+
+
 def test_the_halfway_adapter_is_the_run_after_half_its_steps(mlx_trainer, tmp_path):
     check_halfway_adapter_is_the_half_run(mlx_trainer, tmp_path)
 
@@ -280,6 +286,33 @@ def test_mlx_unlikelihood_matches_torch():
     )(mx.array(logp.numpy()))
     assert float(got) == pytest.approx(want.item(), rel=1e-5)
     np.testing.assert_allclose(np.array(grad), t_logp.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_mlx_entropy_hinge_matches_torch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, generator=gen) * 2
+    ref_logits = torch.randn(5, 11, generator=gen) * 2
+
+    def torch_term(x):
+        h_ref = objective.next_token_entropy(ref_logits, torch.logsumexp(ref_logits, -1, keepdim=True))
+        return objective.entropy_excess(objective.next_token_entropy(x, torch.logsumexp(x, -1, keepdim=True)), h_ref)
+
+    def mlx_term(x):
+        r = mx.array(ref_logits.numpy())
+        h_ref = objective_mlx.next_token_entropy(r, mx.logsumexp(r, axis=-1, keepdims=True))
+        h_new = objective_mlx.next_token_entropy(x, mx.logsumexp(x, axis=-1, keepdims=True))
+        return objective_mlx.entropy_excess(h_new, h_ref)
+
+    t = logits.clone().requires_grad_(True)
+    want = torch_term(t)
+    assert 0 < int((want > 0).sum()) < 5  # some positions flatter than the reference, some not
+    want.sum().backward()
+    got, grad = mx.value_and_grad(lambda x: mlx_term(x).sum())(mx.array(logits.numpy()))
+    # A difference of two entropies in float32: equal to a few units in the sixth digit.
+    np.testing.assert_allclose(np.array(mlx_term(mx.array(logits.numpy()))), want.detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
+    assert float(got) == pytest.approx(want.sum().item(), rel=1e-4)
+    np.testing.assert_allclose(np.array(grad), t.grad.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_parent_adapter_is_continued(mlx_trainer, learned, tmp_path):

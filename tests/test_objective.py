@@ -9,9 +9,11 @@ import torch
 
 from rlfleet.worker.objective import (
     advantages,
+    entropy_excess,
     k3_kl,
     loss_for,
     mispo_loss,
+    next_token_entropy,
     soft_loss,
     top_k_kl,
     unlikelihood,
@@ -129,6 +131,34 @@ def test_unlikelihood_on_marked_tokens_value_and_gradient():
     # A token the policy is certain of stays finite.
     sure = unlikelihood(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
     assert math.isfinite(sure.item()) and sure.item() > 10
+
+
+def test_next_token_entropy_is_minus_sum_p_log_p():
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5], [0.0, 0.0, 0.0, 0.0], [30.0, 0.0, 0.0, 0.0]])
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    p = torch.softmax(logits, dim=-1)
+    want = -(p * torch.log(p)).sum(-1)
+    got = next_token_entropy(logits, lse)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert got[1].item() == pytest.approx(math.log(4), rel=1e-6) and got[2].item() < 1e-9 + 1e-6
+
+
+def test_entropy_excess_sharpens_only_where_the_policy_became_flatter_than_the_base():
+    base = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    new = _leaf([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # row 0 flatter than the base's, row 1 sharper
+    h_ref = next_token_entropy(base, torch.logsumexp(base, -1, keepdim=True))
+    excess = entropy_excess(next_token_entropy(new, torch.logsumexp(new, -1, keepdim=True)), h_ref)
+    assert excess[0].item() > 0.2 and excess[1].item() == 0.0
+    excess.sum().backward()
+    # Descending the gradient raises the likeliest token's logit where the policy is too flat, and
+    # leaves the position that is sharper than the base's alone.
+    assert new.grad[0, 0].item() < 0 < new.grad[0, 1].item()
+    assert torch.equal(new.grad[1], torch.zeros(3))
+    # At the base's own distribution: zero, with zero gradient.
+    same = _leaf(base.tolist())
+    at_base = entropy_excess(next_token_entropy(same, torch.logsumexp(same, -1, keepdim=True)), h_ref)
+    at_base.sum().backward()
+    assert at_base.abs().max().item() < 1e-6 and same.grad.abs().max().item() < 1e-6
 
 
 def _leaf(values):

@@ -362,6 +362,38 @@ def check_top_k_anchor_holds_near_the_base(trainer, folder: Path) -> None:
     assert exact[50.0] < 0.5 * exact[0.0], exact
 
 
+def test_the_entropy_hinge_compares_with_the_base_and_holds_the_entropy_down(trainer, learned, tmp_path):
+    parent, _, _ = learned
+    check_entropy_hinge(trainer, parent, tmp_path)
+
+
+def check_entropy_hinge(trainer, parent, folder: Path) -> None:
+    """The entropy hinge's reference is the base with the adapter off: before the first update it is
+    0 from a fresh adapter (which is the base) and, continuing ``parent``, at least the parent's rise
+    in mean entropy over the base's (a mean of hinges is at least the hinge of the mean) and above 0
+    (a reference pass that kept the adapter on would read 0). Weighted in, the run ends with a lower
+    next-token entropy on its rated answers than the same run without it, and still learns."""
+    samples = preference_samples()
+    pairs = [(s.prompt, s.response) for s in samples]
+    measured = GateConfig(eval_samples=0)
+    still = replace(LEARN, lr=0.0, steps=1, entropy_hinge=1.0)
+    assert trainer.run(samples[:8], None, still, None, folder / "a").metrics["entropy_excess_start"] == pytest.approx(
+        0.0, abs=1e-6)
+    from_parent = trainer.run(samples[:8], None, still, parent, folder / "b").metrics["entropy_excess_start"]
+    top8 = [(s.prompt, s.response) for s in samples[:8]]
+    rise = trainer.score_model(top8, parent, measured).entropy - trainer.score_model(top8, None, measured).entropy
+    assert from_parent > 0 and from_parent >= max(rise, 0.0) - 1e-5, (from_parent, rise)
+
+    entropy = {}
+    for weight in (0.0, 10.0):
+        out = folder / f"w{weight}"
+        trainer.run(samples, None, replace(LEARN, entropy_hinge=weight), None, out)
+        entropy[weight] = trainer.score_model(pairs, out, measured).entropy
+        good_shift, bad_shift = held_out_shifts(trainer, out)
+        assert good_shift > 0.05 and bad_shift < -0.05, (weight, good_shift, bad_shift)
+    assert entropy[10.0] < entropy[0.0], entropy
+
+
 def test_the_halfway_adapter_is_the_run_after_half_its_steps(trainer, tmp_path):
     check_halfway_adapter_is_the_half_run(trainer, tmp_path)
 

@@ -70,6 +70,24 @@ def top_k_kl(new_top: Tensor, ref_top: Tensor) -> Tensor:
     return (p_new * (new_top - ref_top)).sum(-1) + tail_new * (tail_new.log() - tail_ref.log())
 
 
+def next_token_entropy(logits: Tensor, lse: Tensor) -> Tensor:
+    """The entropy of each next-token distribution, ``[..., V]`` logits and their ``[..., 1]``
+    logsumexp -> ``[...]``: ``lse - sum(p * logits)``, which equals ``-sum(p * log p)``."""
+    p = (logits - lse).exp()
+    return lse.squeeze(-1) - (p * logits).sum(-1)
+
+
+def entropy_excess(h_new: Tensor, h_ref: Tensor) -> Tensor:
+    """Per position, how far the trained policy's next-token entropy rose above the base's:
+    ``max(0, h_new - h_ref)``. Weighted into the loss (``train.entropy_hinge``) it sharpens a
+    distribution only where it became flatter than the base's: a 👎 pushes probability off its token,
+    and this sends it to the likeliest other tokens instead of spreading it over the vocabulary, where
+    a small model starts to ramble and loop (arXiv 2505.22617 on why negative pushes raise entropy).
+    Zero, with zero gradient, wherever the policy is at least as sure as the base."""
+    rise = h_new - h_ref.detach()
+    return torch.where(rise > 0, rise, torch.zeros_like(rise))  # clamp's gradient at 0 would be 1
+
+
 @dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable w.r.t. logp_new only

@@ -32,6 +32,18 @@ def top_k_kl(new_top: mx.array, ref_top: mx.array) -> mx.array:
     return (p_new * (new_top - ref_top)).sum(axis=-1) + tail_new * (mx.log(tail_new) - mx.log(tail_ref))
 
 
+def next_token_entropy(logits: mx.array, lse: mx.array) -> mx.array:
+    """Equal to :func:`objective.next_token_entropy` on the same inputs."""
+    p = mx.exp(logits - lse)
+    return lse.squeeze(-1) - (p * logits).sum(axis=-1)
+
+
+def entropy_excess(h_new: mx.array, h_ref: mx.array) -> mx.array:
+    """Equal to :func:`objective.entropy_excess` on the same inputs."""
+    rise = h_new - mx.stop_gradient(h_ref)
+    return mx.where(rise > 0, rise, mx.zeros_like(rise))
+
+
 def unlikelihood(logp_new: mx.array, mask: mx.array, marks: mx.array) -> mx.array:
     """Equal to :func:`objective.unlikelihood` on the same inputs."""
     hit = mask.astype(mx.bool_) & marks.astype(mx.bool_)

@@ -43,6 +43,9 @@ class TrainConfig:
     # on a taste the model rarely shows, the versions trained with it kept the base's fluency on more
     # runs at about the same gain (bench/RESULTS.md, "unlikelihood on the policy's own loops").
     unlikelihood: float = 1.0
+    # The weight of the entropy hinge (objective.entropy_excess): the trained policy's next-token
+    # entropy on the rated answers is held at or below the base's, position by position; 0: off.
+    entropy_hinge: float = 0.0
     max_mean_kl: float = 1.0  # a run that raises the mean per-token KL to the base by more is not promoted
     seed: int = 0
     device: str = "auto"
@@ -97,6 +100,7 @@ def resolve(
         beta=beta if settings.beta is None else settings.beta,
         kl_top_k=cfg.kl_top_k if settings.kl_top_k is None else settings.kl_top_k,
         unlikelihood=cfg.unlikelihood if settings.unlikelihood is None else settings.unlikelihood,
+        entropy_hinge=cfg.entropy_hinge if settings.entropy_hinge is None else settings.entropy_hinge,
         seq_band=settings.seq_band or cfg.seq_band,
         max_tokens=settings.max_tokens,
         micro_batch_tokens=settings.micro_batch_tokens

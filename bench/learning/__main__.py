@@ -79,6 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "base's K likeliest next tokens and the rest (0: the answer's own token only)")
     ap.add_argument("--unlikelihood", type=float, metavar="W", help="override train.unlikelihood: the weight of "
                     "the unlikelihood term on the trigrams the policy repeats while it trains (0: off)")
+    ap.add_argument("--entropy-hinge", type=float, metavar="W", help="override train.entropy_hinge: the weight of "
+                    "the term holding the policy's next-token entropy on the rated answers at or below the base's "
+                    "(0: off)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -110,6 +113,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--beta must be between 0 and 10")
     if args.unlikelihood is not None and not 0 <= args.unlikelihood <= 100:
         ap.error("--unlikelihood must be between 0 and 100")
+    if args.entropy_hinge is not None and not 0 <= args.entropy_hinge <= 100:
+        ap.error("--entropy-hinge must be between 0 and 100")
     if args.kl_top_k is not None and not 0 <= args.kl_top_k <= 1024:
         ap.error("--kl-top-k must be between 0 and 1024")
     return args
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("beta", args.beta),
                                    ("kl_top_k", args.kl_top_k), ("unlikelihood", args.unlikelihood),
+                                   ("entropy_hinge", args.entropy_hinge),
                                    ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("fallback", False if args.no_fallback else None)) if v is not None}

@@ -326,7 +326,8 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
-TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "advantage", "explore", "explore_weight")
+TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "explore",
+              "explore_weight")
 
 
 def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> dict:

@@ -31,7 +31,17 @@ class StepStats:
     n_tokens: float  # response tokens in the micro-batch
     accepted_tokens: float  # response tokens the objective's token filter kept
     accepted_seqs: float  # sequences the objective's sequence filter kept
-    anchor_kl: float | None = None  # mean top-k anchor KL per response token, with ``ref_top``
+    anchor_kl: float | None = None  # mean top-k anchor KL per response token, with ``extras.top``
+    entropy_excess: float | None = None  # mean rise of the entropy over the base's, with ``extras.entropy``
+
+
+@dataclass(frozen=True)
+class RefExtras:
+    """What the reference pass keeps beside the base's log-probs, for the terms that compare the
+    trained policy's whole next-token distribution with the base's (None: not asked for)."""
+
+    top: Any = None  # (ids, log-probs) of the base's K likeliest next tokens at each response position
+    entropy: Any = None  # the base's next-token entropy at each response position
 
 
 class TokenSums(NamedTuple):
@@ -87,9 +97,10 @@ class Backend(Protocol):
     def logprobs(self, batch: Batch) -> Tensor:
         """``[B, L]`` fp32 log-prob of each response token given its prefix, 0 elsewhere; no gradient."""
 
-    def logprobs_top(self, batch: Batch, k: int) -> tuple[Tensor, Any]:
-        """:meth:`logprobs`, and from the same pass the k likeliest next tokens at each response
-        position with their log-probs (the KL anchor's reference: ``accumulate``'s ``ref_top``)."""
+    def reference_logprobs(self, batch: Batch, top_k: int = 0, entropy: bool = False) -> tuple[Tensor, RefExtras]:
+        """:meth:`logprobs`, and from the same pass what ``accumulate``'s ``extras`` compare with: the
+        ``top_k`` likeliest next tokens at each response position with their log-probs (the top-k KL
+        anchor), and with ``entropy`` the next-token entropy there (the entropy hinge)."""
 
     def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
         """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``."""
@@ -107,11 +118,13 @@ class Backend(Protocol):
         """Clear the accumulated gradient."""
 
     def accumulate(
-        self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float, ref_top: Any = None
+        self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float,
+        extras: RefExtras | None = None,
     ) -> StepStats:
         """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated.
-        With ``ref_top`` (from :meth:`logprobs_top` under :meth:`reference`) the KL term is the
-        top-k anchor (:func:`rlfleet.worker.objective.top_k_kl`)."""
+        ``extras`` from :meth:`reference_logprobs` under :meth:`reference`: with ``top`` the KL term
+        is the top-k anchor (:func:`rlfleet.worker.objective.top_k_kl`); with ``entropy`` the entropy
+        hinge (:func:`rlfleet.worker.objective.entropy_excess`) is added at ``cfg.entropy_hinge``."""
 
     def accumulate_unlikelihood(
         self, batch: Batch, marks: Sequence[tuple[int, int, Sequence[int]]], weight: float, share: float

@@ -29,7 +29,7 @@ from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from ..batching import Encoded, _ids, collate, micro_batches
 from ..presets import TrainConfig
-from .backend import StepStats, TokenSums
+from .backend import RefExtras, StepStats, TokenSums
 from .interface import TrainerInterface
 from .mlx_model import (
     LoraSpec,
@@ -240,14 +240,20 @@ class MlxTrainer(TrainerInterface):
         """``[B, L]`` fp32 log-prob of each response token given its prefix; 0 off the response mask."""
         return self._logits_and_logprobs(ids, mask)[2]
 
-    def logprobs_top(self, batch: dict, k: int) -> tuple[Any, tuple[Any, Any]]:
+    def reference_logprobs(self, batch: dict, top_k: int = 0, entropy: bool = False) -> tuple[Any, RefExtras]:
+        from ..objective_mlx import next_token_entropy
+
         mx = _mx()
         logits, lse, lp = self._logits_and_logprobs(batch["input_ids"], batch["response_mask"])
-        k = min(k, logits.shape[-1])
-        top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-        top = mx.take_along_axis(logits, top_ids, axis=-1) - lse
-        mx.eval(lp, top_ids, top)
-        return lp, (top_ids, top)
+        top = ent = None
+        if top_k:
+            k = min(top_k, logits.shape[-1])
+            top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+            top = (top_ids, mx.take_along_axis(logits, top_ids, axis=-1) - lse)
+        if entropy:
+            ent = next_token_entropy(logits, lse)  # [B, L-1]: every prediction, read at the answer's
+        mx.eval(lp, *(top or ()), *(() if ent is None else (ent,)))
+        return lp, RefExtras(top=top, entropy=ent)
 
     def logprobs(self, batch: dict) -> Any:
         lp = self._logprobs(batch["input_ids"], batch["response_mask"])
@@ -277,7 +283,7 @@ class MlxTrainer(TrainerInterface):
         import mlx.nn as nn
         import mlx.optimizers as optim
 
-        from ..objective_mlx import mispo_loss, top_k_kl, unlikelihood
+        from ..objective_mlx import entropy_excess, mispo_loss, next_token_entropy, top_k_kl, unlikelihood
 
         mx = _mx()
         objective = getattr(cfg, "objective", "mispo")
@@ -287,7 +293,7 @@ class MlxTrainer(TrainerInterface):
                 "use train.device = 'auto' for it"
             )
 
-        def loss_fn(ids, mask, beh, ref, advantages, share, ref_top):
+        def loss_fn(ids, mask, beh, ref, advantages, share, ref_top, ref_entropy):
             logits, lse, logp = self._logits_and_logprobs(ids, mask)
             anchor = None
             if ref_top is not None:
@@ -297,7 +303,14 @@ class MlxTrainer(TrainerInterface):
                 logp, beh, ref, mask, advantages,
                 token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor,
             )  # fmt: skip
-            return out.loss * share, {"loss": out.loss, **out.stats()}
+            loss, stats = out.loss, {"loss": out.loss, **out.stats()}
+            if ref_entropy is not None:
+                # The mean over the response positions, as the torch backend's rows are.
+                at = self._at_positions(entropy_excess(next_token_entropy(logits, lse), ref_entropy), mask)
+                excess = at.sum() / mx.maximum(mask.astype(mx.float32).sum(), 1.0)
+                loss = loss + cfg.entropy_hinge * excess
+                stats["entropy_excess"] = mx.stop_gradient(excess)
+            return loss * share, stats
 
         self._train = nn.value_and_grad(self.model, loss_fn)
 
@@ -313,12 +326,15 @@ class MlxTrainer(TrainerInterface):
         self._grads = None
 
     def accumulate(
-        self, batch: dict, beh: Any, ref: Any, advantages: Any, share: float, ref_top: Any = None
+        self, batch: dict, beh: Any, ref: Any, advantages: Any, share: float, extras: RefExtras | None = None
     ) -> StepStats:
         from mlx.utils import tree_map
 
         mx = _mx()
-        (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share, ref_top)
+        ref_top = None if extras is None else extras.top
+        ref_entropy = None if extras is None else extras.entropy
+        (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share, ref_top,
+                                    ref_entropy)
         self._grads = g if self._grads is None else tree_map(mx.add, self._grads, g)
         mx.eval(self._grads, stats)
         return StepStats(
@@ -328,6 +344,7 @@ class MlxTrainer(TrainerInterface):
             accepted_tokens=float(stats["accepted_tokens"]),
             accepted_seqs=float(stats["accepted_seqs"]),
             anchor_kl=float(stats["anchor_kl"]) if ref_top is not None else None,
+            entropy_excess=float(stats["entropy_excess"]) if ref_entropy is not None else None,
         )
 
     def accumulate_unlikelihood(

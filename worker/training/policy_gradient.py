@@ -17,7 +17,7 @@ from typing import Any
 from ..presets import TrainConfig
 from ..samples import Progress, TrainSample
 from .advantages import run_advantages
-from .backend import Backend, Batch, Tensor
+from .backend import Backend, Batch, RefExtras, Tensor
 from .loop import Outcome, Report, RunData, Selection, halfway_steps
 from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
 
@@ -35,7 +35,7 @@ class PolicyGradient:
         backend.begin_training(cfg)
         groups, batches = backend.batches(data.encoded, cfg.micro_batch_tokens)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
-        ref, ref_top, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k)
+        ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k, cfg.entropy_hinge > 0)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
         advantages = [backend.vector([data.advantages[i] for i in g]) for g in groups]
@@ -44,6 +44,7 @@ class PolicyGradient:
         seq_fracs: list[float] = []
         loss_value = mean_kl = start_kl = float("nan")
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
+        excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         loops = LoopPool()  # the policy's own looping answers (train.unlikelihood)
         loop_batches: list[LoopBatch] = []
         train_started = time.perf_counter()
@@ -54,15 +55,16 @@ class PolicyGradient:
                 if len(loops.encoded) > caught:
                     loop_batches = batched(backend, loops, cfg.micro_batch_tokens)
             backend.begin_step()
-            step_loss = kl_sum = anchor_sum = tok_acc = seq_acc = 0.0
+            step_loss = kl_sum = anchor_sum = excess_sum = tok_acc = seq_acc = 0.0
             for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
                 # Each micro-batch's loss is a mean over its sequences: weighting by its share of
                 # sequences makes the accumulated gradient the mean over the whole step.
                 share = len(group) / n_samples
-                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share, ref_top=ref_top[k])
+                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share, extras=extras[k])
                 step_loss += stats.loss * share
                 kl_sum += stats.mean_kl * stats.n_tokens
                 anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
+                excess_sum += (stats.entropy_excess or 0.0) * stats.n_tokens
                 tok_acc += stats.accepted_tokens
                 seq_acc += stats.accepted_seqs
             for batch, marks, share in loop_batches:
@@ -76,6 +78,7 @@ class PolicyGradient:
             if step == 0:  # measured before the first update: where the run starts
                 start_kl = mean_kl
             anchor_kls.append(anchor_sum / max(n_response, 1))
+            excesses.append(excess_sum / max(n_response, 1))
             token_fracs.append(tok_acc / max(n_response, 1))
             seq_fracs.append(seq_acc / n_samples)
             elapsed = time.perf_counter() - train_started
@@ -90,31 +93,37 @@ class PolicyGradient:
             mean_kl=mean_kl,
             start_kl=start_kl,
             final_kl=_mean_kl(backend, batches, ref),  # of what is saved: the last step's predates its update
-            # The anchor's KL before the first update and at the last step (before its update).
+            # The anchor's KL and the entropy's rise over the base's, before the first update and at
+            # the last step (before its update).
             extra={
                 **({"anchor_kl_start": anchor_kls[0], "anchor_kl": anchor_kls[-1]} if cfg.kl_top_k else {}),
+                **({"entropy_excess_start": excesses[0], "entropy_excess": excesses[-1]}
+                   if cfg.entropy_hinge > 0 else {}),
                 **(loops.metrics() if cfg.unlikelihood > 0 else {}),
             },
         )
 
 
 def _fixed_logprobs(
-    backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0
-) -> tuple[list[Tensor], list[Any], list[Tensor]]:
-    """Per micro-batch: reference log-probs (adapter off), the reference's ``top_k`` likeliest next
-    tokens (None each without them), and behaviour log-probs.
+    backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0,
+    entropy: bool = False,
+) -> tuple[list[Tensor], list[RefExtras | None], list[Tensor]]:
+    """Per micro-batch: reference log-probs (adapter off), what the reference pass keeps beside them
+    (the base's ``top_k`` likeliest next tokens, with ``entropy`` its next-token entropy; None each
+    without either), and behaviour log-probs.
 
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
     at the base (B = 0), so then the reference pass doubles as the behaviour pass.
     """
     encoded = data.encoded
+    extras: list[RefExtras | None] = [None] * len(batches)
     with backend.reference():
-        if top_k:
-            pairs = [backend.logprobs_top(b, top_k) for b in batches]
-            ref, ref_top = [lp for lp, _ in pairs], [top for _, top in pairs]
+        if top_k or entropy:
+            pairs = [backend.reference_logprobs(b, top_k, entropy) for b in batches]
+            ref, extras = [lp for lp, _ in pairs], [x for _, x in pairs]
         else:
-            ref, ref_top = [backend.logprobs(b) for b in batches], [None] * len(batches)
+            ref = [backend.logprobs(b) for b in batches]
     need_start = data.parent_adapter is not None and any(
         e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
     )
@@ -127,7 +136,7 @@ def _fixed_logprobs(
             if encoded[i].behaviour_logprobs
         ]
         beh.append(backend.with_recorded(lp, recorded))
-    return ref, ref_top, beh
+    return ref, extras, beh
 
 
 def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:

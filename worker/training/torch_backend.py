@@ -24,9 +24,9 @@ from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import seeded_rng
 
 from ..batching import Encoded, _ids, collate, micro_batches
-from ..objective import k3_kl, loss_for, top_k_kl, unlikelihood
+from ..objective import entropy_excess, k3_kl, loss_for, next_token_entropy, top_k_kl, unlikelihood
 from ..presets import TrainConfig
-from .backend import StepStats, TokenSums
+from .backend import RefExtras, StepStats, TokenSums
 from .interface import TrainerInterface
 
 # Config fields that change logits after the output head: with any of them set the cheap path
@@ -214,10 +214,14 @@ class Trainer(TrainerInterface):
         return self._logits_and_logprobs(batch)[2]
 
     @torch.no_grad()
-    def logprobs_top(self, batch: dict[str, Tensor], k: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def reference_logprobs(self, batch: dict[str, Tensor], top_k: int = 0,
+                           entropy: bool = False) -> tuple[Tensor, RefExtras]:
         logits, lse, lp = self._logits_and_logprobs(batch)
-        top_logits, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-        return lp, (top_ids, top_logits - lse)
+        top = None
+        if top_k:
+            top_logits, top_ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+            top = (top_ids, top_logits - lse)
+        return lp, RefExtras(top=top, entropy=next_token_entropy(logits, lse) if entropy else None)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
@@ -242,6 +246,7 @@ class Trainer(TrainerInterface):
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         self._opt = torch.optim.AdamW(self._params, lr=cfg.lr)
         self._grad_clip = cfg.grad_clip
+        self._entropy_hinge = cfg.entropy_hinge
 
     def begin_step(self) -> None:
         self._opt.zero_grad(set_to_none=True)
@@ -253,15 +258,20 @@ class Trainer(TrainerInterface):
         ref: Tensor,
         advantages: Tensor,
         share: float,
-        ref_top: tuple[Tensor, Tensor] | None = None,
+        extras: RefExtras | None = None,
     ) -> StepStats:
         logits, lse, logp = self._logits_and_logprobs(batch)
-        anchor = None
-        if ref_top is not None:
-            top_ids, top_ref = ref_top
+        anchor = excess = None
+        if extras is not None and extras.top is not None:
+            top_ids, top_ref = extras.top
             anchor = self._scatter(batch, top_k_kl(logits.gather(-1, top_ids) - lse, top_ref))
         out = self._loss(logp, beh, ref, batch["response_mask"], advantages, anchor=anchor)
-        (out.loss * share).backward()
+        loss = out.loss
+        if extras is not None and extras.entropy is not None:
+            # A mean over the micro-batch's response positions (the rows are already those positions).
+            excess = entropy_excess(next_token_entropy(logits, lse), extras.entropy).mean()
+            loss = loss + self._entropy_hinge * excess
+        (loss * share).backward()
         return StepStats(
             loss=float(out.loss.detach()),
             mean_kl=out.mean_kl,
@@ -269,6 +279,7 @@ class Trainer(TrainerInterface):
             accepted_tokens=out.accepted_token_frac * out.n_tokens,
             accepted_seqs=out.accepted_seq_frac * batch["input_ids"].shape[0],
             anchor_kl=out.anchor_kl,
+            entropy_excess=None if excess is None else float(excess.detach()),
         )
 
     def accumulate_unlikelihood(
