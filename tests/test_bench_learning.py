@@ -166,8 +166,12 @@ def test_then_switch_at_and_replay_options():
     args = parse(["--preference", "short:3", "--kl-top-k", "32", "--unlikelihood", "1.5"])
     assert (args.kl_top_k, args.unlikelihood) == (32, 1.5)
     assert parse(["--preference", "short:3"]).kl_top_k is None
+    args = parse(["--preference", "short:3", "--entropy-hinge", "2", "--no-fallback"])
+    assert (args.entropy_hinge, args.no_fallback) == (2.0, True)
+    assert parse(["--preference", "short:3"]).no_fallback is False  # the config's train.fallback
     for bad in (["--switch-at", "8"], ["--then", "question", "--switch-at", "64"], ["--replay", "-1"],
-                ["--explore", "-1"], ["--beta", "-0.1"], ["--kl-top-k", "-1"], ["--unlikelihood", "-2"]):
+                ["--explore", "-1"], ["--beta", "-0.1"], ["--kl-top-k", "-1"], ["--unlikelihood", "-2"],
+                ["--entropy-hinge", "-1"]):
         with pytest.raises(SystemExit):
             parse(["--preference", "short:3", *bad])
 
