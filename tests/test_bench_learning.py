@@ -339,6 +339,14 @@ def test_labels_name_only_what_varies_within_a_preference():
     ran = [{**_summary("mispo", 0, [0, 0]), "overrides": {"unlikelihood": 1.0} if u else {},
             "runs": [{"state": "succeeded", "train": {"beta": 0.04, "unlikelihood": u}}]} for u in (0.0, 1.0)]
     assert {s["label"] for s in _labelled(ran)} == {"mispo · unlikelihood=0", "mispo · unlikelihood=1"}
+    # A setting only newer runs record, at one value, is not a difference; an older run's missing
+    # value of a setting that does differ reads "preset". Switches read on/off.
+    old = {**_summary("mispo", 0, [0, 0]), "overrides": {"replay": 0.5}}
+    new = [{**_summary("mispo", 0, [0, 0]), "runs": [{"state": "succeeded", "train": {"lr": 2e-4, "replay": 0.0,
+                                                                                     "fallback": f}}]}
+           for f in (True, False)]
+    assert {s["label"] for s in _labelled([old, *new])} == {
+        "mispo · fallback=preset · replay=0.5", "mispo · fallback=on · replay=0", "mispo · fallback=off · replay=0"}
 
 
 def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):

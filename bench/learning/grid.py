@@ -124,16 +124,31 @@ def settings(s: dict) -> dict:
     return {**ran, **(s.get("overrides") or {})}
 
 
+PRESET = object()  # a setting left at the preset's value, where the run did not record which
+
+
+def _recorded(s: dict) -> bool:
+    return any(r.get("train") for r in s.get("runs") or [])
+
+
 def _labelled(summaries: list[dict]) -> list[dict]:
     """Label each run by what varies between the runs of its preference (seeds pool, so not by seed).
     A setting an older run's JSON does not record reads ``preset`` (the preset of that commit)."""
     keys = ("objective", "preset", "threshold")
     varying = [k for k in keys if len({s.get(k) for s in summaries}) > 1] or ["objective"]
     names = {"objective": "{}", "preset": "{}", "threshold": "t={}"}
-    own = [settings(s) for s in summaries]
-    varied = sorted(k for k in {k for o in own for k in o} if len({repr(o.get(k)) for o in own}) > 1)
+    # A run whose JSON records no settings ran the preset's value of every setting it did not override:
+    # that is a value for the settings some run overrode, and unknown for the rest (so older JSON does
+    # not make every setting a newer run records look varied).
+    overridden = {k for s in summaries for k in s.get("overrides") or {}}
+    own = [settings(s) if _recorded(s) else {k: PRESET for k in overridden} | settings(s) for s in summaries]
+    varied = sorted(k for k in {k for o in own for k in o} if len({repr(o[k]) for o in own if k in o}) > 1)
 
     def value(v: object) -> str:
+        if v is PRESET:
+            return "preset"
+        if isinstance(v, bool):
+            return "on" if v else "off"
         return f"{v:g}" if isinstance(v, (int, float)) else str(v)  # lr=5e-05, advantage=asymmetric
 
     def name(s: dict, o: dict) -> str:
