@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -236,7 +235,7 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
                 verdict = fall_back(refs, trainer, verdict, staging, halfway, halfway_steps(tcfg.steps))
         candidate = _judge(result, verdict, inputs, ema, tcfg, version, parent)
         if halfway is not None:
-            shutil.rmtree(halfway, ignore_errors=True)
+            ctx.registry.discard(halfway)
         ctx.registry.commit(staging, version, _meta(ctx, run_id, inputs, candidate, tcfg, started))
     except BaseException:
         ctx.registry.discard(staging)

@@ -105,18 +105,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--heldout: there are {len(HELD_OUT_TOPICS)} held-out prompts")
     if args.switch_at is not None and (args.then is None or not 0 < args.switch_at < args.ratings):
         ap.error("--switch-at needs --then and must be between 0 and --ratings")
-    if args.replay is not None and not 0 <= args.replay <= 4:
-        ap.error("--replay must be between 0 and 4")
-    if args.explore is not None and not 0 <= args.explore <= 64:
-        ap.error("--explore must be between 0 and 64")
-    if args.beta is not None and not 0 <= args.beta <= 10:
-        ap.error("--beta must be between 0 and 10")
-    if args.unlikelihood is not None and not 0 <= args.unlikelihood <= 100:
-        ap.error("--unlikelihood must be between 0 and 100")
-    if args.entropy_hinge is not None and not 0 <= args.entropy_hinge <= 100:
-        ap.error("--entropy-hinge must be between 0 and 100")
-    if args.kl_top_k is not None and not 0 <= args.kl_top_k <= 1024:
-        ap.error("--kl-top-k must be between 0 and 1024")
+    bounded = (("--replay", args.replay, 4), ("--explore", args.explore, 64), ("--beta", args.beta, 10),
+               ("--unlikelihood", args.unlikelihood, 100), ("--entropy-hinge", args.entropy_hinge, 100),
+               ("--kl-top-k", args.kl_top_k, 1024))
+    for flag, value, top in bounded:  # each the range its train.* setting accepts, from 0
+        if value is not None and not 0 <= value <= top:
+            ap.error(f"{flag} must be between 0 and {top}")
     return args
 
 

@@ -117,18 +117,18 @@ def load(folders: list[Path]) -> list[dict]:
     return out
 
 
+def _recorded(s: dict) -> dict:
+    """The settings a run's first training run recorded (empty in the JSON of older runs)."""
+    return next((r["train"] for r in s.get("runs") or [] if r.get("train")), {})
+
+
 def settings(s: dict) -> dict:
-    """What a run trained with: the settings its first training run recorded (the JSON of newer
-    runs), with the command line's overrides on top (older JSON has only those)."""
-    ran = next((r.get("train") for r in s.get("runs") or [] if r.get("train")), None) or {}
-    return {**ran, **(s.get("overrides") or {})}
+    """What a run trained with: the settings it recorded, with the command line's overrides on top
+    (older JSON has only those)."""
+    return {**_recorded(s), **(s.get("overrides") or {})}
 
 
 PRESET = object()  # a setting left at the preset's value, where the run did not record which
-
-
-def _recorded(s: dict) -> bool:
-    return any(r.get("train") for r in s.get("runs") or [])
 
 
 def _labelled(summaries: list[dict]) -> list[dict]:
