@@ -100,6 +100,20 @@ def test_sample_gives_k_seeded_answers_per_prompt_cut_at_the_end_token(backend_n
     assert backend.sample(rows, 12, seed=8) != first
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_sample_honours_temperature_and_top_p(backend_name, tiny_trainer, request):
+    """The gate samples the way the chat answers: temperature 0 is the likeliest answer, and a
+    nucleus so small that it holds one token is that answer too, whatever the seed; the full
+    distribution at the same temperature is not."""
+    backend = tiny_trainer if backend_name == "torch" else request.getfixturevalue("mlx_trainer")
+    rows = [chat("Tell me about cats."), chat("What is rain?")] * 2
+    greedy = backend.sample(rows, 12, seed=1, temperature=0.0)
+    assert greedy[:2] == greedy[2:]  # no draw: the same prompt gives the same answer
+    assert backend.sample(rows, 12, seed=2, temperature=0.0) == greedy
+    assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1e-6) == greedy
+    assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1.0) != greedy
+
+
 def _run(backend, samples, cfg, out, captured=(), history=()):
     from rlfleet.worker.training.loop import RunRequest, run_training
     from rlfleet.worker.training.policy_gradient import PolicyGradient

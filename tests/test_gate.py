@@ -81,7 +81,7 @@ def test_a_blurred_or_looping_candidate_is_refused_even_when_its_margin_rises():
     assert not v.promote and "entropy" in v.reason and "trigrams" in v.reason
     assert v.metrics["repetition"] == 0.15 and v.metrics["repetition_base"] == 0.02
     # the same figures a little under the bounds pass
-    assert judge(REWARDS, BASE, BASE, replace(cand, entropy=2.5, repetition=0.09), CFG).promote
+    assert judge(REWARDS, BASE, BASE, replace(cand, entropy=2.5, repetition=0.045), CFG).promote
 
 
 def test_distinct_n():
@@ -151,3 +151,14 @@ def test_one_class_held_out_gets_the_lower_kl_cap():
     assert not v.promote and "only bad answers held out" in v.reason and v.metrics["heldout_one_class"]
     assert judge(bad_only, BASE, BASE, replace(drifted, kl=0.05), CFG).promote  # a small step is fine
     assert judge(REWARDS, BASE, BASE, _scores([-1.6, -1.7, -2.5, -2.6], kl=0.3), CFG).promote  # two classes
+
+
+def test_the_gate_samples_the_way_the_chat_answers():
+    """Its repetition check reads answers drawn at the chat's temperature and top-p: a nucleus cut
+    makes loops likelier than the full distribution, and users get the cut one."""
+    from rlfleet.shared.config import ChatSettings, Config
+    from rlfleet.worker.orchestrate import gate_config
+
+    assert (CFG.eval_temperature, CFG.eval_top_p) == (ChatSettings().temperature, ChatSettings().top_p)
+    g = gate_config(Config(chat=ChatSettings(temperature=0.3, top_p=0.5)))
+    assert (g.eval_temperature, g.eval_top_p) == (0.3, 0.5)

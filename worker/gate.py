@@ -41,12 +41,19 @@ class GateConfig:
     min_entropy_ratio: float = 0.4  # candidate / base next-token entropy on held-out answers
     min_distinct_ratio: float = 0.5  # candidate / base distinct bigrams of sampled answers
     max_entropy_ratio: float = 1.3  # above this the candidate is blurring towards noise
-    max_repetition_rise: float = 0.08  # mean repeated-trigram share of sampled answers, over the base's
+    # Mean repeated-trigram share of sampled answers, over the base's: the product's fluency bound.
+    # Thirty-two answers read it within about a point (8 read a looping version at a third of its
+    # rate); bench/RESULTS.md has the measurements.
+    max_repetition_rise: float = 0.03
     min_answer_tokens: float = 2.0  # mean sampled length below this (base above 4x it) is collapse
     # Answers sampled for the collapse checks, cycling through the held-out prompts (0: teacher-forced
-    # only). Eight: with four, one looping answer in four moved the figures by 25 points.
-    eval_samples: int = 8
+    # only): one looping answer in 32 moves the mean by about a point.
+    eval_samples: int = 32
     eval_new_tokens: int = 48
+    # Sampled the way the chat answers (`chat.temperature`, `chat.top_p`): a nucleus cut makes loops
+    # likelier than the full distribution does, and the gate must see the answers users will get.
+    eval_temperature: float = 0.7
+    eval_top_p: float = 0.9
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,7 @@ def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c:
 def gate_config(cfg: Config) -> GateConfig:
     return GateConfig(
         enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout,
-        max_kl_one_class=cfg.train.gate_one_class_kl,
+        max_kl_one_class=cfg.train.gate_one_class_kl, eval_temperature=cfg.chat.temperature, eval_top_p=cfg.chat.top_p,
     )
 
 

@@ -149,7 +149,10 @@ class Backend(Protocol):
     def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
         """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
 
-    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        """One answer per prompt at temperature 0.7, as token ids up to the end token; a prompt given
-        k times gets k separate draws (exploration's k answers per prompt), the same ones for the
-        same ``seed``."""
+    def sample(
+        self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
+        temperature: float = 0.7, top_p: float = 1.0,
+    ) -> list[list[int]]:
+        """One answer per prompt (temperature 0: the likeliest), as token ids up to the end token; a
+        prompt given k times gets k separate draws (exploration's k answers per prompt), the same
+        ones for the same ``seed``."""

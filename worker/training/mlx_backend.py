@@ -421,11 +421,18 @@ class MlxTrainer(TrainerInterface):
         logits, lse = self._logits(ids)
         return logits - lse
 
-    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
-        """One answer at a time, seeded ``seed + j`` for the j-th prompt; no top-p or top-k."""
-        return [self._sample(prompt, max_new_tokens, seed + j) for j, prompt in enumerate(prompts)]
+    def sample(
+        self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
+        temperature: float = 0.7, top_p: float = 1.0,
+    ) -> list[list[int]]:
+        """One answer at a time, seeded ``seed + j`` for the j-th prompt; no top-k."""
+        return [
+            self._sample(prompt, max_new_tokens, seed + j, temperature, top_p) for j, prompt in enumerate(prompts)
+        ]
 
-    def _sample(self, prompt: list[dict], max_new_tokens: int, seed: int) -> list[int]:
+    def _sample(
+        self, prompt: list[dict], max_new_tokens: int, seed: int, temperature: float, top_p: float
+    ) -> list[int]:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
 
@@ -435,7 +442,8 @@ class MlxTrainer(TrainerInterface):
         mx.random.seed(seed)
         new: list[int] = []
         steps = generate_step(
-            mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_new_tokens, sampler=make_sampler(temp=0.7)
+            mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_new_tokens,
+            sampler=make_sampler(temp=temperature, top_p=top_p),
         )
         for token, _logprobs in steps:
             t = int(token)

@@ -72,7 +72,7 @@ def score_model(
 ) -> ModelScores:
     """The gate's measurement of the base, or the base plus ``adapter_dir``, on ``pairs``: per
     answer the token log-prob, entropy and KL-to-base sums, and ``cfg.eval_samples`` sampled
-    answers (temperature 0.7) of at most ``cfg.eval_new_tokens`` tokens."""
+    answers (at the chat's temperature and top-p) of at most ``cfg.eval_new_tokens`` tokens."""
     groups, batches = _batches(backend, pairs, max_tokens)
     n = len(pairs)
     lp_sum, ent_sum, kl_sum, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
@@ -81,7 +81,9 @@ def score_model(
             for i, row in zip(g, backend.score_rows(batch, with_kl=adapter_dir is not None), strict=True):
                 lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
         prompts = sample_plan([p for p, _r in pairs], cfg.eval_samples)
-        sampled = backend.sample(prompts, cfg.eval_new_tokens, seed) if prompts else []
+        sampled = (
+            backend.sample(prompts, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p) if prompts else []
+        )
     return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
 

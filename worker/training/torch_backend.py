@@ -341,9 +341,12 @@ class Trainer(TrainerInterface):
         return [TokenSums(lp, e, d, int(n)) for lp, e, d, n in sums]
 
     @torch.no_grad()
-    def sample(self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int) -> list[list[int]]:
+    def sample(
+        self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
+        temperature: float = 0.7, top_p: float = 1.0,
+    ) -> list[list[int]]:
         """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
-        one do); no top-p or top-k."""
+        one do); no top-k."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -352,11 +355,13 @@ class Trainer(TrainerInterface):
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        drawn = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {
+            "do_sample": False
+        }
         with seeded_rng(seed, self.device):
             out = self._active().generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                do_sample=True, temperature=0.7, top_p=1.0, top_k=0, pad_token_id=pad,
-            )  # fmt: skip
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **drawn
+            )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
 
 
