@@ -53,6 +53,19 @@ class Sample:
     messages: list[dict] = field(default_factory=list)  # the conversation, system prompt included
 
 
+def sampling(temperature: float, top_p: float) -> dict[str, Any]:
+    """The ``generate()`` settings of an answer drawn at ``temperature`` and ``top_p`` (temperature 0:
+    the likeliest tokens): how the chat answers, and how the gate samples what it will serve.
+
+    Exactly temperature/top-p: no top-k or penalties from the model's defaults (the recorded
+    log-probs are raw either way, but answers should follow the settings). Explicit no-op values,
+    not None: generate() fills None fields from model.generation_config."""
+    plain = {"top_k": 0, "repetition_penalty": 1.0}
+    if temperature > 0:
+        return {**plain, "do_sample": True, "temperature": float(temperature), "top_p": float(top_p)}
+    return {**plain, "do_sample": False, "temperature": 1.0, "top_p": 1.0}
+
+
 class LocalResponder:
     """Base model + hot-swapped LoRA adapter, in process (transformers + peft). Thread-safe."""
 
@@ -321,15 +334,8 @@ class LocalResponder:
             gc.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
                 else self._eos_ids[0]
         gc.num_beams = 1
-        # Sample with exactly temperature/top-p: no top-k or penalties from the model's defaults (the
-        # recorded log-probs are raw either way, but answers should follow the settings). Explicit
-        # no-op values, not None: generate() fills None fields from model.generation_config.
-        gc.top_k = 0
-        gc.repetition_penalty = 1.0
-        if temperature > 0:
-            gc.do_sample, gc.temperature, gc.top_p = True, float(temperature), float(top_p)
-        else:
-            gc.do_sample, gc.temperature, gc.top_p = False, 1.0, 1.0
+        for name, value in sampling(temperature, top_p).items():
+            setattr(gc, name, value)
         return gc
 
     def _cut_at_end(self, new: Any) -> Any:

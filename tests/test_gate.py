@@ -154,8 +154,8 @@ def test_one_class_held_out_gets_the_lower_kl_cap():
 
 
 def test_the_gate_samples_the_way_the_chat_answers():
-    """Its repetition check reads answers drawn at the chat's temperature and top-p: a nucleus cut
-    makes loops likelier than the full distribution, and users get the cut one."""
+    """Its repetition check reads answers drawn at the chat's temperature and top-p: the answers
+    users get."""
     from rlfleet.shared.config import ChatSettings, Config
     from rlfleet.worker.orchestrate import gate_config
 

@@ -42,16 +42,16 @@ class GateConfig:
     min_distinct_ratio: float = 0.5  # candidate / base distinct bigrams of sampled answers
     max_entropy_ratio: float = 1.3  # above this the candidate is blurring towards noise
     # Mean repeated-trigram share of sampled answers, over the base's: the product's fluency bound.
-    # Thirty-two answers read it within about a point (8 read a looping version at a third of its
-    # rate); bench/RESULTS.md has the measurements.
+    # Thirty-two answers read the base's within about a point (8 read a version the benchmark saw
+    # repeating 13 % at 5 %); bench/RESULTS.md has the measurements.
     max_repetition_rise: float = 0.03
     min_answer_tokens: float = 2.0  # mean sampled length below this (base above 4x it) is collapse
     # Answers sampled for the collapse checks, cycling through the held-out prompts (0: teacher-forced
     # only): one looping answer in 32 moves the mean by about a point.
     eval_samples: int = 32
     eval_new_tokens: int = 48
-    # Sampled the way the chat answers (`chat.temperature`, `chat.top_p`): a nucleus cut makes loops
-    # likelier than the full distribution does, and the gate must see the answers users will get.
+    # Sampled the way the chat answers (`chat.temperature`, `chat.top_p`): the gate judges the answers
+    # users will get, whatever top-p they chose.
     eval_temperature: float = 0.7
     eval_top_p: float = 0.9
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
-from rlfleet.shared.responder import seeded_rng
+from rlfleet.shared.responder import sampling, seeded_rng
 
 from ..batching import Encoded, _ids, collate, micro_batches
 from ..objective import entropy_excess, k3_kl, loss_for, next_token_entropy, top_k_kl, unlikelihood
@@ -346,7 +346,7 @@ class Trainer(TrainerInterface):
         temperature: float = 0.7, top_p: float = 1.0,
     ) -> list[list[int]]:
         """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
-        one do); no top-k."""
+        one do), drawn as the chat draws (:func:`rlfleet.shared.responder.sampling`)."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -355,12 +355,10 @@ class Trainer(TrainerInterface):
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        drawn = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {
-            "do_sample": False
-        }
         with seeded_rng(seed, self.device):
             out = self._active().generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **drawn
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
 
