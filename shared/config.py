@@ -82,6 +82,13 @@ class TrainSettings(BaseModel):
     # How a rating becomes an advantage (docs/objective.md): "ema" against the reward EMA, "asymmetric"
     # against just below the run's mean reward with a bounded push from each 👎.
     advantage: Literal["ema", "asymmetric"] = "ema"
+    # Class-balanced advantages (docs/objective.md): the rarer of liked and disliked answers in a run
+    # weighted up, by at most this factor, until both pull as hard in total; 0 or 1: off. None: the
+    # preset's.
+    balance: float | None = Field(None, ge=0, le=64)
+    # A 👎's push fades once its answer has become this many nats per token less likely than under the
+    # base (docs/objective.md); 0: off. None: the preset's.
+    neg_fade: float | None = Field(None, ge=0, le=10)
     # Exploration (docs/objective.md, "The reward model"): answers sampled per prompt from the run's
     # starting policy and scored by the user's reward model, for up to explore_prompts of the run's
     # rated prompts, when the model's cross-validated AUC reaches reward_model_min_auc. 0: off, until

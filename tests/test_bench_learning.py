@@ -347,6 +347,10 @@ def test_labels_name_only_what_varies_within_a_preference():
            for f in (True, False)]
     assert {s["label"] for s in _labelled([old, *new])} == {
         "mispo · fallback=preset · replay=0.5", "mispo · fallback=on · replay=0", "mispo · fallback=off · replay=0"}
+    # A run that records its settings but not one newer code added ran before it existed: that differs.
+    before = {**_summary("mispo", 0, [0, 0]), "runs": [{"state": "succeeded", "train": {"lr": 2e-4}}]}
+    after = {**_summary("mispo", 0, [0, 0]), "runs": [{"state": "succeeded", "train": {"lr": 2e-4, "balance": 16.0}}]}
+    assert {s["label"] for s in _labelled([before, after])} == {"mispo · balance=preset", "mispo · balance=16"}
 
 
 def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -94,7 +94,8 @@ def torch_mean_logprobs(model, tok, pairs) -> list[float]:
 # -- the loss ---------------------------------------------------------------------------------
 
 
-def test_mlx_loss_matches_torch_mispo_loss():
+@pytest.mark.parametrize("neg_fade", [0.0, 0.3])
+def test_mlx_loss_matches_torch_mispo_loss(neg_fade):
     gen = torch.Generator().manual_seed(0)
     B, T = 6, 14
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -106,7 +107,7 @@ def test_mlx_loss_matches_torch_mispo_loss():
     new = beh + torch.randn(B, T, generator=gen) * 0.5  # some tokens and sequences fall outside the bands
     new[0, 0] = float("inf")  # off the mask: must be ignored
     adv = torch.tensor([1.2, -1.0, 0.5, -2.0, 2.0, 1.0])
-    kw = dict(token_band=(0.5, 2.0), seq_band=(0.8, 1.25), beta=0.05)
+    kw = dict(token_band=(0.5, 2.0), seq_band=(0.8, 1.25), beta=0.05, neg_fade=neg_fade)
 
     t_new = new.clone().requires_grad_(True)
     want = objective.mispo_loss(t_new, beh, ref, mask, adv, **kw)
@@ -223,7 +224,8 @@ def test_learning_moves_held_out_preferences(mlx_trainer, learned):
     out, result, seen = learned
     assert result.promoted_ok and result.reason is None
     assert result.metrics["ratings_used"] == 32 and result.metrics["steps"] == LEARN.steps
-    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
+    # As on torch: +1 -> 1.2, -1 -> -1, the 👎s then weighted up to the 👍s' total (16 of each).
+    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.2)
     assert seen[0].phase == "reference" and seen[-1].phase == "saving"
     assert [p.step for p in seen if p.phase == "training"] == list(range(0, LEARN.steps + 1))  # 0: steps begin
 

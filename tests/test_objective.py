@@ -10,6 +10,7 @@ import torch
 from rlfleet.worker.objective import (
     advantages,
     entropy_excess,
+    fade_negatives,
     k3_kl,
     loss_for,
     mispo_loss,
@@ -221,6 +222,28 @@ def test_total_loss_on_hand_made_batch():
     assert g[1, 1].item() == pytest.approx(1.25 * 2 / 4 + 0.0, rel=1e-5)
     assert g[1, 2].item() == 0.0  # padding
     assert beh.grad is None and ref.grad is None  # only logp_new is differentiated
+
+
+def test_a_dislike_fades_once_its_answer_is_less_likely_than_under_the_base():
+    tau = 0.1
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    ref = torch.full((4, 3), -1.0)
+    # Mean per-token log-ratio to the base: -tau*ln3 (padding ignored), 0, +0.5 and -tau*ln3 again.
+    new = ref + torch.tensor([[-tau * LN(3), -tau * LN(3), -50.0], [0.2, -0.2, 0.0], [0.5] * 3, [-tau * LN(3)] * 3])
+    adv = torch.tensor([-1.0, -2.0, -1.0, 1.5])
+    got = fade_negatives(new, ref, mask, adv, tau)
+    # 2*sigmoid(-ln 3) = 2 * 1/4: half the push; at or above the base: the whole push (capped at 1);
+    # a liked answer's pull is never faded, however far below the base its answer is.
+    assert got.tolist() == pytest.approx([-0.5, -2.0, -1.0, 1.5])
+    assert fade_negatives(new, ref, mask, adv, 0.0) is adv
+
+    leaf = _leaf(new.tolist())
+    faded = mispo_loss(leaf, new, ref, mask, adv, token_band=WIDE, seq_band=WIDE, beta=0.0, neg_fade=tau)
+    faded.loss.backward()
+    same = _leaf(new.tolist())
+    mispo_loss(same, new, ref, mask, got, token_band=WIDE, seq_band=WIDE, beta=0.0).loss.backward()
+    # The fade is a weight, not a term: no gradient flows through it.
+    assert torch.allclose(leaf.grad, same.grad)
 
 
 def test_zero_gradient_when_everything_is_filtered():

@@ -26,7 +26,10 @@ TRAIN_TOPICS = [
 HELD_OUT = ["clocks", "bees", "pears", "tides", "figs", "lamps"]
 # The tiny model needs a far larger step than a real one to show a preference in a few steps, and a
 # wide sequence band (the presets' bands drop most sequences after the first step: see the report).
-LEARN = replace(preset("balanced"), lr=3e-3, steps=8, seq_band=(0.5, 2.0))
+# The fading 👎 (neg_fade) stops a 👎's push a few hundredths of a nat per token below the base: at this
+# step size the tiny model's disliked answers would fall only about that far, and these tests measure
+# the push itself (tests/test_training_loop.py measures the fade).
+LEARN = replace(preset("balanced"), lr=3e-3, steps=8, seq_band=(0.5, 2.0), neg_fade=0.0)
 
 
 def chat(text: str) -> list[dict]:
@@ -210,8 +213,10 @@ def test_run_writes_a_loadable_adapter_and_leaves_the_base_clean(trainer, learne
         assert key in result.metrics, key
     assert result.metrics["ratings_used"] == 32 and result.metrics["steps"] == LEARN.steps
     assert result.promoted_ok and result.reason is None
-    # ema None: baseline = mean of this run's ratings = 0, so +1 -> 1.2 and -1 -> -1.
-    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.0)
+    # ema None: the neutral baseline 0, so +1 -> 1.2 and -1 -> -1; then the class weights (16 liked,
+    # 16 disliked) bring the 👎s' total up to the 👍s': -1.2.
+    assert result.advantages[0] == pytest.approx(1.2) and result.advantages[1] == pytest.approx(-1.2)
+    assert result.metrics["class_weight"] == pytest.approx(1.2)
     assert [p.phase for p in seen][0] == "reference"
     assert [p.step for p in seen if p.phase == "training"] == list(range(0, LEARN.steps + 1))  # 0: steps begin
 
@@ -285,7 +290,9 @@ def test_retraction_keeps_its_fixed_advantage(trainer, tmp_path):
     samples = preference_samples()[:3] + [TrainSample(99, chat("old"), GOOD, 1.0, fixed_advantage=-0.7)]
     result = trainer.run(samples, 0.5, replace(LEARN, steps=1), None, tmp_path / "a")
     assert result.advantages[99] == pytest.approx(-0.7)
-    assert result.advantages[0] == pytest.approx(0.6)  # (1 - 0.5) * 1.2
+    # (1 - 0.5) * 1.2 = 0.6 each, then the class weights: two 👍s at 0.6 against one 👎 at -1.5, times
+    # 1.25; the retraction is not rated in this run and keeps its own.
+    assert result.advantages[0] == pytest.approx(0.75) and result.advantages[2] == pytest.approx(0.75)
     assert result.advantages[1] == pytest.approx(-1.5)
     assert (result.metrics["ratings_used"], result.metrics["retractions"]) == (3, 1)
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_trainer import GOOD, LEARN, chat, preference_samples
+from test_trainer import BAD, GOOD, LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
-from rlfleet.worker.training.advantages import advantage, asymmetric_advantage, run_advantages
+from rlfleet.worker.training.advantages import advantage, asymmetric_advantage, balance_classes, run_advantages
 from rlfleet.worker.training.loop import NothingToLearn, RunRequest, Selection, run_training
 from rlfleet.worker.training.policy_gradient import PolicyGradient
 
@@ -68,6 +68,22 @@ def test_asymmetric_advantages_teach_through_the_rare_liked_answers():
     assert run_advantages(samples, None, 1.2, 2.0) == run_advantages(samples, None, 1.2, 2.0, rule="ema")
 
 
+def test_balanced_classes_weight_the_rarer_sign_up_to_the_cap():
+    # A user who likes 2 answers of 32: the two pull as hard in total as the thirty push.
+    adv = [1.5, 1.5] + [-0.75] * 30 + [-0.7]  # the last one a retraction: never rescaled
+    rated = [True] * 32 + [False]
+    got, factor = balance_classes(adv, rated, cap=16)
+    assert factor == pytest.approx(7.5)
+    assert got[:2] == pytest.approx([11.25, 11.25]) and got[2:] == adv[2:]
+    assert sum(a for a in got[:32] if a > 0) == pytest.approx(-sum(a for a in got[:32] if a < 0))
+    assert balance_classes(adv, rated, cap=4) == ([6.0, 6.0] + adv[2:], 4.0)  # capped
+    # A happy user's rare 👎 is the one weighted up; one sign alone, or the cap at 1 or 0, changes nothing.
+    happy, happy_factor = balance_classes([1.0] * 6 + [-1.5], [True] * 7, cap=16)
+    assert happy_factor == 4.0 and happy == [1.0] * 6 + [-6.0]
+    assert balance_classes([-1.0] * 5, [True] * 5, cap=16) == ([-1.0] * 5, 1.0)
+    assert balance_classes(adv, rated, cap=1.0) == (adv, 1.0) == balance_classes(adv, rated, cap=0.0)
+
+
 def test_the_advantage_rule_needs_no_tensor_framework():
     blocked = "import sys; sys.modules['torch'] = None; sys.modules['mlx'] = None; "
     code = blocked + "import rlfleet.worker.training.advantages as a; print(a.advantage(1.0, 0.5, 1.2))"
@@ -115,6 +131,44 @@ def test_a_new_signal_runs_on_every_backend_through_the_same_loop(backend, tmp_p
     assert result.metrics["final_mean_kl"] > 0
     liked = [(chat("Describe snow briefly."), GOOD)]
     assert backend.mean_logprobs(liked, tmp_path / "a")[0] > backend.mean_logprobs(liked)[0]
+
+
+def test_balanced_classes_pull_a_rare_liked_answer_up_further_on_every_backend(backend, tmp_path):
+    # One liked answer among seven disliked ones: weighted up, it rises more than under the plain rule.
+    samples = preference_samples()
+    rated = [samples[0]] + [s for s in samples if s.reward < 0][:7]
+    liked = [(rated[0].prompt, GOOD)]
+    cfg = replace(LEARN, steps=3, balance=0.0)
+    plain = run_training(backend, PolicyGradient(), RunRequest(rated, None, cfg, None, tmp_path / "plain"))
+    weighted = run_training(backend, PolicyGradient(), RunRequest(rated, None, replace(cfg, balance=16.0), None,
+                                                                  tmp_path / "balanced"))
+    assert "class_weight" not in plain.metrics
+    assert weighted.metrics["class_weight"] == pytest.approx(7 * 1.0 / 1.2)  # 7 pushes of 1.0, one pull of 1.2
+    assert weighted.advantages[0] == pytest.approx(7.0) and weighted.advantages[1] == plain.advantages[1]
+    base = backend.mean_logprobs(liked)[0]
+    rise_plain = backend.mean_logprobs(liked, tmp_path / "plain")[0] - base
+    rise_weighted = backend.mean_logprobs(liked, tmp_path / "balanced")[0] - base
+    assert rise_weighted > rise_plain > 0
+
+
+def test_a_faded_dislike_stops_pushing_its_answer_down_on_every_backend(backend, tmp_path):
+    # Only 👎s, pushed for many steps with no anchor and no bands: with the fade their push stops once
+    # the answers are below the base's; without it, it goes on.
+    bad = [s for s in preference_samples() if s.reward < 0][:6]
+    disliked = [(s.prompt, BAD) for s in bad]
+    cfg = replace(LEARN, steps=8, beta=0.0, unlikelihood=0.0, seq_band=(0.01, 100.0), token_band=(0.01, 100.0),
+                  neg_fade=0.0)
+    run_training(backend, PolicyGradient(), RunRequest(bad, None, cfg, None, tmp_path / "plain"))
+    run_training(backend, PolicyGradient(), RunRequest(bad, None, replace(cfg, neg_fade=0.02), None,
+                                                       tmp_path / "faded"))
+
+    def fall(adapter):
+        return sum(backend.mean_logprobs(disliked)) / 6 - sum(backend.mean_logprobs(disliked, adapter)) / 6
+
+    plain, faded = fall(tmp_path / "plain"), fall(tmp_path / "faded")
+    # The optimizer's momentum carries the push on for a few steps after it fades, so the answer still
+    # falls some way past tau: but clearly less far.
+    assert 0 < faded < 0.75 * plain
 
 
 def test_a_run_with_nothing_to_learn_trains_and_saves_nothing(backend, tmp_path):

@@ -15,6 +15,10 @@ With ``kl_top_k = K > 0`` the anchor ``kl_t`` is instead the KL of the whole nex
 at ``t`` over the base's K likeliest tokens and one bin for the rest (:func:`top_k_kl`): the k3
 estimate sees only the answer's own token, so mass a 👎 pushes off it may land anywhere else unseen.
 
+With ``neg_fade = tau > 0`` a 👎's advantage is multiplied by ``min(1, 2 * sigmoid(d / tau))``, ``d``
+the answer's mean per-token ``logp_new - logp_ref`` (:func:`fade_negatives`): full while the answer is
+at least as likely as under the base, fading once the run has pushed it below.
+
 ``n_tokens`` is the sequence's own number of response tokens (filtered tokens still count, so a
 filter only ever removes gradient, never rescales the rest); a dropped sequence contributes zero
 but still counts in the mean over sequences, so a band that drops most of a batch visibly shrinks
@@ -88,6 +92,25 @@ def entropy_excess(h_new: Tensor, h_ref: Tensor) -> Tensor:
     return torch.where(rise > 0, rise, torch.zeros_like(rise))  # clamp's gradient at 0 would be 1
 
 
+def fade_negatives(logp_new: Tensor, logp_ref: Tensor, mask: Tensor, advantages: Tensor, tau: float) -> Tensor:
+    """The advantages with each negative one times ``min(1, 2 * sigmoid(d / tau))``, ``d`` its answer's
+    mean per-token log-ratio of the trained policy to the base (no gradient); ``[B, T]`` log-probs and
+    mask, ``[B]`` advantages -> ``[B]``. ``tau`` <= 0: unchanged.
+
+    A 👎 says "not this answer", not "anything but this": once the answer has become less likely than
+    the base made it, pushing further only spreads its probability over whatever else the model finds
+    plausible, which is how the entropy rises and a small model starts to loop (arXiv 2505.22617).
+    KTO's sigmoid saturates the same way (arXiv 2402.01306); a liked answer's pull is left as it is."""
+    if tau <= 0:
+        return advantages
+    with torch.no_grad():
+        mask_b = mask.bool()
+        d = torch.where(mask_b, logp_new - logp_ref.to(logp_new.dtype), torch.zeros_like(logp_new))
+        d = d.sum(dim=1) / mask_b.sum(dim=1).clamp(min=1)
+        weight = (2.0 * torch.sigmoid(d / tau)).clamp(max=1.0).to(advantages.dtype)
+        return torch.where(advantages < 0, advantages * weight, advantages)
+
+
 @dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable w.r.t. logp_new only
@@ -109,6 +132,7 @@ def mispo_loss(
     seq_band: tuple[float, float],
     beta: float,
     anchor: Tensor | None = None,
+    neg_fade: float = 0.0,
 ) -> LossOutput:
     """The loss of one (micro-)batch; see the module docstring for the formula.
 
@@ -122,7 +146,7 @@ def mispo_loss(
     # Only logp_new carries gradient: the others are fixed targets of this run.
     logp_beh = logp_beh.detach().to(logp_new.dtype)
     logp_ref = logp_ref.detach().to(logp_new.dtype)
-    adv = advantages.detach().to(logp_new.dtype)
+    adv = fade_negatives(logp_new.detach(), logp_ref, mask_b, advantages.detach().to(logp_new.dtype), neg_fade)
 
     # Zero off the mask before exp(): padding may hold anything, and inf * 0 would poison the sum.
     zeros = torch.zeros_like(logp_new)
@@ -270,7 +294,8 @@ def loss_for(cfg: Any) -> Callable[..., LossOutput]:
     name = getattr(cfg, "objective", "mispo")
     if name == "mispo":
         return lambda *t, anchor=None: mispo_loss(
-            *t, token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor
+            *t, token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor,
+            neg_fade=getattr(cfg, "neg_fade", 0.0),
         )
     if name == "soft":
         return lambda *t, anchor=None: soft_loss(

@@ -52,6 +52,18 @@ def unlikelihood(logp_new: mx.array, mask: mx.array, marks: mx.array) -> mx.arra
     return (-(mx.log1p(-p) * hit.astype(p.dtype)).sum(axis=1) / n).mean()
 
 
+def fade_negatives(logp_new: mx.array, logp_ref: mx.array, mask: mx.array, advantages: mx.array,
+                   tau: float) -> mx.array:
+    """Equal to :func:`objective.fade_negatives` on the same inputs (no gradient)."""
+    if tau <= 0:
+        return advantages
+    mask_b = mask.astype(mx.bool_)
+    d = mx.where(mask_b, mx.stop_gradient(logp_new) - logp_ref.astype(logp_new.dtype), mx.zeros_like(logp_new))
+    d = d.sum(axis=1) / mx.maximum(mask_b.astype(d.dtype).sum(axis=1), 1.0)
+    weight = mx.minimum(2.0 * mx.sigmoid(d / tau), 1.0).astype(advantages.dtype)
+    return mx.stop_gradient(mx.where(advantages < 0, advantages * weight, advantages))
+
+
 @dataclass(frozen=True)
 class MlxLossOutput:
     loss: mx.array  # scalar, differentiable w.r.t. logp_new only
@@ -82,6 +94,7 @@ def mispo_loss(
     seq_band: tuple[float, float],
     beta: float,
     anchor: mx.array | None = None,
+    neg_fade: float = 0.0,
 ) -> MlxLossOutput:
     """The loss of one (micro-)batch, equal to :func:`objective.mispo_loss` on the same inputs.
 
@@ -94,7 +107,7 @@ def mispo_loss(
     # Only logp_new carries gradient: the others are fixed targets of this run.
     logp_beh = mx.stop_gradient(logp_beh.astype(dtype))
     logp_ref = mx.stop_gradient(logp_ref.astype(dtype))
-    adv = mx.stop_gradient(advantages.astype(dtype))
+    adv = fade_negatives(logp_new, logp_ref, mask_b, mx.stop_gradient(advantages.astype(dtype)), neg_fade)
 
     # Zero off the mask before exp(): padding may hold anything, and inf * 0 would poison the sum.
     zeros = mx.zeros_like(logp_new)

@@ -32,6 +32,12 @@ class TrainConfig:
     advantage: Rule = "ema"  # the advantage rule (training/advantages.py)
     adv_delta: float = 0.1  # asymmetric: how far below the run's mean reward the baseline sits
     neg_bound: float = 0.5  # asymmetric: the largest push a 👎 gives its answer
+    # Class-balanced advantages (training/advantages.balance_classes): the rarer of liked and disliked
+    # answers weighted up, by at most this factor, until both pull equally; 0 or 1: off.
+    balance: float = 16.0
+    # A 👎's push fades once its answer is less likely than under the base, by this many nats per
+    # token (objective.fade_negatives); 0: it pushes for as long as the bands let it.
+    neg_fade: float = 0.05
     grad_clip: float = 1.0
     ema_decay: float = 0.99
     max_tokens: int = 1024
@@ -64,11 +70,15 @@ class TrainConfig:
 # beta, the KL anchor to the base: almost every rating of a taste the model rarely shows is a 👎, and
 # the push off those answers raises the entropy until a small model loops; a near-zero anchor let
 # the gate promote versions that learned the taste and repeated themselves, this one keeps most of
-# the gain (bench/RESULTS.md, "the KL anchor"). careful and aggressive keep their ratio to balanced.
+# the gain (bench/RESULTS.md, "the KL anchor"). lr: the class weights and the fading 👎 (balance,
+# neg_fade) take most of a run's push off the many 👎s, and AdamW normalises the step, so at the
+# rate measured without them a run moved the model a fraction as far and learned less; twice the
+# rate gives it back with the fluency kept (bench/RESULTS.md, "class weights and a fading 👎").
+# careful and aggressive keep their ratio to balanced.
 _PRESETS: dict[str, TrainConfig] = {
-    "careful": TrainConfig(lr=1.2e-4, steps=6, rank=16, alpha=16, beta=0.08, seq_band=(0.9, 1.1), pos_weight=1.0),
-    "balanced": TrainConfig(lr=2e-4, steps=8, rank=16, alpha=16, beta=0.04, seq_band=(0.8, 1.25)),
-    "aggressive": TrainConfig(lr=3.2e-4, steps=12, rank=16, alpha=16, beta=0.02, seq_band=(0.67, 1.5)),
+    "careful": TrainConfig(lr=2.4e-4, steps=6, rank=16, alpha=16, beta=0.08, seq_band=(0.9, 1.1), pos_weight=1.0),
+    "balanced": TrainConfig(lr=4e-4, steps=8, rank=16, alpha=16, beta=0.04, seq_band=(0.8, 1.25)),
+    "aggressive": TrainConfig(lr=6.4e-4, steps=12, rank=16, alpha=16, beta=0.02, seq_band=(0.67, 1.5)),
 }
 
 
@@ -101,6 +111,8 @@ def resolve(
         kl_top_k=cfg.kl_top_k if settings.kl_top_k is None else settings.kl_top_k,
         unlikelihood=cfg.unlikelihood if settings.unlikelihood is None else settings.unlikelihood,
         entropy_hinge=cfg.entropy_hinge if settings.entropy_hinge is None else settings.entropy_hinge,
+        balance=cfg.balance if settings.balance is None else settings.balance,
+        neg_fade=cfg.neg_fade if settings.neg_fade is None else settings.neg_fade,
         seq_band=settings.seq_band or cfg.seq_band,
         max_tokens=settings.max_tokens,
         micro_batch_tokens=settings.micro_batch_tokens

@@ -82,6 +82,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--entropy-hinge", type=float, metavar="W", help="override train.entropy_hinge: the weight of "
                     "the term holding the policy's next-token entropy on the rated answers at or below the base's "
                     "(0: off)")
+    ap.add_argument("--balance", type=float, metavar="CAP", help="override train.balance: weight the rarer of "
+                    "liked and disliked answers up, by at most CAP, until both pull equally (0: off)")
+    ap.add_argument("--neg-fade", type=float, metavar="TAU", help="override train.neg_fade: a 👎's push fades "
+                    "once its answer is TAU nats per token less likely than under the base (0: off)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -107,7 +111,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--switch-at needs --then and must be between 0 and --ratings")
     bounded = (("--replay", args.replay, 4), ("--explore", args.explore, 64), ("--beta", args.beta, 10),
                ("--unlikelihood", args.unlikelihood, 100), ("--entropy-hinge", args.entropy_hinge, 100),
-               ("--kl-top-k", args.kl_top_k, 1024))
+               ("--kl-top-k", args.kl_top_k, 1024), ("--balance", args.balance, 64),
+               ("--neg-fade", args.neg_fade, 10))
     for flag, value, top in bounded:  # each the range its train.* setting accepts, from 0
         if value is not None and not 0 <= value <= top:
             ap.error(f"{flag} must be between 0 and {top}")
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("lr", args.lr), ("steps", args.steps), ("beta", args.beta),
                                    ("kl_top_k", args.kl_top_k), ("unlikelihood", args.unlikelihood),
                                    ("entropy_hinge", args.entropy_hinge),
+                                   ("balance", args.balance), ("neg_fade", args.neg_fade),
                                    ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("fallback", False if args.no_fallback else None)) if v is not None}

@@ -10,6 +10,10 @@ Two rules (``train.advantage``; docs/objective.md says when each helps):
   answers at once is what raises the entropy (arXiv 2505.22617) and collapses the distribution when
   the baseline sits at or above the expected reward (AsymRE, arXiv 2506.20520).
 
+With ``train.balance`` the rarer class is weighted up after either rule (:func:`balance_classes`),
+so that the few liked answers of a taste the model rarely shows pull as hard, in total, as the many
+disliked ones push: KTO's class weights (arXiv 2402.01306, Eq. 8), for the same reason.
+
 An answer the run sampled itself to explore gets a group-relative advantage instead
 (:func:`group_advantages`): its reward model score against the other answers to the same prompt.
 
@@ -107,6 +111,26 @@ def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: floa
 
     return [rated_advantage(s.reward) if s.fixed_advantage is None else f32(float(s.fixed_advantage))
             for s in samples]
+
+
+def balance_classes(advantages: Sequence[float], rated: Sequence[bool], cap: float) -> tuple[list[float], float]:
+    """The rated samples' advantages with the rarer sign scaled up until both signs carry the same
+    total, by at most ``cap``; the others (retractions) as they are. Returns them and the factor
+    applied (1.0: nothing changed: ``cap`` <= 1, or one sign absent).
+
+    Without it a user who likes 2 answers in 32 teaches mostly by pushing probability off the other
+    30, which raises the entropy until a small model loops (arXiv 2505.22617); weighted, the liked
+    answers pull it back onto the answers the user wants. No clip after the scaling: the objective's
+    token and sequence bands stop a liked answer's push once its probability has risen by their
+    bound, and the optimizer's gradient clip bounds the step."""
+    pos = sum(a for a, r in zip(advantages, rated, strict=True) if r and a > 0)
+    neg = -sum(a for a, r in zip(advantages, rated, strict=True) if r and a < 0)
+    if cap <= 1.0 or pos <= 0.0 or neg <= 0.0:
+        return list(advantages), 1.0
+    factor = f32(min(cap, max(pos, neg) / min(pos, neg)))
+    scale_positive = pos < neg
+    return [f32(a * factor) if r and (a > 0 if scale_positive else a < 0) else a
+            for a, r in zip(advantages, rated, strict=True)], factor
 
 
 def group_advantages(scores: Sequence[float], weight: float, clip: float) -> list[float]:

@@ -62,6 +62,7 @@ class Selection:
     samples: list[TrainSample]
     advantages: list[float]
     mean_advantage: float
+    metrics: dict[str, float] = field(default_factory=dict)  # the signal's own, reported with the run's
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "steps": cfg.steps,
         "lr": cfg.lr,
         "n_tokens": data.n_response,
+        **chosen.metrics,
         **reward_model.metrics(),
         **explored.metrics(),
         **outcome.extra,

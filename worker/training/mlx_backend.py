@@ -302,6 +302,7 @@ class MlxTrainer(TrainerInterface):
             out = mispo_loss(
                 logp, beh, ref, mask, advantages,
                 token_band=cfg.token_band, seq_band=cfg.seq_band, beta=cfg.beta, anchor=anchor,
+                neg_fade=cfg.neg_fade,
             )  # fmt: skip
             loss, stats = out.loss, {"loss": out.loss, **out.stats()}
             if ref_entropy is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..presets import TrainConfig
 from ..samples import Progress, TrainSample
-from .advantages import run_advantages
+from .advantages import balance_classes, run_advantages
 from .backend import Backend, Batch, RefExtras, Tensor
 from .loop import Outcome, Report, RunData, Selection, halfway_steps
 from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
@@ -26,7 +26,9 @@ class PolicyGradient:
     def select(self, backend: Backend, samples: list[TrainSample], ema: float | None, cfg: TrainConfig) -> Selection:
         adv = run_advantages(samples, ema, cfg.pos_weight, cfg.adv_clip, rule=cfg.advantage, delta=cfg.adv_delta,
                              neg_bound=cfg.neg_bound)
-        return Selection(list(samples), adv, sum(adv) / len(adv))
+        adv, weight = balance_classes(adv, [s.fixed_advantage is None for s in samples], cfg.balance)
+        metrics = {"class_weight": weight} if cfg.balance > 0 else {}
+        return Selection(list(samples), adv, sum(adv) / len(adv), metrics)
 
     @contextlib.contextmanager
     def train(
