@@ -4,7 +4,7 @@ The gate (worker/gate.py) samples `eval_samples` answers from the base and from 
 held-out prompts, at the chat's temperature and top-p, and refuses a candidate whose mean share of
 repeated trigrams inside an answer exceeds the base's by more than `max_repetition_rise` (0.03). Here
 the SAME model, the base, is read several times with different seeds, exactly as the gate reads it
-(`sample_plan` over the prompts, one batched `Trainer.sample`, `gate.repetition`): any gap between two
+(the gate's own `scoring.sample_answers`, then `gate.repetition`): any gap between two
 readings is noise, and where gaps above the bound are common the check refuses good candidates (and
 passes bad ones) by chance.
 
@@ -88,10 +88,16 @@ def chat_prompts(n: int) -> list[list[dict]]:
 
 
 def read(trainer: Any, prompts: list[list[dict]], n: int, seed: int, args: argparse.Namespace) -> list[list[int]]:
-    """One reading's answers: ``n`` of them, sampled as the gate samples (worker/training/scoring.py)."""
-    from rlfleet.worker.gate import sample_plan
+    """One reading's answers: ``n`` of them, drawn by the gate's own sampling
+    (:func:`rlfleet.worker.training.scoring.sample_answers`) at this run's settings."""
+    from dataclasses import replace
 
-    return trainer.sample(sample_plan(prompts, n), args.new_tokens, seed, args.temperature, args.top_p)
+    from rlfleet.worker.gate import GateConfig
+    from rlfleet.worker.training.scoring import sample_answers
+
+    cfg = replace(GateConfig(), eval_samples=n, eval_new_tokens=args.new_tokens, eval_temperature=args.temperature,
+                  eval_top_p=args.top_p)
+    return sample_answers(trainer, prompts, cfg, seed)
 
 
 def summarise(n: int, readings: list[float], lengths: list[float], bound: float) -> dict:

@@ -141,11 +141,11 @@ def _labelled(summaries: list[dict]) -> list[dict]:
     # that is a value for the settings some run overrode, and unknown for the rest (so older JSON does
     # not make every setting a newer run records look varied).
     overridden = {k for s in summaries for k in s.get("overrides") or {}}
-    own = [settings(s) if _recorded(s) else {k: PRESET for k in overridden} | settings(s) for s in summaries]
     # A run that records its settings but not one a newer run records ran before that setting existed:
     # a different value (read "preset"), unlike a run that records none, whose values are unknown.
-    newer = {k for s, o in zip(summaries, own, strict=True) if _recorded(s) for k in o}
-    own = [{k: PRESET for k in newer} | o if _recorded(s) else o for s, o in zip(summaries, own, strict=True)]
+    newer = {k for s in summaries if _recorded(s) for k in settings(s)}
+    own = [{k: PRESET for k in newer} | settings(s) if _recorded(s) else {k: PRESET for k in overridden} | settings(s)
+           for s in summaries]
     varied = sorted(k for k in {k for o in own for k in o} if len({repr(o[k]) for o in own if k in o}) > 1)
 
     def value(v: object) -> str:

@@ -80,11 +80,15 @@ def score_model(
         for g, batch in zip(groups, batches, strict=True):
             for i, row in zip(g, backend.score_rows(batch, with_kl=adapter_dir is not None), strict=True):
                 lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
-        prompts = sample_plan([p for p, _r in pairs], cfg.eval_samples)
-        sampled = (
-            backend.sample(prompts, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p) if prompts else []
-        )
+        sampled = sample_answers(backend, [p for p, _r in pairs], cfg, seed)
     return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
+
+
+def sample_answers(backend: Backend, prompts: Sequence[list[dict]], cfg: GateConfig, seed: int) -> list[list[int]]:
+    """The answers the gate's collapse checks read from the model being served: ``cfg.eval_samples``
+    of them cycling through ``prompts``, at the chat's temperature and top-p, in one batch."""
+    plan = sample_plan(list(prompts), cfg.eval_samples)
+    return backend.sample(plan, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p) if plan else []
 
 
 def saved_adapter_kl(backend: Backend, samples: Sequence[TrainSample], adapter_dir: Path, max_tokens: int) -> float:
