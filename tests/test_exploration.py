@@ -129,12 +129,14 @@ def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(b
     samples = preference_samples()[:8]  # 4 prompts, each with a liked and a disliked answer: AUC 1.0
     cfg = replace(LEARN, steps=1, explore=2, explore_prompts=3, explore_max_new_tokens=8)
     trained: list[list[TrainSample]] = []
+    encoded = []
     from rlfleet.worker.training import policy_gradient
 
     real_train = policy_gradient.PolicyGradient.train
 
     def spy(self, backend, session, data, cfg, report):
         trained.append(list(data.samples))
+        encoded.append(list(data.encoded))
         assert len(data.advantages) == len(data.samples) == len(data.encoded)
         return real_train(self, backend, session, data, cfg, report)
 
@@ -150,6 +152,12 @@ def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(b
     assert trained[0][: len(samples)] == samples  # the ratings train as before, first
     assert len(extra) == 6 and all(s.rating_id is None and s.behaviour_logprobs is None for s in extra)
     newest = [samples[i].prompt for i in (7, 5, 3)]  # rating ids 7, 5, 3: the newest prompts
+    # An answer as long as the cap was cut off, not ended by the model: it trains without an end token.
+    eos = backend.tokenizer.eos_token_id
+    ends = [e.input_ids[-1] == eos for e in encoded[0][len(samples):]]
+    assert ends == [s.complete for s in extra]
+    assert m["explored_cut"] == ends.count(False) > 0  # the tiny model rarely ends within 8 tokens
+    assert all(e.input_ids[-1] == eos for e in encoded[0][: len(samples)])
     assert [s.prompt for s in extra] == [p for p in newest for _ in range(2)]
     # A prompt nobody rated is explored in turn with the rated ones.
     asked = chat("Tell me about rain.")

@@ -107,6 +107,13 @@ def test_encode_sample_masks_exactly_response_and_end_token(tok):
     assert batch["response_mask"][row].tolist() == short.response_mask + [0] * (enc.length - short.length)
 
 
+def test_an_answer_cut_off_at_a_cap_trains_without_an_end_token(tok):
+    cut = encode_sample(tok, TrainSample(None, chat("hi there"), "fine, thanks", 0.0, complete=False), 1024)
+    whole = encode_sample(tok, TrainSample(None, chat("hi there"), "fine, thanks", 0.0), 1024)
+    assert cut.input_ids == whole.input_ids[:-1] and whole.input_ids[-1] == tok.eos_token_id
+    assert cut.response_mask == whole.response_mask[:-1]
+
+
 def test_stored_behaviour_used_only_for_matching_tokens(tok):
     body = tok("sure", add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id

@@ -47,7 +47,8 @@ def _ids(encoded: Any) -> list[int]:
 def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encoded:
     """Encode one sample: chat-templated prompt, then the response tokens and the end token.
 
-    The end token is part of the response (and of its mask): it is what teaches answer length.
+    The end token is part of the response (and of its mask): it is what teaches answer length. An
+    answer cut off at a length cap (``sample.complete`` false) gets none: the model did not end it.
     Stored behaviour log-probs are used only when the stored token ids are exactly the response's
     tokens (with or without the end token); a different tokenisation would pair log-probs with the
     wrong tokens. Over ``max_tokens`` the prompt loses tokens from its left (the turns nearest the
@@ -63,7 +64,7 @@ def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encod
     if not prompt:  # a template-less tokenizer and an empty prompt: the first token needs a context
         prompt = [int(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos)]
     body = _ids(tokenizer(sample.response, add_special_tokens=False)["input_ids"])
-    response = body + [int(eos)]
+    response = body + [int(eos)] if sample.complete else body
 
     behaviour: list[float] | None = None
     ids, lps = sample.behaviour_token_ids, sample.behaviour_logprobs

@@ -22,6 +22,9 @@ class TrainSample:
     # trains like a fresh rating, but its recorded log-probs are ignored (an older version answered:
     # docs/objective.md) and the run does not consume it: it stays its original run's.
     replayed: bool = False
+    # False: the answer was cut off at a length cap, not ended by the model; it trains without an end
+    # token, which would otherwise teach the model to stop mid-sentence where the cap fell.
+    complete: bool = True
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,11 @@ class Exploration:
     reason: str = ""
     seconds: float = 0.0
     looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
+    cut: int = 0  # explored answers cut off at train.explore_max_new_tokens (trained without an end token)
 
     def metrics(self) -> dict[str, float | int | str]:
         return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
-                "explored_looping": self.looping}
+                "explored_looping": self.looping, "explored_cut": self.cut}
 
 
 def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
@@ -122,7 +123,10 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
         # seeded per chunk (the torch backend draws one stream per batch, MLX seed + row)
         answers += backend.sample(rows[start:start + SAMPLE_ROWS], cfg.explore_max_new_tokens, cfg.seed + start)
     tok = backend.tokenizer
-    explored = [TrainSample(rating_id=None, prompt=p, response=tok.decode(ids, skip_special_tokens=True), reward=0.0)
+    # An answer as long as the cap did not end: it trains without an end token (TrainSample.complete).
+    cap = cfg.explore_max_new_tokens
+    explored = [TrainSample(rating_id=None, prompt=p, response=tok.decode(ids, skip_special_tokens=True), reward=0.0,
+                            complete=len(ids) < cap)
                 for p, ids in zip(rows, answers, strict=True)]
     looping = loops(answers)
     scores = fluent_first(report.model.score(features(backend, explored, cfg.max_tokens)).tolist(), looping, k)
@@ -131,4 +135,5 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
         advantages += group_advantages(scores[g * k:(g + 1) * k], cfg.explore_weight, cfg.adv_clip)
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping))
+    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping),
+                       sum(not s.complete for s in explored))
