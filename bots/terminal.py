@@ -207,6 +207,9 @@ def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
         key = state.screen.read("[1] good  [2] bad  [c] comment  [enter] skip > ")
         if key is None:
             return
+        if key.strip().startswith("/rl"):  # `/rl bad too long` works here as at the chat prompt
+            _command(key.strip(), state, cfg, handle)
+            return
         key = key.strip().lower()
         if key == "":
             return
@@ -217,7 +220,7 @@ def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
             value: Value = 1 if key in ("1", "g", "good") else -1
             _rate(state, cfg, handle, value, comment, target=state.last_capture)
             return
-        console.print("[dim]press 1, 2, c, or enter[/]")
+        console.print("[dim]press 1, 2, c, or enter (or type /rl good, /rl bad \\[why])[/]")
 
 
 def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: Value, comment: str | None,

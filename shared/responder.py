@@ -60,10 +60,11 @@ def sampling(temperature: float, top_p: float) -> dict[str, Any]:
     Exactly temperature/top-p: no top-k or penalties from the model's defaults (the recorded
     log-probs are raw either way, but answers should follow the settings). Explicit no-op values,
     not None: generate() fills None fields from model.generation_config."""
-    plain = {"top_k": 0, "repetition_penalty": 1.0}
     if temperature > 0:
-        return {**plain, "do_sample": True, "temperature": float(temperature), "top_p": float(top_p)}
-    return {**plain, "do_sample": False, "temperature": 1.0, "top_p": 1.0}
+        return {"top_k": 0, "repetition_penalty": 1.0, "do_sample": True, "temperature": float(temperature),
+                "top_p": float(top_p)}
+    # Greedy ignores top-k, and generate() warns on the user's screen when one is passed with it.
+    return {"repetition_penalty": 1.0, "do_sample": False, "temperature": 1.0, "top_p": 1.0}
 
 
 class LocalResponder:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from ptyrig import PtySession
 
@@ -87,6 +88,40 @@ def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(qu
     log = (cfg.home / "logs" / "worker-train.log").read_text()
     assert "Traceback" not in log and "stopped during training run 1" in log, log
     assert store.get_run(1).error.startswith("interrupted: stopped on request")
+
+
+def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.train.threshold = 1000  # no training run starts
+    cfg.save()
+    child = PtySession([sys.executable, "-m", "rlfleet.cli", "chat"], os.environ.copy())
+    try:
+        child.expect("you> ", timeout=120)
+        child.send("What is rain?\r")
+        child.expect("skip > ", timeout=120)
+        child.send("x\r")
+        child.expect("press 1, 2, c, or enter (or type /rl good, /rl bad [why])", timeout=SEEN)
+        child.send("c\r")
+        child.expect("comment> ", timeout=SEEN)
+        child.send("wordy\r")
+        child.expect("skip > ", timeout=SEEN)
+        child.send("2\r")
+        child.expect("you> ", timeout=SEEN)
+        child.send("And snow?\r")
+        child.expect("skip > ", timeout=120)
+        child.send("/rl bad too long\r")
+        child.expect("you> ", timeout=SEEN)
+        child.send("/quit\r")
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.close()
+    store = Store(cfg.db_url)
+    deadline = time.monotonic() + 60
+    while len(rated := store.rated_pairs(all_states=True)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the chat's worker applies what the chat acknowledged
+    got = sorted((c.prompt[-1]["content"], r.value, r.comment) for r, c in rated)
+    assert got == [("And snow?", -1, "too long"), ("What is rain?", -1, "wordy")]
 
 
 def test_a_rejected_run_says_why_and_when_the_next_one_comes(home):
