@@ -97,6 +97,10 @@ class TrainSettings(BaseModel):
     explore_prompts: int = Field(16, ge=1, le=1024)
     explore_max_new_tokens: int = Field(64, ge=1, le=4096)
     explore_weight: float = Field(0.5, ge=0, le=4)
+    # Each explored answer's best earlier ending (docs/objective.md, "Exploration"): the answer cut at
+    # one of its first explore_cuts sentence ends, added beside it where the reward model scores it
+    # higher. 0: off.
+    explore_cuts: int = Field(0, ge=0, le=8)
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
 
 

@@ -57,9 +57,77 @@ def test_prompts_to_explore_take_rated_and_captured_prompts_in_turn():
 def test_a_looping_answer_ranks_last_in_its_group_whatever_the_reward_model_says():
     fluent, looping = [1, 2, 3, 4, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2, 3]  # 4 of 7 trigrams repeated
     flags = exploration.loops([fluent, looping, fluent, looping])
-    scores = exploration.fluent_first([5.0, 1.0, 2.0, 9.0], flags, 2)
+    scores = exploration.fluent_first([5.0, 1.0, 2.0, 9.0], flags, [0, 0, 1, 1])
     assert scores == [5.0, 0.0, 2.0, 1.0]  # each looping answer 1 below its group's lowest
-    assert exploration.fluent_first([3.0, 1.0], exploration.loops([fluent, fluent]), 2) == [3.0, 1.0]
+    assert exploration.fluent_first([3.0, 1.0], exploration.loops([fluent, fluent]), [0, 0]) == [3.0, 1.0]
+
+
+def test_earlier_endings_are_the_answer_cut_at_its_first_sentence_ends():
+    text = 'Rain is water. It falls, at 3.5 mm/h, "from clouds!" Really? Yes.'
+    assert exploration.earlier_endings(text, 8) == [
+        "Rain is water.", 'Rain is water. It falls, at 3.5 mm/h, "from clouds!"',
+        'Rain is water. It falls, at 3.5 mm/h, "from clouds!" Really?']  # never the whole answer
+    assert exploration.earlier_endings(text, 1) == ["Rain is water."]
+    assert exploration.earlier_endings("One sentence.", 3) == exploration.earlier_endings("no end", 3) == []
+
+
+def _shorter_is_better(batch):
+    return [-float(len(s.response.split())) for s in batch]
+
+
+def test_an_earlier_ending_is_added_only_where_the_reward_model_scores_it_higher():
+    answers = [TrainSample(None, chat("a"), r, 0.0) for r in ("A b. C d. E f.", "Long one. More", "Fine.")]
+    scored = [(s, score) for s, score in zip(answers, _shorter_is_better(answers), strict=True)]
+    got = exploration.better_endings(scored, _shorter_is_better, 2)
+    assert [(i, s.response, score) for i, s, score in got] == [(0, "A b.", -2.0), (1, "Long one.", -2.0)]
+    assert all(s.rating_id is None and s.prompt == chat("a") and s.complete for _, s, _ in got)
+    longer = lambda batch: [-x for x in _shorter_is_better(batch)]  # noqa: E731
+    assert exploration.better_endings([(s, -x) for s, x in scored], longer, 2) == []
+
+
+class _Tok:
+    eos_token_id = 0
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.texts[ids[0]]
+
+
+class _Sampler:
+    """Answers the run's prompts with fixed texts, one token id per text, in order."""
+
+    def __init__(self, texts):
+        self.tokenizer = _Tok(texts)
+
+    def sample(self, rows, max_new_tokens, seed):
+        return [[i] for i in range(len(rows))]
+
+
+class _ShorterModel:
+    def score(self, x):
+        return -x[:, 0]
+
+
+def test_explore_trains_each_better_ending_in_its_answers_group(monkeypatch):
+    texts = ["Yes. And on and on.", "No.", "Maybe so. Then more. And more.", "Sure thing."]
+    monkeypatch.setattr(exploration, "features",
+                        lambda _b, batch, _m: np.array([[len(s.response.split())] for s in batch], dtype=float))
+    report = RewardModelReport(0.9, "ok", 0.0, _ShorterModel())
+    rated = [TrainSample(1, chat("p"), "x", 1.0), TrainSample(2, chat("q"), "y", -1.0)]
+    cfg = replace(LEARN, explore=2, explore_prompts=2, explore_cuts=2, explore_weight=0.5)
+    out = exploration.explore(_Sampler(texts), rated, report, cfg)
+    assert [s.response for s in out.samples] == texts + ["Yes.", "Maybe so."]
+    assert [s.prompt for s in out.samples] == [chat("q")] * 2 + [chat("p")] * 2 + [chat("q"), chat("p")]
+    assert out.metrics()["explored_ended_earlier"] == 2 and out.metrics()["explored"] == 6
+    # each prompt's group holds its answers and their endings, centred on the group
+    q, p = [0, 1, 4], [2, 3, 5]
+    assert sum(out.advantages[i] for i in q) == pytest.approx(0.0, abs=1e-6)
+    assert sum(out.advantages[i] for i in p) == pytest.approx(0.0, abs=1e-6)
+    assert out.advantages[0] < out.advantages[4] and out.advantages[2] < out.advantages[5]
+    plain = exploration.explore(_Sampler(texts), rated, report, replace(cfg, explore_cuts=0))
+    assert len(plain.samples) == 4 and plain.metrics()["explored_ended_earlier"] == 0
 
 
 def test_why_not_explore():

@@ -64,6 +64,7 @@ class TrainConfig:
     explore_prompts: int = 16
     explore_max_new_tokens: int = 64
     explore_weight: float = 0.5
+    explore_cuts: int = 0  # an explored answer's best earlier sentence end tried beside it (0: off)
     reward_model_min_auc: float = 0.75
 
 
@@ -125,6 +126,7 @@ def resolve(
         explore_prompts=settings.explore_prompts,
         explore_max_new_tokens=settings.explore_max_new_tokens,
         explore_weight=settings.explore_weight,
+        explore_cuts=settings.explore_cuts,
         reward_model_min_auc=settings.reward_model_min_auc,
     )
     return cfg

@@ -327,7 +327,7 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
-              "neg_fade", "explore", "explore_weight")
+              "neg_fade", "explore", "explore_weight", "explore_cuts")
 
 
 def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> dict:
@@ -339,7 +339,8 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
     m = run.metrics or {}
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
-            "explore_reason", "explore_seconds", "explored_looping", "class_weight", "seconds", "verdict", "reason",
+            "explore_reason", "explore_seconds", "explored_looping", "explored_cut", "explored_ended_earlier",
+            "class_weight", "seconds", "verdict", "reason",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
             # a version served from halfway through its run, and why the whole run was refused

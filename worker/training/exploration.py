@@ -18,8 +18,9 @@ is the run's starting policy, which sampled it.
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..gate import repeated_ngrams
@@ -34,6 +35,9 @@ SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with
 # the reward model says: a model fitted on tens of ratings knows nothing of fluency, and reinforcing a
 # looping answer it happens to like is how repetition creeps in (the gate bounds it, see worker/gate.py).
 REPEAT_GUARD = 0.1
+# A sentence's end: its mark (and any closing quote or bracket) followed by white space, so that a
+# decimal point or an abbreviation inside a word is not one.
+_SENTENCE_END = re.compile(r"[.!?…][\"')\]]*(?=\s)")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,12 @@ class Exploration:
     seconds: float = 0.0
     looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
     cut: int = 0  # explored answers cut off at train.explore_max_new_tokens (trained without an end token)
+    ended_earlier: int = 0  # answers ended at an earlier sentence end that the reward model scored higher
 
     def metrics(self) -> dict[str, float | int | str]:
         return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
-                "explored_looping": self.looping, "explored_cut": self.cut}
+                "explored_looping": self.looping, "explored_cut": self.cut,
+                "explored_ended_earlier": self.ended_earlier}
 
 
 def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
@@ -96,15 +102,53 @@ def loops(answers: Sequence[Sequence[int]]) -> list[bool]:
     return [repeated_ngrams(list(a)) > REPEAT_GUARD for a in answers]
 
 
-def fluent_first(scores: list[float], looping: Sequence[bool], k: int) -> list[float]:
-    """``scores`` with every ``looping`` answer moved below the lowest of its group of ``k``."""
+def fluent_first(scores: list[float], looping: Sequence[bool], groups: Sequence[int]) -> list[float]:
+    """``scores`` with every ``looping`` answer moved below the lowest of its group (``groups[i]``:
+    answer i's group)."""
     out = list(scores)
-    for g in range(0, len(out), k):
-        floor = min(out[g:g + k]) - 1.0
-        for i in range(g, min(g + k, len(out))):
+    for g in set(groups):
+        members = [i for i, gi in enumerate(groups) if gi == g]
+        floor = min(out[i] for i in members) - 1.0
+        for i in members:
             if looping[i]:
                 out[i] = floor
     return out
+
+
+def earlier_endings(text: str, n: int) -> list[str]:
+    """``text`` ended at each of its first ``n`` sentence ends that leave more of it after them (the
+    whole answer is not among them), trailing white space dropped."""
+    out: list[str] = []
+    for end in _SENTENCE_END.finditer(text):
+        if len(out) >= n:
+            break
+        if text[end.end():].strip():
+            out.append(text[:end.end()].rstrip())
+    return out
+
+
+Scorer = Callable[[Sequence[TrainSample]], list[float]]
+
+
+def better_endings(scored: Sequence[tuple[TrainSample, float]], score_all: Scorer,
+                   n: int) -> list[tuple[int, TrainSample, float]]:
+    """For each ``(answer, its score)``, its earlier ending (:func:`earlier_endings`, up to ``n`` tried)
+    that ``score_all`` (samples -> scores) scores highest, where that beats the whole answer: ``(index
+    of the answer, the ended answer, its score)``.
+
+    A taste for shorter answers shows in the policy's own answers ended sooner, which the reward model
+    can judge without a sample drawn: a run then compares an answer with its own first sentences, the
+    one difference being where it ends. Where the taste is about something else, the model scores the
+    endings no higher and nothing is added."""
+    cands = [(i, TrainSample(rating_id=None, prompt=s.prompt, response=head, reward=0.0))
+             for i, (s, _) in enumerate(scored) for head in earlier_endings(s.response, n)]
+    if not cands:
+        return []
+    best: dict[int, tuple[TrainSample, float]] = {}
+    for (i, cand), score in zip(cands, score_all([c for _, c in cands]), strict=True):
+        if score > scored[i][1] and (i not in best or score > best[i][1]):
+            best[i] = (cand, float(score))
+    return [(i, cand, score) for i, (cand, score) in sorted(best.items())]
 
 
 def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
@@ -129,11 +173,29 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
                             complete=len(ids) < cap)
                 for p, ids in zip(rows, answers, strict=True)]
     looping = loops(answers)
-    scores = fluent_first(report.model.score(features(backend, explored, cfg.max_tokens)).tolist(), looping, k)
-    advantages: list[float] = []
+    model = report.model
+
+    def score_all(batch: Sequence[TrainSample]) -> list[float]:
+        return model.score(features(backend, batch, cfg.max_tokens)).tolist()
+
+    scores = score_all(explored)
+    groups = [i // k for i in range(len(explored))]
+    n_cut = sum(not s.complete for s in explored)
+    fluent = [(s, score) for s, score, loop in zip(explored, scores, looping, strict=True) if not loop]
+    index = [i for i, loop in enumerate(looping) if not loop]
+    ended = better_endings(fluent, score_all, cfg.explore_cuts) if cfg.explore_cuts > 0 else []
+    for j, sample, score in ended:  # each beside its answer, in its group
+        explored.append(sample)
+        scores.append(score)
+        looping.append(False)
+        groups.append(groups[index[j]])
+    scores = fluent_first(scores, looping, groups)
+    advantages = [0.0] * len(explored)
     for g in range(len(prompts)):
-        advantages += group_advantages(scores[g * k:(g + 1) * k], cfg.explore_weight, cfg.adv_clip)
+        members = [i for i, gi in enumerate(groups) if gi == g]
+        for i, a in zip(members, group_advantages([scores[i] for i in members], cfg.explore_weight, cfg.adv_clip),
+                        strict=True):
+            advantages[i] = a
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping),
-                       sum(not s.complete for s in explored))
+    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping), n_cut, len(ended))
