@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
@@ -190,9 +191,15 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
         if not answer.text.strip():
             console.print("[dim](empty answer: nothing to rate)[/]")
             continue
-        cap = state.cases.capture_event(ME, state.conversation, messages, Completion(
-            text=answer.text, model=cfg.model, adapter_version=answer.adapter_version, token_ids=answer.token_ids,
-            logprobs=answer.logprobs, messages=answer.messages, ours=True))
+        try:
+            cap = state.cases.capture_event(ME, state.conversation, messages, Completion(
+                text=answer.text, model=cfg.model, adapter_version=answer.adapter_version,
+                token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True))
+        except ValueError as exc:  # an answer the event contract refuses (a NUL byte, say): not rateable
+            reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            console.print(f"[red]not captured: {escape(reason)}; left out of the conversation[/]")
+            state.history = state.history[:-2]  # kept, it would make every later capture refused too
+            continue
         result = state.dispatch(handle, cfg, cap)
         if not result.get("ok"):
             console.print(f"[red]not captured: {result.get('message')}[/]")

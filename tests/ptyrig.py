@@ -52,6 +52,21 @@ class PtySession:
                                      f"{plain[-3000:]}")
             self._read(0.2)
 
+    def expect_first(self, texts: list[str], timeout: float) -> str:
+        """Wait until one of ``texts`` appears after what the last expect matched; the first to appear."""
+        deadline = time.monotonic() + timeout
+        while True:
+            plain = ANSI.sub("", self.raw)
+            found = [(at, t) for t in texts if (at := plain.find(t, self._seen)) >= 0]
+            if found:
+                at, text = min(found)
+                self._seen = at + len(text)
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"none of {texts!r} shown within {timeout} s; the screen ended with:\n"
+                                     f"{plain[-3000:]}")
+            self._read(0.2)
+
     def wait(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < deadline:

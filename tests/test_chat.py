@@ -90,6 +90,17 @@ def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(qu
     assert store.get_run(1).error.startswith("interrupted: stopped on request")
 
 
+def _ask_until_rateable(child: PtySession, question: str) -> None:
+    """Ask until an answer is captured: the tiny model's random bytes may hold a NUL, which the chat
+    refuses to capture (and says so) or be only white space (nothing to rate)."""
+    for _ in range(5):
+        child.send(f"{question}\r")
+        if child.expect_first(["skip > ", "not captured: ", "nothing to rate"], timeout=120) == "skip > ":
+            return
+        child.expect("you> ", timeout=SEEN)
+    raise AssertionError(f"no rateable answer to {question!r} in 5 tries; the screen ended with:\n{child.raw[-2000:]}")
+
+
 def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_home, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
@@ -98,8 +109,7 @@ def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_h
     child = PtySession([sys.executable, "-m", "rlfleet.cli", "chat"], os.environ.copy())
     try:
         child.expect("you> ", timeout=120)
-        child.send("What is rain?\r")
-        child.expect("skip > ", timeout=120)
+        _ask_until_rateable(child, "What is rain?")
         child.send("x\r")
         child.expect("press 1, 2, c, or enter (or type /rl good, /rl bad [why])", timeout=SEEN)
         child.send("c\r")
@@ -108,8 +118,7 @@ def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_h
         child.expect("skip > ", timeout=SEEN)
         child.send("2\r")
         child.expect("you> ", timeout=SEEN)
-        child.send("And snow?\r")
-        child.expect("skip > ", timeout=120)
+        _ask_until_rateable(child, "And snow?")
         child.send("/rl bad too long\r")
         child.expect("you> ", timeout=SEEN)
         child.send("/quit\r")
