@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.events import describe_validation_error
 from rlfleet.shared.ingress.grammar import parse_rl
 from rlfleet.shared.ingress.usecases import Completion, Send, UseCases, Value
 from rlfleet.shared.models import resolve_model
@@ -196,8 +197,9 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
                 text=answer.text, model=cfg.model, adapter_version=answer.adapter_version,
                 token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True))
         except ValueError as exc:  # an answer the event contract refuses (a NUL byte, say): not rateable
-            reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            console.print(f"[red]not captured: {escape(reason)}; left out of the conversation[/]")
+            reason = (describe_validation_error(exc, "not captured") if isinstance(exc, ValidationError)
+                      else f"not captured: {exc}")
+            console.print(f"[red]{escape(reason)}; left out of the conversation[/]")
             state.history = state.history[:-2]  # kept, it would make every later capture refused too
             continue
         result = state.dispatch(handle, cfg, cap)

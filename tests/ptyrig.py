@@ -39,21 +39,16 @@ class PtySession:
                 pass
 
     def expect(self, text: str, timeout: float) -> str:
-        """Wait until ``text`` appears (ANSI codes left out) after what the last expect matched."""
-        deadline = time.monotonic() + timeout
-        while True:
-            plain = ANSI.sub("", self.raw)
-            at = plain.find(text, self._seen)
-            if at >= 0:
-                self._seen = at + len(text)
-                return plain
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{text!r} not shown within {timeout} s; the screen ended with:\n"
-                                     f"{plain[-3000:]}")
-            self._read(0.2)
+        """Wait until ``text`` appears (ANSI codes left out) after what the last expect matched; the
+        screen so far."""
+        return self._wait_for([text], timeout, f"{text!r}")[1]
 
     def expect_first(self, texts: list[str], timeout: float) -> str:
         """Wait until one of ``texts`` appears after what the last expect matched; the first to appear."""
+        return self._wait_for(texts, timeout, f"none of {texts!r}")[0]
+
+    def _wait_for(self, texts: list[str], timeout: float, what: str) -> tuple[str, str]:
+        """The earliest of ``texts`` shown after the last match, and the screen (ANSI codes left out)."""
         deadline = time.monotonic() + timeout
         while True:
             plain = ANSI.sub("", self.raw)
@@ -61,9 +56,9 @@ class PtySession:
             if found:
                 at, text = min(found)
                 self._seen = at + len(text)
-                return text
+                return text, plain
             if time.monotonic() > deadline:
-                raise AssertionError(f"none of {texts!r} shown within {timeout} s; the screen ended with:\n"
+                raise AssertionError(f"{what} not shown within {timeout} s; the screen ended with:\n"
                                      f"{plain[-3000:]}")
             self._read(0.2)
 
