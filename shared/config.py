@@ -91,16 +91,21 @@ class TrainSettings(BaseModel):
     neg_fade: float | None = Field(None, ge=0, le=10)
     # Exploration (docs/objective.md, "The reward model"): answers sampled per prompt from the run's
     # starting policy and scored by the user's reward model, for up to explore_prompts of the run's
-    # rated prompts, when the model's cross-validated AUC reaches reward_model_min_auc. 0: off, until
-    # the learning benchmark (bench.learning --explore) measures it.
-    explore: int = Field(0, ge=0, le=64)
+    # rated prompts, when the model's cross-validated AUC reaches reward_model_min_auc. 0: off. On by
+    # default with the earlier endings below: what lets a taste the model rarely shows be learned
+    # (bench/RESULTS.md, "exploration and earlier endings as the default").
+    explore: int = Field(4, ge=0, le=64)
     explore_prompts: int = Field(16, ge=1, le=1024)
     explore_max_new_tokens: int = Field(64, ge=1, le=4096)
     explore_weight: float = Field(0.5, ge=0, le=4)
     # Each explored answer's best earlier ending (docs/objective.md, "Exploration"): the answer cut at
     # one of its first explore_cuts sentence ends, added beside it where the reward model scores it
     # higher. 0: off.
-    explore_cuts: int = Field(0, ge=0, le=8)
+    explore_cuts: int = Field(2, ge=0, le=8)
+    # An explored answer whose advantage is nearer 0 than this is left out of the run (docs/objective.md,
+    # "Exploration"): it would cost a full share of every optimizer step and teach next to nothing. 0:
+    # every explored answer trains.
+    explore_min_advantage: float = Field(0.0, ge=0, le=1)
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
 
 

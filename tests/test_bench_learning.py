@@ -250,9 +250,9 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     last_run = out["runs"][-1]
     assert out["reward_model_auc"] == last_run["reward_model_auc"] and last_run["reward_model_reason"]
     assert all(r["reward_model_auc"] is None or 0 <= r["reward_model_auc"] <= 1 for r in out["runs"])
-    # Exploration is off by default: no run sampled anything, and each says so.
-    assert all(r["explored"] in (0, None) for r in out["runs"])
-    assert (last_run["explored"], last_run["explore_reason"]) == (0, "off (train.explore = 0)")
+    # Exploration is on by default: each run says whether it sampled answers and why.
+    assert all(r["explore_reason"] and (r["explored"] or 0) >= 0 for r in out["runs"])
+    assert all(r["explore_reason"] != "off (train.explore = 0)" for r in out["runs"])
     # How many earlier ratings each checkpoint's runs replayed (train.replay's default: half a run's own).
     replayed = [c["replayed"] for c in out["checkpoints"]]
     assert replayed[0] == 0 and sum(replayed) == out["replayed"] == sum(r["replayed"] or 0 for r in out["runs"])

@@ -110,14 +110,20 @@ class _ShorterModel:
         return -x[:, 0]
 
 
-def test_explore_trains_each_better_ending_in_its_answers_group(monkeypatch):
-    texts = ["Yes. And on and on.", "No.", "Maybe so. Then more. And more.", "Sure thing."]
+def _explore_two_prompts(monkeypatch, texts, **settings):
+    """``explore`` over two rated prompts (q, the newest, first), two answers each from ``texts``, scored
+    by a reward model that likes fewer words."""
     monkeypatch.setattr(exploration, "features",
                         lambda _b, batch, _m: np.array([[len(s.response.split())] for s in batch], dtype=float))
     report = RewardModelReport(0.9, "ok", 0.0, _ShorterModel())
     rated = [TrainSample(1, chat("p"), "x", 1.0), TrainSample(2, chat("q"), "y", -1.0)]
-    cfg = replace(LEARN, explore=2, explore_prompts=2, explore_cuts=2, explore_weight=0.5)
-    out = exploration.explore(_Sampler(texts), rated, report, cfg)
+    cfg = replace(LEARN, explore=2, explore_prompts=2, explore_weight=0.5, **settings)
+    return exploration.explore(_Sampler(texts), rated, report, cfg)
+
+
+def test_explore_trains_each_better_ending_in_its_answers_group(monkeypatch):
+    texts = ["Yes. And on and on.", "No.", "Maybe so. Then more. And more.", "Sure thing."]
+    out = _explore_two_prompts(monkeypatch, texts, explore_cuts=2)
     assert [s.response for s in out.samples] == texts + ["Yes.", "Maybe so."]
     assert [s.prompt for s in out.samples] == [chat("q")] * 2 + [chat("p")] * 2 + [chat("q"), chat("p")]
     assert out.metrics()["explored_ended_earlier"] == 2 and out.metrics()["explored"] == 6
@@ -126,8 +132,24 @@ def test_explore_trains_each_better_ending_in_its_answers_group(monkeypatch):
     assert sum(out.advantages[i] for i in q) == pytest.approx(0.0, abs=1e-6)
     assert sum(out.advantages[i] for i in p) == pytest.approx(0.0, abs=1e-6)
     assert out.advantages[0] < out.advantages[4] and out.advantages[2] < out.advantages[5]
-    plain = exploration.explore(_Sampler(texts), rated, report, replace(cfg, explore_cuts=0))
+    plain = _explore_two_prompts(monkeypatch, texts, explore_cuts=0)
     assert len(plain.samples) == 4 and plain.metrics()["explored_ended_earlier"] == 0
+
+
+def test_explored_answers_near_zero_advantage_are_left_out_only_above_a_floor():
+    assert exploration.informative([0.3, -0.01, 0.0, -0.2, 0.049], 0.05) == [0, 3]
+    assert exploration.informative([0.3, -0.01, 0.0], 0.0) == [0, 1, 2]  # 0: every one trains
+
+
+def test_explore_leaves_out_the_answers_its_reward_model_cannot_tell_apart(monkeypatch):
+    # prompt q: two answers of one length (scored alike); prompt p: a short and a long one.
+    texts = ["One two three.", "Four five six.", "Short.", "A much longer answer than that."]
+    every = _explore_two_prompts(monkeypatch, texts, explore_cuts=0)
+    assert every.advantages[:2] == [0.0, 0.0] and every.metrics()["explored_dropped"] == 0
+    kept = _explore_two_prompts(monkeypatch, texts, explore_cuts=0, explore_min_advantage=0.05)
+    assert [s.response for s in kept.samples] == texts[2:]
+    assert kept.advantages == every.advantages[2:] and kept.advantages[0] > 0.05 > -0.05 > kept.advantages[1]
+    assert kept.metrics()["explored"] == 2 and kept.metrics()["explored_dropped"] == 2
 
 
 def test_why_not_explore():

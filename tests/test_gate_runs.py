@@ -147,7 +147,9 @@ def test_a_run_against_current_taste_is_rejected_and_only_forced_into_service(ga
         assert hist[0]["heldout_margin_after"] < hist[0]["heldout_margin_before"]
         # The run's reward model reaches meta.json and the history: both classes were rated.
         assert 0 <= hist[0]["reward_model_auc"] <= 1 and hist[0]["reward_model_auc"] == v["metrics"]["reward_model_auc"]
-        assert (hist[0]["explored"], hist[0]["explore_reason"]) == (0, "off (train.explore = 0)")
+        # Whether it explored, and why, reaches the history too (exploration is on by default).
+        assert hist[0]["explore_reason"] and (hist[0]["explored"], hist[0]["explore_reason"]) == (
+            v["metrics"]["explored"], v["metrics"]["explore_reason"])
         assert "rejected" in rl("history").output
 
         # Not served by accident: neither rollback nor a plain promote takes it.

@@ -60,11 +60,14 @@ class TrainConfig:
     drift_tau: float = 0.05  # soft: a sequence's weight is exp(-its mean KL to the base / drift_tau)
     # Exploration with the user's reward model (training/exploration.py): answers sampled per prompt
     # (0: off), how many rated prompts, their length cap, the weight of their advantages, the AUC bar.
+    # The product's defaults are the config's (shared/config.py); off here, a run built by hand
+    # trains on the samples it is handed.
     explore: int = 0
     explore_prompts: int = 16
     explore_max_new_tokens: int = 64
     explore_weight: float = 0.5
     explore_cuts: int = 0  # an explored answer's best earlier sentence end tried beside it (0: off)
+    explore_min_advantage: float = 0.0  # explored answers with |advantage| under this do not train
     reward_model_min_auc: float = 0.75
 
 
@@ -127,6 +130,7 @@ def resolve(
         explore_max_new_tokens=settings.explore_max_new_tokens,
         explore_weight=settings.explore_weight,
         explore_cuts=settings.explore_cuts,
+        explore_min_advantage=settings.explore_min_advantage,
         reward_model_min_auc=settings.reward_model_min_auc,
     )
     return cfg

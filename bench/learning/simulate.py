@@ -270,6 +270,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     try:
         marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings, bc.switch or 0})
         checkpoints = [checkpoint(0, 0)]
+        say(_checkpoint_line(checkpoints[-1]), 1, 1)
         prompts = train_prompts()
         given = asked = 0
         while given < bc.ratings:
@@ -299,9 +300,11 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                     burst=True
                 )
                 runs.append(_last_run(cfg, ref.slug, given, registry))
+                say(_run_line(runs[-1]), 1, 1)
                 responder.refresh()
             if given in marks and given > 0:
                 checkpoints.append(checkpoint(given, checkpoints[-1].ratings))
+                say(_checkpoint_line(checkpoints[-1]), 1, 1)
     finally:
         handle.close()
     return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
@@ -327,7 +330,21 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
-              "neg_fade", "explore", "explore_weight", "explore_cuts")
+              "neg_fade", "explore", "explore_weight", "explore_cuts",
+              "explore_min_advantage")
+
+
+def _checkpoint_line(c: Checkpoint) -> str:
+    """A checkpoint in one line: a run killed before its JSON still leaves its figures in the log."""
+    lo, hi = c.ci95
+    return (f"measured after {c.ratings} ratings: rate {c.rate:.2f} ({lo:.2f}-{hi:.2f}), "
+            f"repeated trigrams {c.repeat:.1%}, distinct-2 {c.distinct2:.2f}, entropy x{c.entropy_ratio:.2f}")
+
+
+def _run_line(r: dict) -> str:
+    why = r["reason"] or r["error"] or ""
+    return (f"run after {r['after_ratings']} ratings: {r['version']} {r['state']}{f' ({why})' if why else ''}; "
+            f"explored {r['explored']}, reward model AUC {r['reward_model_auc']}, {r['seconds'] or 0:.0f} s")
 
 
 def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> dict:
@@ -340,6 +357,7 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
             "explore_reason", "explore_seconds", "explored_looping", "explored_cut", "explored_ended_earlier",
+            "explored_dropped", "n_tokens",
             "class_weight", "seconds", "verdict", "reason",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
