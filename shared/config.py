@@ -102,10 +102,6 @@ class TrainSettings(BaseModel):
     # one of its first explore_cuts sentence ends, added beside it where the reward model scores it
     # higher. 0: off.
     explore_cuts: int = Field(2, ge=0, le=8)
-    # An explored answer whose advantage is nearer 0 than this is left out of the run (docs/objective.md,
-    # "Exploration"): it would cost a full share of every optimizer step and teach next to nothing. 0:
-    # every explored answer trains.
-    explore_min_advantage: float = Field(0.0, ge=0, le=1)
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
 
 

@@ -136,20 +136,17 @@ def test_explore_trains_each_better_ending_in_its_answers_group(monkeypatch):
     assert len(plain.samples) == 4 and plain.metrics()["explored_ended_earlier"] == 0
 
 
-def test_explored_answers_near_zero_advantage_are_left_out_only_above_a_floor():
-    assert exploration.informative([0.3, -0.01, 0.0, -0.2, 0.049], 0.05) == [0, 3]
-    assert exploration.informative([0.3, -0.01, 0.0], 0.0) == [0, 1, 2]  # 0: every one trains
-
-
-def test_explore_leaves_out_the_answers_its_reward_model_cannot_tell_apart(monkeypatch):
-    # prompt q: two answers of one length (scored alike); prompt p: a short and a long one.
+def test_the_explored_advantages_spread_is_reported_as_quartiles(monkeypatch):
+    assert exploration.quartiles([]) is None
+    assert exploration.quartiles([0.4, 0.0, 0.1, 0.2]) == [0.1, 0.2, 0.4]
+    # prompt q: two answers of one length (scored alike, advantage 0); prompt p: a short and a long one.
     texts = ["One two three.", "Four five six.", "Short.", "A much longer answer than that."]
-    every = _explore_two_prompts(monkeypatch, texts, explore_cuts=0)
-    assert every.advantages[:2] == [0.0, 0.0] and every.metrics()["explored_dropped"] == 0
-    kept = _explore_two_prompts(monkeypatch, texts, explore_cuts=0, explore_min_advantage=0.05)
-    assert [s.response for s in kept.samples] == texts[2:]
-    assert kept.advantages == every.advantages[2:] and kept.advantages[0] > 0.05 > -0.05 > kept.advantages[1]
-    assert kept.metrics()["explored"] == 2 and kept.metrics()["explored_dropped"] == 2
+    out = _explore_two_prompts(monkeypatch, texts, explore_cuts=0)
+    assert out.advantages[:2] == [0.0, 0.0] and out.advantages[2] > 0 > out.advantages[3]
+    m = out.metrics()
+    got = [m["explored_abs_advantage_q1"], m["explored_abs_advantage_median"], m["explored_abs_advantage_q3"]]
+    assert got == exploration.quartiles([abs(a) for a in out.advantages]) and got[0] == 0.0 < got[2]
+    assert "explored_abs_advantage_median" not in exploration.Exploration(reason="off").metrics()
 
 
 def test_why_not_explore():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.worker.batching import Encoded, collate, encode_sample, micro_batches
+from rlfleet.worker.batching import Encoded, collate, encode_sample, ended_as_recorded, micro_batches
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.presets import TrainConfig, preset
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
@@ -112,6 +112,32 @@ def test_an_answer_cut_off_at_a_cap_trains_without_an_end_token(tok):
     whole = encode_sample(tok, TrainSample(None, chat("hi there"), "fine, thanks", 0.0), 1024)
     assert cut.input_ids == whole.input_ids[:-1] and whole.input_ids[-1] == tok.eos_token_id
     assert cut.response_mask == whole.response_mask[:-1]
+
+
+def test_a_rated_answer_whose_recorded_tokens_stop_short_of_an_end_token_was_cut_off(tok):
+    body = tok("fine, thanks", add_special_tokens=False)["input_ids"]
+
+    def rated(ids):
+        return TrainSample(1, chat("hi there"), "fine, thanks", 1.0, behaviour_token_ids=ids,
+                           behaviour_logprobs=None if ids is None else [-0.1] * len(ids))
+
+    assert ended_as_recorded(rated(body + [tok.eos_token_id]), tok).complete  # the model ended it
+    assert ended_as_recorded(rated(None), tok).complete  # another model's answer: nothing says otherwise
+    cut = ended_as_recorded(rated(body), tok)  # the cap fell after its last token
+    assert not cut.complete and not ended_as_recorded(cut, tok).complete
+    enc = encode_sample(tok, cut, 1024)
+    assert enc.input_ids[enc.prompt_len:] == body and enc.behaviour_logprobs == [-0.1] * len(body)
+
+
+def test_a_run_counts_the_rated_answers_a_cap_cut_off(trainer, tmp_path):
+    tok = trainer.tokenizer
+    samples = preference_samples()[:4]
+    ids = [tok(s.response, add_special_tokens=False)["input_ids"] for s in samples]
+    recorded = [replace(s, behaviour_token_ids=i + ([tok.eos_token_id] if k % 2 else [])) for k, (s, i)
+                in enumerate(zip(samples, ids, strict=True))]
+    m = trainer.run(recorded, None, replace(LEARN, steps=1), None, tmp_path / "a").metrics
+    assert m["ratings_cut"] == 2
+    assert trainer.run(samples, None, replace(LEARN, steps=1), None, tmp_path / "b").metrics["ratings_cut"] == 0
 
 
 def test_stored_behaviour_used_only_for_matching_tokens(tok):

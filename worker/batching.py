@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,20 @@ def _ids(encoded: Any) -> list[int]:
     if encoded and isinstance(encoded[0], list):  # a batch of one
         encoded = encoded[0]
     return [int(i) for i in encoded]
+
+
+def ended_as_recorded(sample: TrainSample, tokenizer: Any) -> TrainSample:
+    """``sample``, marked cut off (``complete`` false) when its recorded token ids end on an ordinary
+    token: the model that answered did not end the answer, a length cap did (the responder keeps the end
+    token it generated, shared/responder.py). An answer without recorded ids (another model's) stays as
+    it is: nothing says how it ended."""
+    ids = sample.behaviour_token_ids
+    if not sample.complete or not ids:
+        return sample
+    ends = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or ())}
+    if tokenizer.eos_token_id is not None:
+        ends.add(int(tokenizer.eos_token_id))
+    return sample if int(ids[-1]) in ends else replace(sample, complete=False)
 
 
 def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encoded:

@@ -67,7 +67,6 @@ class TrainConfig:
     explore_max_new_tokens: int = 64
     explore_weight: float = 0.5
     explore_cuts: int = 0  # an explored answer's best earlier sentence end tried beside it (0: off)
-    explore_min_advantage: float = 0.0  # explored answers with |advantage| under this do not train
     reward_model_min_auc: float = 0.75
 
 
@@ -130,7 +129,6 @@ def resolve(
         explore_max_new_tokens=settings.explore_max_new_tokens,
         explore_weight=settings.explore_weight,
         explore_cuts=settings.explore_cuts,
-        explore_min_advantage=settings.explore_min_advantage,
         reward_model_min_auc=settings.reward_model_min_auc,
     )
     return cfg

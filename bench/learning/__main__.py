@@ -68,9 +68,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "rated prompt and scored by the user's reward model (default: the config's; 0: off)")
     ap.add_argument("--explore-cuts", type=int, metavar="N", help="train.explore_cuts for the runs: each explored "
                     "answer's first N sentence ends tried as earlier endings (default: the config's; 0: off)")
-    ap.add_argument("--explore-min-advantage", type=float, metavar="A", help="train.explore_min_advantage for "
-                    "the runs: explored answers whose advantage is nearer 0 than A do not train (default: the "
-                    "config's; 0: all train)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
     ap.add_argument("--compare", action="store_true", help="run every objective; print a table, write a plot")
     ap.add_argument("--model", default="smollm2-135m", help="alias, local folder or hub id")
@@ -115,7 +112,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.switch_at is not None and (args.then is None or not 0 < args.switch_at < args.ratings):
         ap.error("--switch-at needs --then and must be between 0 and --ratings")
     bounded = (("--replay", args.replay, 4), ("--explore", args.explore, 64), ("--explore-cuts", args.explore_cuts, 8),
-               ("--explore-min-advantage", args.explore_min_advantage, 1),
                ("--beta", args.beta, 10),
                ("--unlikelihood", args.unlikelihood, 100), ("--entropy-hinge", args.entropy_hinge, 100),
                ("--kl-top-k", args.kl_top_k, 1024), ("--balance", args.balance, 64),
@@ -142,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
                                    ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("explore_cuts", args.explore_cuts),
-                                   ("explore_min_advantage", args.explore_min_advantage),
                                    ("fallback", False if args.no_fallback else None)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []

@@ -330,8 +330,7 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
-              "neg_fade", "explore", "explore_weight", "explore_cuts",
-              "explore_min_advantage")
+              "neg_fade", "explore", "explore_weight", "explore_cuts")
 
 
 def _checkpoint_line(c: Checkpoint) -> str:
@@ -357,7 +356,7 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
     keys = ("ratings_used", "replayed", "heldout_margin_before", "heldout_margin_after", "final_mean_kl",
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
             "explore_reason", "explore_seconds", "explored_looping", "explored_cut", "explored_ended_earlier",
-            "explored_dropped", "n_tokens",
+            "explored_abs_advantage_median", "n_tokens", "ratings_cut",
             "class_weight", "seconds", "verdict", "reason",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",

@@ -52,12 +52,13 @@ class Exploration:
     looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
     cut: int = 0  # explored answers cut off at train.explore_max_new_tokens (trained without an end token)
     ended_earlier: int = 0  # answers ended at an earlier sentence end that the reward model scored higher
-    dropped: int = 0  # explored answers left out for an advantage nearer 0 than train.explore_min_advantage
 
     def metrics(self) -> dict[str, float | int | str]:
         return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
                 "explored_looping": self.looping, "explored_cut": self.cut,
-                "explored_ended_earlier": self.ended_earlier, "explored_dropped": self.dropped}
+                "explored_ended_earlier": self.ended_earlier,
+                **dict(zip(("explored_abs_advantage_q1", "explored_abs_advantage_median", "explored_abs_advantage_q3"),
+                           quartiles([abs(a) for a in self.advantages]) or (), strict=False))}
 
 
 def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
@@ -128,15 +129,15 @@ def earlier_endings(text: str, n: int) -> list[str]:
     return out
 
 
-def informative(advantages: Sequence[float], floor: float) -> list[int]:
-    """The indices of the explored answers a run trains on: those whose advantage is at least ``floor``
-    from 0 (every one when ``floor`` is 0).
+def quartiles(values: Sequence[float]) -> list[float] | None:
+    """The 25th, 50th and 75th percentiles of ``values`` (nearest rank), None for none.
 
-    A group the reward model scores alike gets next to no advantage (in probability units, see
-    :func:`.advantages.group_advantages`), and with a taste the model rarely shows most groups are such:
-    answers the user would all dislike. Each would still cost a full share of every optimizer step (a
-    run's time grows with the tokens it trains on) and move the model through the KL anchor alone."""
-    return [i for i, a in enumerate(advantages) if abs(a) >= floor] if floor > 0 else list(range(len(advantages)))
+    Reported for the explored answers' advantages: every one costs a full share of each optimizer
+    step, so how many of them carry next to nothing says what a cheaper run could leave out."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.25, 0.5, 0.75)]
 
 
 Scorer = Callable[[Sequence[TrainSample]], list[float]]
@@ -210,6 +211,4 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
             advantages[i] = a
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    keep = informative(advantages, cfg.explore_min_advantage)
-    return Exploration([explored[i] for i in keep], [advantages[i] for i in keep], reason,
-                       time.perf_counter() - started, sum(looping), n_cut, len(ended), len(explored) - len(keep))
+    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping), n_cut, len(ended))

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from rlfleet.shared.errors import RlfleetError
 
-from ..batching import Encoded, encode_sample
+from ..batching import Encoded, encode_sample, ended_as_recorded
 from ..objective import run_check
 from ..presets import TrainConfig
 from ..samples import Progress, RunResult, TrainSample
@@ -120,9 +120,12 @@ class Signal(Protocol):
 
 def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult:
     """Train ``run.cfg.steps`` optimizer steps over ``run.samples``; save the adapter to ``run.out_dir``."""
-    samples, cfg = run.samples, run.cfg
-    if not samples:
+    cfg = run.cfg
+    if not run.samples:
         raise ValueError("a training run needs at least one sample")
+    # A rated answer the length cap cut off trains without an end token, as an explored one does: one
+    # the user liked would otherwise teach the model to stop mid-sentence where the cap fell.
+    samples = [ended_as_recorded(s, backend.tokenizer) for s in run.samples]
     started = time.perf_counter()
     report = run.progress or (lambda _p: None)
     out_dir = Path(run.out_dir)
@@ -170,6 +173,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "steps": cfg.steps,
         "lr": cfg.lr,
         "n_tokens": data.n_response,
+        "ratings_cut": sum(not s.complete for s in samples),
         **chosen.metrics,
         **reward_model.metrics(),
         **explored.metrics(),
