@@ -14,6 +14,7 @@ from bench.learning.__main__ import main
 from bench.learning.metrics import collapse_signals, margin, preferred_rate, repeat_share, wilson
 from bench.learning.raters import CONTROLS, Judgement, load_rater, preference
 from bench.learning.simulate import heldout_prompts, rating_event, typed
+from rlfleet.shared.config import TrainSettings
 
 
 @pytest.mark.parametrize(
@@ -251,7 +252,8 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     assert out["reward_model_auc"] == last_run["reward_model_auc"] and last_run["reward_model_reason"]
     assert all(r["reward_model_auc"] is None or 0 <= r["reward_model_auc"] <= 1 for r in out["runs"])
     # Exploration is on by default: each run says whether it sampled answers and why.
-    assert all(r["explore_reason"] and (r["explored"] or 0) >= 0 for r in out["runs"])
+    k = TrainSettings().explore
+    assert all(bool(r["explored"]) == r["explore_reason"].startswith(f"{k} answers to each") for r in out["runs"])
     assert all(r["explore_reason"] != "off (train.explore = 0)" for r in out["runs"])
     # How many earlier ratings each checkpoint's runs replayed (train.replay's default: half a run's own).
     replayed = [c["replayed"] for c in out["checkpoints"]]

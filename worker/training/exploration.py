@@ -54,11 +54,15 @@ class Exploration:
     ended_earlier: int = 0  # answers ended at an earlier sentence end that the reward model scored higher
 
     def metrics(self) -> dict[str, float | int | str]:
-        return {"explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
-                "explored_looping": self.looping, "explored_cut": self.cut,
-                "explored_ended_earlier": self.ended_earlier,
-                **dict(zip(("explored_abs_advantage_q1", "explored_abs_advantage_median", "explored_abs_advantage_q3"),
-                           quartiles([abs(a) for a in self.advantages]) or (), strict=False))}
+        out: dict[str, float | int | str] = {
+            "explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
+            "explored_looping": self.looping, "explored_cut": self.cut, "explored_ended_earlier": self.ended_earlier}
+        spread = quartiles([abs(a) for a in self.advantages])
+        if spread is not None:
+            q1, median, q3 = spread
+            out.update(explored_abs_advantage_q1=q1, explored_abs_advantage_median=median,
+                       explored_abs_advantage_q3=q3)
+        return out
 
 
 def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
