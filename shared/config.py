@@ -102,6 +102,10 @@ class TrainSettings(BaseModel):
     # one of its first explore_cuts sentence ends, added beside it where the reward model scores it
     # higher. 0: off.
     explore_cuts: int = Field(2, ge=0, le=8)
+    # The explored answers train in this many minibatches of whole prompt groups, one per optimizer
+    # step in turn, the ratings in every step (docs/objective.md, "Exploration"): each explored answer
+    # then costs a run steps/explore_minibatches passes instead of one per step. 1: all in every step.
+    explore_minibatches: int = Field(4, ge=1, le=64)
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
 
 

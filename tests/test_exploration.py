@@ -149,6 +149,33 @@ def test_the_explored_advantages_spread_is_reported_as_quartiles(monkeypatch):
     assert "explored_abs_advantage_median" not in exploration.Exploration(reason="off").metrics()
 
 
+def test_explored_minibatches_hold_whole_prompt_groups_in_turn():
+    groups = [0, 0, 1, 1, 2, 2, 3, 3, 0]  # the last: prompt 0's earlier ending, appended after the rest
+    assert exploration.minibatches(groups, 2) == [[0, 1, 4, 5, 8], [2, 3, 6, 7]]
+    assert exploration.minibatches(groups, 1) == [list(range(9))]
+    assert exploration.minibatches(groups, 8) == [[0, 1, 8], [2, 3], [4, 5], [6, 7]]  # none empty
+    assert exploration.minibatches([], 4) == []
+
+
+def test_a_step_weighs_its_explored_minibatch_up_to_the_whole_runs_mean():
+    from rlfleet.worker.training.policy_gradient import step_part, step_plan
+
+    # 3 ratings, then 5 explored answers of prompts 0, 0, 1, 1, 0 in 2 minibatches (3 and 2 answers)
+    parts, w = step_plan(8, [0, 0, 1, 1, 0], 2)
+    assert parts == [[0, 1, 2], [3, 4, 7], [5, 6]]
+    assert w[:3] == [pytest.approx(1 / 8)] * 3
+    assert [w[i] for i in (3, 4, 7)] == [pytest.approx(5 / (3 * 8))] * 3
+    assert [w[i] for i in (5, 6)] == [pytest.approx(5 / (2 * 8))] * 2
+    for part in parts[1:]:  # each step's weights sum to one, as a plain mean over all would
+        assert sum(w[i] for i in parts[0] + part) == pytest.approx(1.0)
+    assert [step_part(s, len(parts)) for s in range(5)] == [1, 2, 1, 2, 1]
+    # One minibatch: every step trains everything with equal weights, as without minibatches.
+    parts, w = step_plan(8, [0, 0, 1, 1, 0], 1)
+    assert parts == [[0, 1, 2], [3, 4, 5, 6, 7]] and w == [pytest.approx(1 / 8)] * 8
+    assert [step_part(s, 2) for s in range(3)] == [1, 1, 1]
+    assert step_plan(3, [], 4) == ([[0, 1, 2]], [pytest.approx(1 / 3)] * 3) and step_part(5, 1) == 0
+
+
 def test_why_not_explore():
     cfg = replace(LEARN, explore=4, reward_model_min_auc=0.75)
     model = object()
@@ -257,6 +284,36 @@ def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(b
     # The adapter loads.
     pairs = [(s.prompt, s.response) for s in samples[:2]]
     assert all(np.isfinite(backend.mean_logprobs(pairs, tmp_path / "explored")))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_explored_minibatches_train_each_explored_answer_in_its_share_of_the_steps(backend_name, tiny_trainer,
+                                                                                   request, tmp_path, monkeypatch):
+    backend = tiny_trainer if backend_name == "torch" else request.getfixturevalue("mlx_trainer")
+    samples = preference_samples()[:8]
+    cfg = replace(LEARN, steps=4, unlikelihood=0.0, explore=2, explore_prompts=3, explore_max_new_tokens=8,
+                  explore_cuts=0)
+    rows_per_step: list[int] = []
+    real_begin, real_accumulate = backend.begin_step, backend.accumulate
+
+    def begin_step():
+        rows_per_step.append(0)
+        real_begin()
+
+    def accumulate(batch, *args, **kwargs):
+        rows_per_step[-1] += int(batch["input_ids"].shape[0])
+        return real_accumulate(batch, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "begin_step", begin_step)
+    monkeypatch.setattr(backend, "accumulate", accumulate)
+    whole = _run(backend, samples, cfg, tmp_path / "whole").metrics
+    assert rows_per_step == [8 + 6] * 4  # one minibatch: the 6 explored answers in every step
+    rows_per_step.clear()
+    split = _run(backend, samples, replace(cfg, explore_minibatches=2), tmp_path / "split").metrics
+    # 3 prompts in 2 minibatches (prompts 0 and 2, then 1), in turn; the ratings in every step
+    assert rows_per_step == [8 + 4, 8 + 2, 8 + 4, 8 + 2]
+    assert split["explored"] == whole["explored"] == 6
+    assert np.isfinite(split["final_mean_kl"]) and 0 < split["accepted_seq_frac"] <= 1
 
 
 def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_trainer, tmp_path, monkeypatch):

@@ -67,6 +67,7 @@ class TrainConfig:
     explore_max_new_tokens: int = 64
     explore_weight: float = 0.5
     explore_cuts: int = 0  # an explored answer's best earlier sentence end tried beside it (0: off)
+    explore_minibatches: int = 1  # explored answers split over the steps in turn (1: all in every step)
     reward_model_min_auc: float = 0.75
 
 
@@ -129,6 +130,7 @@ def resolve(
         explore_max_new_tokens=settings.explore_max_new_tokens,
         explore_weight=settings.explore_weight,
         explore_cuts=settings.explore_cuts,
+        explore_minibatches=settings.explore_minibatches,
         reward_model_min_auc=settings.reward_model_min_auc,
     )
     return cfg

@@ -68,6 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "rated prompt and scored by the user's reward model (default: the config's; 0: off)")
     ap.add_argument("--explore-cuts", type=int, metavar="N", help="train.explore_cuts for the runs: each explored "
                     "answer's first N sentence ends tried as earlier endings (default: the config's; 0: off)")
+    ap.add_argument("--explore-minibatches", type=int, metavar="N", help="train.explore_minibatches for the "
+                    "runs: the explored answers split into N minibatches, one per optimizer step in turn "
+                    "(default: the config's; 1: all in every step)")
     ap.add_argument("--objective", choices=OBJECTIVES, default="mispo")
     ap.add_argument("--compare", action="store_true", help="run every objective; print a table, write a plot")
     ap.add_argument("--model", default="smollm2-135m", help="alias, local folder or hub id")
@@ -111,6 +114,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--heldout: there are {len(HELD_OUT_TOPICS)} held-out prompts")
     if args.switch_at is not None and (args.then is None or not 0 < args.switch_at < args.ratings):
         ap.error("--switch-at needs --then and must be between 0 and --ratings")
+    if args.explore_minibatches is not None and not 1 <= args.explore_minibatches <= 64:
+        ap.error("--explore-minibatches must be between 1 and 64")
     bounded = (("--replay", args.replay, 4), ("--explore", args.explore, 64), ("--explore-cuts", args.explore_cuts, 8),
                ("--beta", args.beta, 10),
                ("--unlikelihood", args.unlikelihood, 100), ("--entropy-hinge", args.entropy_hinge, 100),
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("advantage", args.advantage),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("explore_cuts", args.explore_cuts),
+                                   ("explore_minibatches", args.explore_minibatches),
                                    ("fallback", False if args.no_fallback else None)) if v is not None}
     objectives = OBJECTIVES if args.compare else (args.objective,)
     summaries = []

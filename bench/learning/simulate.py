@@ -330,7 +330,7 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
-              "neg_fade", "explore", "explore_weight", "explore_cuts")
+              "neg_fade", "explore", "explore_weight", "explore_cuts", "explore_minibatches")
 
 
 def _checkpoint_line(c: Checkpoint) -> str:

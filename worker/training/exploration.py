@@ -47,6 +47,7 @@ class Exploration:
 
     samples: list[TrainSample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)  # each answer's prompt, as an index into the explored prompts
     reason: str = ""
     seconds: float = 0.0
     looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
@@ -144,6 +145,19 @@ def quartiles(values: Sequence[float]) -> list[float] | None:
     return [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.25, 0.5, 0.75)]
 
 
+def minibatches(groups: Sequence[int], n: int) -> list[list[int]]:
+    """The explored answers' indices (``groups[i]``: answer i's prompt) in up to ``n`` minibatches of
+    whole prompt groups, prompt g in minibatch g mod n, none empty.
+
+    A run trains one per optimizer step in turn beside the ratings: each answer then costs
+    steps / n passes instead of one per step, which on a CPU is most of an exploring run's time, and
+    a prompt's answers, centred on their own mean, still meet in the same step."""
+    parts: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        parts.setdefault(g % max(n, 1), []).append(i)
+    return [parts[k] for k in sorted(parts)]
+
+
 Scorer = Callable[[Sequence[TrainSample]], list[float]]
 
 
@@ -215,4 +229,5 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
             advantages[i] = a
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
-    return Exploration(explored, advantages, reason, time.perf_counter() - started, sum(looping), n_cut, len(ended))
+    return Exploration(explored, advantages, groups, reason, time.perf_counter() - started, sum(looping), n_cut,
+                       len(ended))

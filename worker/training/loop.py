@@ -75,6 +75,9 @@ class RunData:
     advantages: list[float]
     parent_adapter: Path | None
     halfway_dir: Path | None = None  # the signal saves the adapter here after half its steps
+    # The explored answers' prompt of each (they are the last len(explored_groups) samples), for
+    # splitting them over the steps (train.explore_minibatches, exploration.minibatches).
+    explored_groups: list[int] = field(default_factory=list)
 
     @property
     def n_response(self) -> int:
@@ -100,6 +103,7 @@ class Outcome:
     start_kl: float | None = None
     final_kl: float | None = None
     extra: dict[str, float | int | str] = field(default_factory=dict)  # signal-specific metrics
+    tokens_seen: int | None = None  # tokens all the steps ran the model over (None: each step ran over all)
 
 
 class Signal(Protocol):
@@ -146,7 +150,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
         encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
         data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
-                       run.parent_adapter, run.halfway_dir)
+                       run.parent_adapter, run.halfway_dir, explored.groups)
         if not any(data.advantages):
             raise NothingToLearn(nothing_to_learn(chosen.samples))
         with signal.train(backend, session, data, cfg, report) as outcome:
@@ -168,7 +172,8 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "final_mean_kl": final_kl,
         "accepted_token_frac": outcome.accepted_token_frac,
         "accepted_seq_frac": outcome.accepted_seq_frac,
-        "tokens_per_s": data.n_seen * cfg.steps / max(outcome.train_seconds, 1e-9),
+        "tokens_per_s": (data.n_seen * cfg.steps if outcome.tokens_seen is None else outcome.tokens_seen)
+        / max(outcome.train_seconds, 1e-9),
         "seconds": time.perf_counter() - started,
         "steps": cfg.steps,
         "lr": cfg.lr,

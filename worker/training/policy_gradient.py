@@ -4,7 +4,8 @@ Every sample trains, with the advantage of :mod:`.advantages`. Before the first 
 computes, once per micro-batch, the reference log-probs (the base: the KL anchor) and the behaviour
 log-probs (the recorded ones where a sample brings them, the policy at the start of the run
 elsewhere); each optimizer step then accumulates the objective (``cfg.objective``, see
-:mod:`rlfleet.worker.objective`) over all micro-batches.
+:mod:`rlfleet.worker.objective`) over the ratings' micro-batches and, where the run explored, one
+minibatch of the explored answers' in turn (:func:`step_plan`, ``train.explore_minibatches``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..presets import TrainConfig
 from ..samples import Progress, TrainSample
 from .advantages import balance_classes, run_advantages
 from .backend import Backend, Batch, RefExtras, Tensor
+from .exploration import minibatches
 from .loop import Outcome, Report, RunData, Selection, halfway_steps
 from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
 
@@ -35,13 +37,25 @@ class PolicyGradient:
         self, backend: Backend, session: Any, data: RunData, cfg: TrainConfig, report: Report
     ) -> Iterator[Outcome]:
         backend.begin_training(cfg)
-        groups, batches = backend.batches(data.encoded, cfg.micro_batch_tokens)
+        parts, weights = step_plan(len(data.samples), data.explored_groups, cfg.explore_minibatches)
+        groups: list[list[int]] = []
+        batches: list[Batch] = []
+        part_of: list[int] = []  # each micro-batch's part (0: the ratings)
+        for p, members in enumerate(parts):
+            g, b = backend.batches([data.encoded[i] for i in members], cfg.micro_batch_tokens)
+            groups += [[members[j] for j in grp] for grp in g]
+            batches += b
+            part_of += [p] * len(g)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
         ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k, cfg.entropy_hinge > 0)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
         advantages = [backend.vector([data.advantages[i] for i in g]) for g in groups]
-        n_samples, n_response, n_seen = len(data.samples), data.n_response, data.n_seen
+        # Each micro-batch's loss is a mean over its sequences: weighting it by its sequences' weights
+        # makes the accumulated gradient the step's estimate of the mean over the whole run.
+        shares = [sum(weights[i] for i in g) for g in groups]
+        n_response = [sum(data.encoded[i].n_response for i in g) for g in groups]
+        n_seen = [sum(data.encoded[i].length for i in g) for g in groups]
         token_fracs: list[float] = []
         seq_fracs: list[float] = []
         loss_value = mean_kl = start_kl = float("nan")
@@ -49,6 +63,7 @@ class PolicyGradient:
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         loops = LoopPool()  # the policy's own looping answers (train.unlikelihood)
         loop_batches: list[LoopBatch] = []
+        seen = 0
         train_started = time.perf_counter()
         for step in range(cfg.steps):
             if cfg.unlikelihood > 0 and step > 0 and step % CHECK_EVERY == 0:
@@ -57,13 +72,11 @@ class PolicyGradient:
                 if len(loops.encoded) > caught:
                     loop_batches = batched(backend, loops, cfg.micro_batch_tokens)
             backend.begin_step()
+            active = [k for k in range(len(batches)) if part_of[k] in (0, step_part(step, len(parts)))]
             step_loss = kl_sum = anchor_sum = excess_sum = tok_acc = seq_acc = 0.0
-            for k, (group, batch) in enumerate(zip(groups, batches, strict=True)):
-                # Each micro-batch's loss is a mean over its sequences: weighting by its share of
-                # sequences makes the accumulated gradient the mean over the whole step.
-                share = len(group) / n_samples
-                stats = backend.accumulate(batch, beh[k], ref[k], advantages[k], share, extras=extras[k])
-                step_loss += stats.loss * share
+            for k in active:
+                stats = backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k])
+                step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
                 anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
                 excess_sum += (stats.entropy_excess or 0.0) * stats.n_tokens
@@ -76,15 +89,17 @@ class PolicyGradient:
             backend.finish_step(apply=seq_acc > 0)
             if data.halfway_dir is not None and step + 1 == halfway_steps(cfg.steps):
                 backend.save(data.halfway_dir)
-            loss_value, mean_kl = step_loss, kl_sum / max(n_response, 1)
+            step_response = max(sum(n_response[k] for k in active), 1)
+            loss_value, mean_kl = step_loss, kl_sum / step_response
             if step == 0:  # measured before the first update: where the run starts
                 start_kl = mean_kl
-            anchor_kls.append(anchor_sum / max(n_response, 1))
-            excesses.append(excess_sum / max(n_response, 1))
-            token_fracs.append(tok_acc / max(n_response, 1))
-            seq_fracs.append(seq_acc / n_samples)
+            anchor_kls.append(anchor_sum / step_response)
+            excesses.append(excess_sum / step_response)
+            token_fracs.append(tok_acc / step_response)
+            seq_fracs.append(seq_acc / max(sum(len(groups[k]) for k in active), 1))
+            seen += sum(n_seen[k] for k in active)
             elapsed = time.perf_counter() - train_started
-            report(Progress(step + 1, cfg.steps, n_seen * (step + 1) / max(elapsed, 1e-9), loss_value))
+            report(Progress(step + 1, cfg.steps, seen / max(elapsed, 1e-9), loss_value))
         train_seconds = time.perf_counter() - train_started
 
         yield Outcome(
@@ -95,6 +110,7 @@ class PolicyGradient:
             mean_kl=mean_kl,
             start_kl=start_kl,
             final_kl=_mean_kl(backend, batches, ref),  # of what is saved: the last step's predates its update
+            tokens_seen=seen,
             # The anchor's KL and the entropy's rise over the base's, before the first update and at
             # the last step (before its update).
             extra={
@@ -104,6 +120,30 @@ class PolicyGradient:
                 **(loops.metrics() if cfg.unlikelihood > 0 else {}),
             },
         )
+
+
+def step_plan(n_samples: int, explored_groups: Sequence[int], n: int) -> tuple[list[list[int]], list[float]]:
+    """A run's ``n_samples`` samples (the last ``len(explored_groups)`` explored, ``explored_groups[i]``
+    the prompt of the i-th) as parts, and each sample's weight in a step's mean.
+
+    Part 0 is the ratings, trained in every step; the others are the explored answers'
+    :func:`.exploration.minibatches` (up to ``n``), one per step in turn (:func:`step_part`). A rating
+    weighs 1/N and an explored answer E/(m·N), in a minibatch of m of the E explored answers: each
+    step's gradient is, in expectation over the minibatches, the mean over all N samples, as it is
+    exactly with one minibatch."""
+    n_rated = n_samples - len(explored_groups)
+    explored = [[n_rated + i for i in mb] for mb in minibatches(explored_groups, n)]
+    weights = [1.0 / n_samples] * n_samples
+    for mb in explored:
+        for i in mb:
+            weights[i] = len(explored_groups) / (len(mb) * n_samples)
+    return [list(range(n_rated)), *explored], weights
+
+
+def step_part(step: int, n_parts: int) -> int:
+    """The explored part that trains in optimizer step ``step`` (0-based) of a run with ``n_parts``
+    parts (:func:`step_plan`); 0, the ratings alone, when nothing was explored."""
+    return 1 + step % (n_parts - 1) if n_parts > 1 else 0
 
 
 def _fixed_logprobs(
