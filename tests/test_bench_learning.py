@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from tinymodel import one_torch_thread
@@ -379,6 +385,33 @@ def test_grid_runs_every_point_resumes_and_reports(tiny_model_dir, tmp_path, cap
     assert "### short:5 · 4 ratings" in text and "| mispo | 4 | 1 |" in text and "| reinforce | 4 | 1 |" in text
     assert (tmp_path / "plots" / "short-5.png").stat().st_size > 1000
     assert grid(["run", "--preference", "short", "--objective", "dpo", "--out", str(out)]) == 2
+
+
+def test_a_grid_stopped_by_a_signal_interrupts_its_runs_so_they_can_shut_down(tmp_path):
+    """A stand-in run that records the interrupt it gets (a benchmark run shuts its embedded Redis server
+    down on one) and would otherwise sleep for minutes; the grid is terminated while it runs."""
+    started, stopped = tmp_path / "started", tmp_path / "stopped"
+    child = (f"import signal, sys, time, pathlib; pathlib.Path({str(started)!r}).touch()\n"
+             f"def bye(*_): pathlib.Path({str(stopped)!r}).touch(); sys.exit(1)\n"
+             "signal.signal(signal.SIGINT, bye); time.sleep(600)")
+    script = tmp_path / "grid_run.py"
+    script.write_text(
+        "import sys\n"
+        "from bench.learning import grid\n"
+        f"grid.Point.argv = lambda self, ratings, extra: [sys.executable, '-c', {child!r}]\n"
+        f"sys.exit(grid.main(['run', '--preference', 'short', '--out', {str(tmp_path / 'runs')!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists(), "the stand-in run never started"
+    proc.terminate()
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert stopped.exists()  # the run got its interrupt before the grid went
+    assert not list((tmp_path / "runs").glob("*.json"))
 
 
 def test_grid_report_pools_seeds_or_shows_each(tmp_path, capsys):

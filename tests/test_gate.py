@@ -81,7 +81,16 @@ def test_a_blurred_or_looping_candidate_is_refused_even_when_its_margin_rises():
     assert not v.promote and "entropy" in v.reason and "trigrams" in v.reason
     assert v.metrics["repetition"] == 0.15 and v.metrics["repetition_base"] == 0.02
     # the same figures a little under the bounds pass
-    assert judge(REWARDS, BASE, BASE, replace(cand, entropy=2.5, repetition=0.045), CFG).promote
+    assert judge(REWARDS, BASE, BASE, replace(cand, entropy=2.5, repetition=0.045, distinct2=0.82), CFG).promote
+
+
+def test_a_candidate_whose_answers_say_fewer_different_things_than_the_bases_is_refused():
+    """Distinct bigrams at 0.88x the base's with repetition under the base's: the direct taste's second
+    run on the CPU, which the benchmark then measured at 0.81x on 64 answers."""
+    good = _scores([-1.6, -1.7, -2.5, -2.6], repetition=0.01)
+    assert judge(REWARDS, BASE, BASE, replace(good, distinct2=0.9 * 0.88), CFG).reason == (
+        "collapse: distinct bigrams 0.88x the base's")
+    assert judge(REWARDS, BASE, BASE, replace(good, distinct2=0.9 * 0.92), CFG).promote
 
 
 def test_distinct_n():

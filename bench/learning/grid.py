@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,34 +80,59 @@ def run(args: argparse.Namespace) -> int:
     running: dict[Point, tuple[subprocess.Popen, float]] = {}
     failed: list[str] = []
     deadline = time.monotonic() + args.timeout if args.timeout else None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
-        task = bar.add_task("benchmark runs", total=len(grid), completed=len(grid) - len(todo))
-        while todo or running:
-            while todo and len(running) < args.jobs:
-                p = todo.pop(0)
-                log = open(args.out / f"{p.name(args.extra)}.log", "w")  # noqa: SIM115 - closed with the process
-                out = open(args.out / f"{p.name(args.extra)}.json.part", "w")  # noqa: SIM115
-                proc = subprocess.Popen(p.argv(args.ratings, args.extra), stdout=out, stderr=log, env=env)
-                running[p] = (proc, time.monotonic())
-            for p, (proc, _) in list(running.items()):
-                if proc.poll() is None:
-                    if deadline and time.monotonic() > deadline:
-                        proc.kill()
-                    continue
-                del running[p]
-                name = p.name(args.extra)
-                part = args.out / f"{name}.json.part"
-                if proc.returncode == 0:
-                    part.rename(args.out / f"{name}.json")
-                else:
-                    failed.append(f"{name} (exit {proc.returncode}; see {name}.log)")
-                    part.unlink(missing_ok=True)
-                bar.advance(task)
-            time.sleep(0.5)
+    # A grid stopped by a signal stops its runs too: each would otherwise go on for its whole length
+    # beside whatever runs next.
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as bar:
+            task = bar.add_task("benchmark runs", total=len(grid), completed=len(grid) - len(todo))
+            while todo or running:
+                while todo and len(running) < args.jobs:
+                    p = todo.pop(0)
+                    log = open(args.out / f"{p.name(args.extra)}.log", "w")  # noqa: SIM115 - closed with the process
+                    out = open(args.out / f"{p.name(args.extra)}.json.part", "w")  # noqa: SIM115
+                    proc = subprocess.Popen(p.argv(args.ratings, args.extra), stdout=out, stderr=log, env=env)
+                    running[p] = (proc, time.monotonic())
+                for p, (proc, _) in list(running.items()):
+                    if proc.poll() is None:
+                        if deadline and time.monotonic() > deadline:
+                            stop(proc)
+                        continue
+                    del running[p]
+                    name = p.name(args.extra)
+                    part = args.out / f"{name}.json.part"
+                    if proc.returncode == 0:
+                        part.rename(args.out / f"{name}.json")
+                    else:
+                        failed.append(f"{name} (exit {proc.returncode}; see {name}.log)")
+                        part.unlink(missing_ok=True)
+                    bar.advance(task)
+                time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            stop(proc)
     for f in failed:
         console.print(f"[red]failed:[/] {f}")
     return 1 if failed else 0
+
+
+def _exit_on_term(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop a benchmark run: an interrupt first, so that it shuts down what it started (its embedded
+    Redis server), then a kill if it has not ended within ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def load(folders: list[Path]) -> list[dict]:
