@@ -316,6 +316,31 @@ def test_explored_minibatches_train_each_explored_answer_in_its_share_of_the_ste
     assert np.isfinite(split["final_mean_kl"]) and 0 < split["accepted_seq_frac"] <= 1
 
 
+def test_a_run_continuing_a_parent_measures_its_start_over_every_sample_whatever_its_minibatches(
+        tiny_trainer, tmp_path, monkeypatch):
+    from rlfleet.worker.training import loop
+    from rlfleet.worker.training.loop import RunRequest, run_training
+    from rlfleet.worker.training.policy_gradient import PolicyGradient
+
+    samples = preference_samples()[:8]
+    _run(tiny_trainer, samples, replace(LEARN, steps=2, explore=0), tmp_path / "parent")
+    starts: list[float] = []
+    real_check = loop.run_check
+
+    def spy(loss, start_kl, final_kl, max_run_kl):
+        starts.append(start_kl)
+        return real_check(loss, start_kl, final_kl, max_run_kl)
+
+    monkeypatch.setattr(loop, "run_check", spy)
+    cfg = replace(LEARN, steps=2, unlikelihood=0.0, explore=2, explore_prompts=3, explore_max_new_tokens=8,
+                  explore_cuts=0)
+    for n in (1, 3):
+        run_training(tiny_trainer, PolicyGradient(), RunRequest(
+            samples, None, replace(cfg, explore_minibatches=n), tmp_path / "parent", tmp_path / f"mb{n}"))
+    assert starts[0] > 0  # the parent has moved from the base
+    assert starts[1] == pytest.approx(starts[0], rel=1e-4)  # the first step trained one prompt's answers of 3
+
+
 def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_trainer, tmp_path, monkeypatch):
     def no_sampling(*_a, **_k):
         raise AssertionError("nothing is sampled")

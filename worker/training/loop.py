@@ -85,7 +85,8 @@ class RunData:
 
     @property
     def n_seen(self) -> int:
-        """Tokens one optimizer step runs the model over."""
+        """Tokens of all the run's samples: what one optimizer step runs the model over when every step
+        trains on all of them (explored minibatches make a step see fewer: Outcome.tokens_seen)."""
         return sum(e.length for e in self.encoded)
 
 

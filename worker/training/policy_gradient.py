@@ -59,6 +59,13 @@ class PolicyGradient:
         token_fracs: list[float] = []
         seq_fracs: list[float] = []
         loss_value = mean_kl = start_kl = float("nan")
+        # The run's check compares the KL to the base where the run ends (over every sample) with where
+        # it starts: a first step that trains one explored minibatch sees only some of the samples, so
+        # a run continuing a parent measures its start over all of them first (a fresh adapter starts
+        # at the base: 0 on any of them).
+        measured_start = len(parts) > 2 and data.parent_adapter is not None
+        if measured_start:
+            start_kl = _mean_kl(backend, batches, ref)
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         loops = LoopPool()  # the policy's own looping answers (train.unlikelihood)
@@ -72,7 +79,8 @@ class PolicyGradient:
                 if len(loops.encoded) > caught:
                     loop_batches = batched(backend, loops, cfg.micro_batch_tokens)
             backend.begin_step()
-            active = [k for k in range(len(batches)) if part_of[k] in (0, step_part(step, len(parts)))]
+            explored_part = step_part(step, len(parts))
+            active = [k for k in range(len(batches)) if part_of[k] in (0, explored_part)]
             step_loss = kl_sum = anchor_sum = excess_sum = tok_acc = seq_acc = 0.0
             for k in active:
                 stats = backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k])
@@ -91,7 +99,7 @@ class PolicyGradient:
                 backend.save(data.halfway_dir)
             step_response = max(sum(n_response[k] for k in active), 1)
             loss_value, mean_kl = step_loss, kl_sum / step_response
-            if step == 0:  # measured before the first update: where the run starts
+            if step == 0 and not measured_start:  # measured before the first update: where the run starts
                 start_kl = mean_kl
             anchor_kls.append(anchor_sum / step_response)
             excesses.append(excess_sum / step_response)
