@@ -15,6 +15,7 @@ import aiohttp
 
 from rlfleet.shared.config import ChatSettings, ResponderSettings
 from rlfleet.shared.errors import ModelUnavailable
+from rlfleet.shared.events import finish_reason
 from rlfleet.shared.ingress.usecases import Completion
 
 
@@ -63,7 +64,8 @@ class ChatCompletions:
                 body["logprobs"] = True
             data = await self._json(session, "POST", "/chat/completions", body)
         try:
-            text = data["choices"][0]["message"]["content"] or ""
+            choice = data["choices"][0]
+            text = choice["message"]["content"] or ""
         except (KeyError, IndexError, TypeError):
             raise ModelUnavailable(f"the responder at {self.base} sent no answer") from None
         ours = data.get("rlfleet") or {}
@@ -77,4 +79,5 @@ class ChatCompletions:
             logprobs=lps if keep else None,
             messages=ours.get("messages") if isinstance(ours.get("messages"), list) else None,
             ours="rlfleet" in data,
+            finish_reason=finish_reason(choice.get("finish_reason")),
         )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_MESSAGES, Ident, Message
+from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_MESSAGES, Ident, Message, known_finish_word
 
 AgentSource = Literal["bridge", "claude-code", "codex"]
 
@@ -26,6 +26,10 @@ class CaptureIn(_Body):
     response: str = Field(description="the answer to capture")
     model: Ident = Field("external", description="what produced the answer")
     capture_id: Ident | None = None
+    finish_reason: Annotated[str, AfterValidator(known_finish_word)] | None = Field(
+        None, description="how the answer ended, in its API's word: `stop`, `length` (OpenAI's finish_reason), "
+        "`end_turn`, `max_tokens` (Anthropic's stop_reason)…; one cut off by a length cap trains without an "
+        "end token")
 
 
 class RatingIn(_Body):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
-from rlfleet.shared.events import Capture, Message, describe_validation_error
+from rlfleet.shared.events import Capture, Message, describe_validation_error, finish_reason
 from rlfleet.shared.ingress.replies import NO_STATUS
 from rlfleet.shared.ingress.usecases import Send, UseCases, Value
 from rlfleet.shared.models import model_slug
@@ -151,7 +151,8 @@ class Bridge:
         prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
         extra = {k: v for k, v in (("event_id", body.event_id), ("capture_id", body.capture_id)) if v}
         ev = Capture(source=body.source, actor=who.id, owner=body.owner or who.id, conversation=body.conversation,
-                     message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model, **extra)
+                     message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model,
+                     finish_reason=finish_reason(body.finish_reason), **extra)
         return ev, ev.capture_id
 
     async def submit(self, request: web.Request) -> web.Response:

@@ -32,7 +32,7 @@ def capture_values(ev: Capture) -> dict:
         "message_ref": ev.message_ref, "owner": ev.owner, "prompt": [m.model_dump() for m in ev.prompt],
         "response": ev.response, "model": ev.model, "adapter_version": ev.adapter_version,
         "behaviour_logprobs": ev.behaviour_logprobs, "behaviour_token_ids": ev.behaviour_token_ids,
-        "created": as_utc(ev.ts),
+        "finish_reason": ev.finish_reason, "created": as_utc(ev.ts),
     }
 
 

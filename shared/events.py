@@ -27,6 +27,32 @@ MAX_COMMENT_CHARS = 2_000
 MAX_ID_CHARS = 256
 MAX_LOGPROBS = 16_384
 
+# How an answer ended: "stop", the model ended it (an end token, a stop sequence, a tool call);
+# "length", a length cap cut it off. It decides whether the answer trains with an end token after it
+# (docs/objective.md): a cut-off answer a user liked must not teach stopping mid-sentence.
+FinishReason = Literal["stop", "length"]
+# Each API's own word for it (OpenAI chat `finish_reason`, Anthropic `stop_reason`, OpenAI Responses
+# `incomplete_details.reason`). None: a known word that says neither (a content filter cut it).
+FINISH_WORDS: dict[str, FinishReason | None] = {
+    "stop": "stop", "end_turn": "stop", "stop_sequence": "stop", "tool_calls": "stop", "tool_use": "stop",
+    "function_call": "stop", "pause_turn": "stop",
+    "length": "length", "max_tokens": "length", "max_output_tokens": "length",
+    "content_filter": None, "refusal": None,
+}
+
+
+def finish_reason(word: object) -> FinishReason | None:
+    """What an API's finish word says of how its answer ended; None for a missing or unknown one
+    (nothing is known, so the answer trains as ended). For a server's reply, which must not fail over it."""
+    return FINISH_WORDS.get(word) if isinstance(word, str) else None
+
+
+def known_finish_word(word: str) -> str:
+    """``word``, when it is one :data:`FINISH_WORDS` knows; a caller's typo is an error, not an unknown."""
+    if word not in FINISH_WORDS:
+        raise ValueError(f"finish_reason {word[:40]!r} is not one of {', '.join(FINISH_WORDS)}")
+    return word
+
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
@@ -94,6 +120,7 @@ class Capture(_Event):
     adapter_version: Ident | None = None
     behaviour_logprobs: list[float] | None = Field(default=None, max_length=MAX_LOGPROBS)
     behaviour_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROBS)
+    finish_reason: FinishReason | None = None  # None: not known (an older capture, an agent's hook)
 
     @field_validator("response")
     @classmethod

@@ -20,7 +20,15 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .events import MAX_COMMENT_CHARS, MAX_LOGPROBS, MAX_TEXT_CHARS, Ident, Message, describe_validation_error
+from .events import (
+    MAX_COMMENT_CHARS,
+    MAX_LOGPROBS,
+    MAX_TEXT_CHARS,
+    FinishReason,
+    Ident,
+    Message,
+    describe_validation_error,
+)
 
 FORMAT_VERSION: Final = 1
 MAX_LINE_BYTES = 8 << 20
@@ -48,6 +56,7 @@ class Provenance(BaseModel):
     captured_at: datetime
     behaviour_logprobs: list[float] | None = Field(None, max_length=MAX_LOGPROBS)
     behaviour_token_ids: list[int] | None = Field(None, max_length=MAX_LOGPROBS)
+    finish_reason: FinishReason | None = None
 
 
 class RatedExample(BaseModel):
@@ -89,6 +98,7 @@ def to_example(rating, capture) -> RatedExample:
             conversation=capture.conversation, message_ref=capture.message_ref, owner=capture.owner,
             model=capture.model, adapter_version=capture.adapter_version, captured_at=capture.created,
             behaviour_logprobs=capture.behaviour_logprobs, behaviour_token_ids=capture.behaviour_token_ids,
+            finish_reason=capture.finish_reason,
         ),
     )
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .events import FinishReason
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
 
@@ -40,6 +41,7 @@ class Answer:
     # The conversation the prompt was built from, system prompt included: store this as the capture's
     # prompt, so the trainer rebuilds the very prompt these log-probs were computed under.
     messages: list[dict] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"  # "length": the cap cut it off before an end token
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,7 @@ class LocalResponder:
             return Answer(
                 text=text, token_ids=ids, logprobs=logprobs, adapter_version=self._active,
                 model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids), messages=msgs,
+                finish_reason="stop" if ids and ids[-1] in self._eos_ids else "length",
             )
 
     def sample(

@@ -46,6 +46,7 @@ class CaptureRow(Base):
     adapter_version: Mapped[str | None] = mapped_column(String(64))
     behaviour_logprobs: Mapped[list | None] = mapped_column(JSON)
     behaviour_token_ids: Mapped[list | None] = mapped_column(JSON)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))  # stop | length | None (events.FinishReason)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     __table_args__ = (

@@ -79,8 +79,7 @@ def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dic
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": answer.text},
-            "finish_reason": "length" if answer.new_tokens >= (req.max_completion_tokens or req.max_tokens or 1 << 30)
-            else "stop",
+            "finish_reason": answer.finish_reason,
         }],
         "usage": {"completion_tokens": answer.new_tokens},
         "rlfleet": {

@@ -353,7 +353,7 @@ class Store(RunLedger):
             conversation=p.conversation, message_ref=p.message_ref, owner=p.owner,
             prompt=[m.model_dump() for m in ex.prompt], response=ex.response, model=p.model,
             adapter_version=p.adapter_version, behaviour_logprobs=p.behaviour_logprobs,
-            behaviour_token_ids=p.behaviour_token_ids, created=as_utc(p.captured_at),
+            behaviour_token_ids=p.behaviour_token_ids, finish_reason=p.finish_reason, created=as_utc(p.captured_at),
         )
         s.add(cap)
         s.flush()

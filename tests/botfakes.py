@@ -169,6 +169,7 @@ class FakeOpenAI(FakeServer):
 
     ours: bool = True
     answer: Callable[[list[dict]], str] = lambda msgs: f"answer to: {msgs[-1]['content']}"
+    finish_reason: str | None = "stop"
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -182,7 +183,8 @@ class FakeOpenAI(FakeServer):
         text = self.answer(body["messages"])
         data: dict[str, Any] = {
             "id": "chatcmpl-1", "object": "chat.completion", "model": body.get("model", "tiny"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": self.finish_reason}],
         }
         if self.ours:
             n = len(text.split())

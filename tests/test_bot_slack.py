@@ -120,6 +120,7 @@ def test_a_mention_is_answered_in_thread_with_buttons_and_captured(queued_home):
                 assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("slack", CHANNEL, ts, OWNER)
                 assert cap.prompt[-1] == {"role": "user", "content": "what is a monad?"}
                 assert cap.behaviour_logprobs == [-0.5] * len(post["text"].split())  # ours: kept
+                assert cap.finish_reason == "stop"
     run(go())
 
 
@@ -127,11 +128,15 @@ def test_buttons_can_be_switched_off_and_a_foreign_responder_keeps_no_logprobs(q
     async def go():
         async with rig(queued_home, buttons=False) as r:
             r.llm.ours = False
+            r.llm.finish_reason = "length"  # its max_tokens cut the answer off
             await r.mention(OWNER, "hello")
             assert "blocks" not in r.slack.of("chat.postMessage")[-1]
+            r.llm.finish_reason = "sideways"  # a word nobody defined: not known, not an error
+            await r.mention(OWNER, "hello again")
             with r.store.session() as s:
-                cap = s.scalars(select(CaptureRow)).one()
-                assert cap.behaviour_logprobs is None and cap.model == "tiny"
+                caps = s.scalars(select(CaptureRow).order_by(CaptureRow.created)).all()
+                assert [(c.behaviour_logprobs, c.model) for c in caps] == [(None, "tiny")] * 2
+                assert [c.finish_reason for c in caps] == ["length", None]
     run(go())
 
 

@@ -26,6 +26,7 @@ from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
+from rlfleet.worker.orchestrate import rated_sample
 
 SECRET, GATEWAY_SECRET = "s" * 64, "g" * 64
 
@@ -118,6 +119,28 @@ def test_capture_rate_undo_end_as_rows_and_the_worker_answers(bridge):
     with Store(cfg.db_url).session() as s:
         assert s.scalars(select(RatingRow)).one().state == "undone"
     assert client.status()["ratings"]["total"] == 0  # the worker's snapshot, read from Redis
+
+
+def test_an_answer_a_length_cap_cut_off_trains_without_an_end_token(bridge):
+    cfg, handle, url = bridge
+    client = BridgeClient(url, SECRET)
+    client.capture("explain monads", "A monad is a way to", message_ref="t-cut", finish_reason="max_tokens")
+    client.capture("and functors?", "A functor maps arrows.", message_ref="t-end", finish_reason="end_turn")
+    client.capture("and arrows?", "Arrows generalise functions.", message_ref="t-unknown")
+    body = json.dumps({"prompt": "q", "response": "a", "finish_reason": "lenght"}).encode()
+    status, reply = raw(url, "POST", "/v1/captures", body, sign(SECRET, "POST", "/v1/captures", body))
+    assert status == 422 and "'lenght' is not one of stop" in reply["error"], reply
+    work(cfg, handle)
+    for ref in ("t-cut", "t-end", "t-unknown"):
+        client.rate(ref, "good")
+    work(cfg, handle)
+    assert counts(cfg) == (3, 3)  # the refused capture enqueued nothing
+    with Store(cfg.db_url).session() as s:
+        pairs = s.execute(select(RatingRow, CaptureRow).join(CaptureRow, RatingRow.capture_id == CaptureRow.id)
+                          .order_by(CaptureRow.message_ref)).all()
+        assert [c.finish_reason for _, c in pairs] == ["length", "stop", None]
+        samples = [rated_sample(r, c, cfg.model) for r, c in pairs]
+    assert [smp.complete for smp in samples] == [False, True, True]
 
 
 def test_wait_returns_the_workers_answer(bridge):

@@ -9,6 +9,7 @@ import sys
 import time
 
 from ptyrig import PtySession
+from transformers import AutoTokenizer
 
 from rlfleet.bots.training_news import TrainingNews
 from rlfleet.shared.config import load_config
@@ -131,6 +132,8 @@ def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_h
         time.sleep(0.5)  # the chat's worker applies what the chat acknowledged
     got = sorted((c.prompt[-1]["content"], r.value, r.comment) for r, c in rated)
     assert got == [("And snow?", -1, "too long"), ("What is rain?", -1, "wordy")]
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id  # how each answer ended is recorded
+    assert all(c.finish_reason == ("stop" if c.behaviour_token_ids[-1] == eos else "length") for _, c in rated)
 
 
 def test_a_rejected_run_says_why_and_when_the_next_one_comes(home):

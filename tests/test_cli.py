@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 
 from rlfleet.cli.app import app
 from rlfleet.shared.config import load_config
+from rlfleet.shared.schema import CaptureRow
+from rlfleet.shared.store import Store
 
 runner = CliRunner()
 
@@ -55,6 +57,14 @@ def test_capture_rate_undo_and_status_json_contract(queued_home):
     assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
     assert rl("undo").exit_code == 0
     assert status_json()["ratings"]["total"] == 0
+
+
+def test_a_capture_says_how_its_answer_ended_in_its_apis_word(queued_home):
+    res = rl_main("capture", "--prompt", "q", "--response", "a", "--finish-reason", "lenght")
+    assert res.returncode == 2 and "'lenght' is not one of stop" in res.stderr and "Traceback" not in res.stderr
+    assert rl("capture", "--prompt", "q", "--response", "cut", "--finish-reason", "max_tokens").exit_code == 0
+    with Store(load_config().db_url).session() as s:
+        assert [(c.response, c.finish_reason) for c in s.query(CaptureRow)] == [("cut", "length")]
 
 
 def test_unknown_target_is_one_line_error_and_changes_nothing(queued_home):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlfleet.shared.errors import BadInput
-from rlfleet.shared.events import Capture, Rating, parse_event, well_formed
+from rlfleet.shared.events import Capture, Rating, finish_reason, known_finish_word, parse_event, well_formed
 
 
 def _capture(**kw):
@@ -60,3 +60,16 @@ def test_well_formed_replaces_lone_surrogates_and_keeps_the_rest():
     assert well_formed(json.loads('"\\ud83d\\ude00 ok"')) == "\U0001f600 ok"  # an escaped pair is one character
     assert well_formed("plain é 🙃") == "plain é 🙃"
     Capture(**{**_capture(), "response": well_formed("x\ud83d")})  # what it returns is storable
+
+
+def test_each_apis_finish_word_says_whether_a_cap_cut_the_answer_off():
+    assert [finish_reason(w) for w in ("stop", "end_turn", "tool_calls", "length", "max_tokens",
+                                       "max_output_tokens")] == ["stop"] * 3 + ["length"] * 3
+    assert [finish_reason(w) for w in ("content_filter", "sideways", None, 3)] == [None] * 4  # nothing known
+    assert known_finish_word("max_tokens") == "max_tokens"
+    with pytest.raises(ValueError, match="'lenght' is not one of stop, end_turn"):
+        known_finish_word("lenght")
+    assert parse_event(_capture(finish_reason="length")).finish_reason == "length"
+    assert parse_event(_capture()).finish_reason is None
+    with pytest.raises(BadInput, match="finish_reason"):  # the event carries the normalised word only
+        parse_event(_capture(finish_reason="max_tokens"))

@@ -27,7 +27,8 @@ def _rated_store(url: str) -> Store:
             capture_id=f"cap-{i}", source="slack", actor="U1", owner="U1", conversation="C1",
             message_ref=f"17000.{i}", prompt=[Message(role="user", content=f"question {i}")],
             response=f"answer {i}", model="tiny", adapter_version="v0001" if i else None,
-            behaviour_logprobs=[-0.5, -0.25] if i == 0 else None, behaviour_token_ids=[5, 6] if i == 0 else None))
+            behaviour_logprobs=[-0.5, -0.25] if i == 0 else None, behaviour_token_ids=[5, 6] if i == 0 else None,
+            finish_reason=("length", "stop", None)[i]))
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-0", value=1, comment="crisp"), "tiny")
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=1), "tiny")
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=-1), "tiny")
@@ -41,7 +42,7 @@ def _rows(store: Store) -> list[tuple]:
     return [
         (r.event_id, r.actor, r.source, r.value, r.comment, r.state, r.train_model, r.created, r.changed,
          c.id, c.event_id, c.source, c.conversation, c.message_ref, c.owner, c.prompt, c.response, c.model,
-         c.adapter_version, c.behaviour_logprobs, c.behaviour_token_ids, c.created)
+         c.adapter_version, c.behaviour_logprobs, c.behaviour_token_ids, c.finish_reason, c.created)
         for r, c in store.rated_pairs(all_states=True)
     ]
 
@@ -64,6 +65,7 @@ def test_ratings_round_trip_to_identical_rows(home, tmp_path, db_url, monkeypatc
     assert first["completion"] == [{"role": "assistant", "content": "answer 0"}]
     assert first["label"] is True and first["comment"] == "crisp"
     assert first["rlfleet"]["behaviour_logprobs"] == [-0.5, -0.25]
+    assert [x["rlfleet"].get("finish_reason") for x in lines] == ["length", "stop", "stop", None]
     assert [x["label"] for x in lines] == [True, True, False, True]
     assert len(rl("export", "ratings", tmp_path / "active.jsonl").output.split("wrote 2 ")) == 2  # active only
 

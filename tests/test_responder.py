@@ -278,7 +278,7 @@ def test_end_token_kept_and_scored(tiny, tmp_path, adapters_dir, reference):
     prompt = tok.apply_chat_template(MSGS, add_generation_prompt=True, return_dict=True)["input_ids"]
     for seed in range(3):
         a = r.answer(MSGS, seed=seed)
-        assert a.token_ids[-1] == eos and eos not in a.token_ids[:-1]
+        assert a.token_ids[-1] == eos and eos not in a.token_ids[:-1] and a.finish_reason == "stop"
         assert len(a.logprobs) == len(a.token_ids) < 60
         assert "<|im_end|>" not in a.text
         with torch.no_grad():
@@ -287,6 +287,10 @@ def test_end_token_kept_and_scored(tiny, tmp_path, adapters_dir, reference):
             -1, torch.tensor(a.token_ids).view(-1, 1)
         ).squeeze(-1)
         assert max_gap(a, expected) < TOL
+    capped = [r.answer(MSGS, seed=seed, max_new_tokens=2) for seed in range(10)]
+    assert {a.finish_reason for a in capped} == {"stop", "length"}  # the end token, or the cap, came first
+    assert all((a.finish_reason == "stop") == (a.token_ids[-1] == eos) for a in capped)
+    assert all(len(a.token_ids) == 2 for a in capped if a.finish_reason == "length")
     batch = r.sample([MSGS] * 6, seed=0)  # rows that end early are cut at their end token, not padded
     assert all(eos not in s.token_ids[:-1] and "<|im_end|>" not in s.text for s in batch)
     assert all(s.token_ids[-1] == eos or len(s.token_ids) == 60 for s in batch)

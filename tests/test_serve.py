@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlfleet.shared.models import resolve_model  # noqa: E402
 from rlfleet.shared.registry import AdapterRegistry  # noqa: E402
@@ -68,6 +68,9 @@ def test_answers_switch_when_a_new_adapter_is_promoted(served, tiny_model_dir):
     ours = base.model_extra["rlfleet"]
     assert ours["adapter_version"] is None and len(ours["token_ids"]) == len(ours["logprobs"]) > 0
     assert [t.logprob for t in base.choices[0].logprobs.content] == pytest.approx(ours["logprobs"])
+    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id  # the cap, or the model, ended it
+    assert base.choices[0].finish_reason == ("stop" if ours["token_ids"][-1] == eos else "length")
+    assert base.choices[0].finish_reason == "stop" or len(ours["token_ids"]) == 12
 
     torch.manual_seed(7)  # a non-identity adapter, written where training would write it
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -4,6 +4,7 @@ import pytest
 
 from rlfleet.shared.errors import NotFound
 from rlfleet.shared.events import Capture, Rating, Undo
+from rlfleet.shared.schema import CaptureRow
 from rlfleet.shared.store import Store
 
 MODEL = "tiny"
@@ -137,6 +138,32 @@ def test_reset_with_purge_deletes_ratings(store):
 def test_migrations_are_reentrant(db_url):
     Store(db_url)
     Store(db_url)  # a second open finds the schema at head and changes nothing
+
+def test_a_database_from_before_finish_reason_keeps_its_answers_as_ended(db_url):
+    """A data dir made by the release before captures said how an answer ended: the next start migrates
+    it, its captures read as not known (they train as ended, as before), and new ones record it."""
+    import sqlalchemy as sa
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from rlfleet.shared.engines import MIGRATIONS
+
+    engine = sa.create_engine(db_url)
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0002")
+        conn.execute(sa.text(
+            "INSERT INTO captures (id, event_id, source, conversation, owner, prompt, response, model, created) "
+            "VALUES ('old', 'ev-old', 'cli', 'c1', 'local', '[]', 'an old answer', 'm', '2026-11-01 00:00:00')"))
+    engine.dispose()
+    store = Store(db_url)
+    cut = Capture(prompt=[{"role": "user", "content": "q"}], response="a", model="m", finish_reason="length")
+    assert store.apply_capture(cut).ok
+    with store.session() as s:
+        assert {c.id: c.finish_reason for c in s.query(CaptureRow)} == {"old": None, cut.capture_id: "length"}
+
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # a server that can drop connections
 def test_a_connection_the_database_dropped_is_replaced_after_a_pause(db_url, monkeypatch, request):

@@ -285,7 +285,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                 cap = Capture(
                     source="cli", conversation=CONVERSATION, owner=USER.id, prompt=a.messages, response=a.text,
                     model=cfg.model, adapter_version=a.adapter_version, behaviour_logprobs=a.logprobs,
-                    behaviour_token_ids=a.token_ids,
+                    behaviour_token_ids=a.token_ids, finish_reason=a.finish_reason,
                 )
             except ValueError:  # an answer the capture refuses (NUL bytes from a tiny model): not rated
                 continue

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import redis
 
 from ..errors import RlfleetError
-from ..events import Capture, Command, Message, Rating, Undo, well_formed
+from ..events import Capture, Command, FinishReason, Message, Rating, Undo, well_formed
 from ..inbox import Ticket
 from ..models import model_slug
 from ..permissions import Action, Actor, Decision, PermissionTable
@@ -47,6 +47,7 @@ class Completion:
     logprobs: list[float] | None = None
     messages: list[dict] | None = None  # the prompt as the server built it (system prompt added), if ours
     ours: bool = False  # answered by the model we train (`rlfleet serve`, the terminal's own model)
+    finish_reason: FinishReason | None = None  # "length": a length cap cut it off; None: not known
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class UseCases:
             adapter_version=completion.adapter_version,
             behaviour_logprobs=completion.logprobs,
             behaviour_token_ids=completion.token_ids,
+            finish_reason=completion.finish_reason,
         )
 
     def capture(self, owner: Actor, conversation: str, message_ref: str, prompt: list[dict],

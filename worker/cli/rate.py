@@ -10,7 +10,15 @@ import typer
 from pydantic import ValidationError
 
 from rlfleet.shared.errors import BadInput
-from rlfleet.shared.events import Capture, Message, Rating, Undo, describe_validation_error
+from rlfleet.shared.events import (
+    FINISH_WORDS,
+    Capture,
+    Message,
+    Rating,
+    Undo,
+    describe_validation_error,
+    known_finish_word,
+)
 from rlfleet.shared.queue import queue_for
 
 from .app import JsonOpt, app, command_config, dispatch, emit, out
@@ -41,14 +49,19 @@ def capture(
     message_ref: Annotated[str | None, typer.Option(help="Your id for this answer, to rate it by later.")] = None,
     source: Annotated[str, typer.Option(help="Where it came from (cli, claude-code, codex, bridge…).")] = "cli",
     model: Annotated[str, typer.Option(help="What produced the answer.")] = "external",
+    finish_reason: Annotated[str | None, typer.Option(
+        help="How the answer ended, in its API's word: stop, length (OpenAI), end_turn, max_tokens (Anthropic)…; "
+             "one cut off by a length cap trains without an end token.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Record an answer produced elsewhere so it can be rated; prints the capture id."""
     cfg = command_config()
     try:
+        ended = None if finish_reason is None else FINISH_WORDS[known_finish_word(finish_reason)]
         ev = Capture(
             source=source, conversation=conversation, message_ref=message_ref,
             prompt=[Message(role="user", content=_read_text(prompt))], response=_read_text(response), model=model,
+            finish_reason=ended,
         )
     except Exception as exc:
         raise BadInput(_validation_line(exc)) from None
