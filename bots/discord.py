@@ -19,7 +19,7 @@ import yarl
 from discord import app_commands
 
 from rlfleet.shared.config import Config, DiscordSettings
-from rlfleet.shared.ingress.grammar import reaction_value
+from rlfleet.shared.ingress.grammar import Verb, reaction_value
 from rlfleet.shared.secrets_file import read_secret
 
 from .core import BotCore, Reply
@@ -27,7 +27,7 @@ from .supervisor import Link, supervise
 
 log = logging.getLogger(__name__)
 
-Action = Literal["good", "bad", "undo", "status", "train", "rollback", "reset", "help"]
+Action = Verb  # the /rl command's choices: every verb of the one grammar
 _MENTION = re.compile(r"<@!?\d+>\s*")
 
 
@@ -111,7 +111,8 @@ class RlfleetClient(discord.Client):
         core = self.core
 
         @self.tree.command(name="rl", description="Rate the bot's answers, see status, or train (admins)")
-        @app_commands.describe(action="what to do", detail="a comment on good/bad, or the version to roll back to")
+        @app_commands.describe(action="what to do",
+                               detail="a comment on good/bad, the reason of why, or the version to roll back to")
         async def rl(interaction: discord.Interaction, action: Action, detail: str | None = None) -> None:
             await interaction.response.defer(ephemeral=True, thinking=True)
             text = f"{action} {detail or ''}".strip()

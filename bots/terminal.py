@@ -257,6 +257,8 @@ def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> N
     verb = cmd.verb
     if verb == "good" or verb == "bad":
         _rate(state, cfg, handle, 1 if verb == "good" else -1, cmd.arg, state.last_capture)
+    elif verb == "why":
+        _carry_out(state, cfg, handle, state.cases.why(ME, state.conversation, cmd.arg))
     elif verb == "undo":
         _carry_out(state, cfg, handle, state.cases.undo(ME))
     elif verb == "status":

@@ -33,9 +33,11 @@ class CaptureIn(_Body):
 
 
 class RatingIn(_Body):
-    target: Ident = Field("last", description="a message_ref or capture id, or `last` (your latest in conversation)")
+    target: Ident = Field("last", description="a message_ref or capture id, or `last` (your latest in conversation; "
+                          "with no value, the answer of your latest rating there)")
     conversation: Ident | None = None
-    value: Literal["good", "bad", 1, -1]
+    value: Literal["good", "bad", 1, -1] | None = Field(
+        description="null: keep your rating of the answer and give it `comment` as its reason (`/rl why`)")
     comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
 
 

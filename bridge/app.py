@@ -24,7 +24,7 @@ from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.events import Capture, Message, describe_validation_error, finish_reason
 from rlfleet.shared.ingress.replies import NO_STATUS
-from rlfleet.shared.ingress.usecases import Send, UseCases, Value
+from rlfleet.shared.ingress.usecases import Reply, Send, UseCases, Value
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle, enqueue_event, status_key, wait_for
@@ -129,7 +129,11 @@ class Bridge:
         try:
             if isinstance(body, CaptureIn):
                 return self._capture(body, who)
-            if isinstance(body, RatingIn):
+            if isinstance(body, RatingIn) and body.value is None:
+                out = self.cases.why(who, body.conversation, body.comment, target=body.target, event_id=body.event_id)
+                if isinstance(out, Reply):
+                    return _error(422, f"invalid body: {out.text}")
+            elif isinstance(body, RatingIn):
                 value: Value = 1 if body.value in ("good", 1) else -1
                 out = self.cases.rate(who, body.conversation, value, body.comment, target=body.target,
                                       event_id=body.event_id)

@@ -141,7 +141,7 @@ def _state_file(h: Path, agent: str, session: str) -> Path:
 def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None:
     """UserPromptSubmit: handle `/rl`, else remember the prompt. Returns the JSON to print, if any."""
     from rlfleet.shared.ingress.grammar import HELP, is_rl, parse_rl
-    from rlfleet.shared.ingress.replies import status_line
+    from rlfleet.shared.ingress.replies import WHY_USAGE, status_line
 
     prompt = str(payload.get("prompt") or "")
     session = str(payload.get("session_id") or "default")
@@ -159,6 +159,13 @@ def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None
         status, data = bridge.send("POST", "/v1/ratings", {**base, "target": "last", "conversation": session,
                                                            "value": cmd.verb, "comment": cmd.arg})
         reason = _said(status, data, f"rated the last answer {cmd.verb}")
+    elif cmd.verb == "why":
+        if not (cmd.arg or "").strip():
+            reason = WHY_USAGE
+        else:
+            status, data = bridge.send("POST", "/v1/ratings", {**base, "target": "last", "conversation": session,
+                                                               "value": None, "comment": cmd.arg})
+            reason = _said(status, data, "noted why, on your last rating")
     elif cmd.verb == "undo":
         status, data = bridge.send("POST", "/v1/undo", base)
         reason = _said(status, data, "took back your last rating")

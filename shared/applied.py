@@ -41,6 +41,11 @@ def rated(value: int, again: bool, response: str) -> str:
     return f"{'re-rated' if again else 'rated'} {'good' if value > 0 else 'bad'}: {preview(response)}"
 
 
+def reasoned(value: int, reason: str | None) -> str:
+    """The answer to a reason said after the rating (``/rl why``)."""
+    return f"noted why it is {'good' if value > 0 else 'bad'}: {preview(reason or '')}"
+
+
 def preview(text: str, n: int = 60) -> str:
     one = " ".join(text.split())
     return one if len(one) <= n else one[: n - 1] + "…"

@@ -11,7 +11,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from .errors import BadInput
 
@@ -143,12 +143,14 @@ class Capture(_Event):
 class Rating(_Event):
     """+1 / -1 on a capture, addressed by message ref or ``last`` in a conversation. ``scope`` is what the
     ingress's permission decision granted (shared/permissions.py): the actor's ``own`` answers only, or
-    ``any`` one (an allowlisted rater); the store resolves the target within it."""
+    ``any`` one (an allowlisted rater); the store resolves the target within it. ``value`` None is a
+    reason said afterwards (``/rl why``): the actor's rating of the answer keeps its value and takes
+    ``comment`` as its reason."""
 
     type: Literal["rating"] = "rating"
     target: Ident = "last"
     conversation: Ident | None = None
-    value: Literal[1, -1]
+    value: Literal[1, -1] | None
     comment: str | None = None
     scope: Literal["own", "any"] = "own"
 
@@ -156,6 +158,12 @@ class Rating(_Event):
     @classmethod
     def _comment(cls, v: str | None) -> str | None:
         return None if v is None else _check_text(v, "comment", MAX_COMMENT_CHARS)
+
+    @model_validator(mode="after")
+    def _a_reason_has_words(self) -> Rating:
+        if self.value is None and not (self.comment or "").strip():
+            raise ValueError("a reason without a rating needs words: /rl why <reason>")
+        return self
 
 
 class Undo(_Event):

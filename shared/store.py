@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from . import dbsync
-from .applied import Applied, as_utc, capture_values, rated
+from .applied import Applied, as_utc, capture_values, rated, reasoned
 from .config import redact_url
 from .engines import _MIGRATED, engine_for, migrate
 from .engines import forget as forget  # a dropped database's engines: tests and benchmarks close them
@@ -174,17 +174,21 @@ class Store(RunLedger):
         if ev.event_id in b.done:  # applied before: the repeat is ignored
             return Applied(True, "already recorded", duplicate=True)
         anyones = ev.scope == "any"  # what the ingress's permission decision granted
-        cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, anyones)
+        if ev.value is None and ev.target == "last":  # a reason for the actor's latest rating
+            cap = self._last_rated(s, ev.actor, ev.conversation)
+        else:
+            cap = self._resolve_target(s, ev.target, ev.actor, ev.conversation, ev.source, anyones)
         if not anyones and cap.owner != ev.actor:
             raise NotFound("nothing of yours to rate here")
         current = self._active(s, cap.id, b)
+        value: int = ev.value if ev.value is not None else self._own_value(current, ev.actor)
         self._claim(s, ev.event_id, "rating", b)
         now = datetime.now(timezone.utc)
-        if current is not None and current.value == ev.value and current.comment == ev.comment:
+        if current is not None and current.value == value and current.comment == ev.comment:
             if current.id is None:  # added earlier in this batch: its id comes with the flush
                 b.fresh = current
-            return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=ev.value)
-        if current is not None:
+            return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=value)
+        if current is not None:  # a new reason replaces the rating too: a run trains on what it says
             current.state = "replaced"
             current.changed = now
         row = RatingRow(
@@ -193,7 +197,7 @@ class Store(RunLedger):
             train_model=train_model,
             actor=ev.actor,
             source=ev.source,
-            value=ev.value,
+            value=value,
             comment=ev.comment,
             state="active",
             adapter_version=cap.adapter_version,
@@ -203,7 +207,27 @@ class Store(RunLedger):
         s.add(row)
         b.active[cap.id] = row
         b.fresh = row
-        return Applied(True, rated(ev.value, current is not None, cap.response), capture_id=cap.id, value=ev.value)
+        said = reasoned(value, ev.comment) if ev.value is None else rated(value, current is not None, cap.response)
+        return Applied(True, said, capture_id=cap.id, value=value)
+
+    @staticmethod
+    def _last_rated(s: Session, actor: str, conversation: str | None) -> CaptureRow:
+        """The answer of ``actor``'s latest active rating (in ``conversation``, when given)."""
+        q = (select(CaptureRow).join(RatingRow, RatingRow.capture_id == CaptureRow.id)
+             .where(RatingRow.actor == actor, RatingRow.state == "active"))
+        if conversation:
+            q = q.where(CaptureRow.conversation == conversation)
+        row = s.scalars(q.order_by(RatingRow.created.desc(), RatingRow.id.desc()).limit(1)).first()
+        if row is None:
+            raise NotFound("nothing you rated here yet: /rl bad <why> rates an answer and says why at once")
+        return row
+
+    @staticmethod
+    def _own_value(current: RatingRow | None, actor: str) -> int:
+        """The value a reason said afterwards keeps: ``actor``'s own active rating of the answer."""
+        if current is None or current.actor != actor:
+            raise NotFound("you have not rated that answer: rate it with its reason, /rl bad <why>")
+        return current.value
 
     def _apply_undo(self, s: Session, ev: Undo, b: _Batch) -> Applied:
         if ev.event_id in b.done:  # applied before: the repeat is ignored

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from contextlib import asynccontextmanager
+from typing import get_args
 
 import discord
 import yarl
@@ -13,6 +14,7 @@ from botfakes import FakeDiscord, _discord_user
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 
 from rlfleet.bots.discord import RlfleetClient
+from rlfleet.shared.ingress.grammar import Verb
 
 BOT = "999"
 
@@ -101,7 +103,7 @@ def test_start_syncs_the_rl_command_and_a_mention_is_answered_with_buttons(queue
         async with rig(queued_home, monkeypatch) as r:
             synced = [c for c in r.fake.calls if c.path.endswith(f"/applications/{BOT}/commands")]
             assert synced and synced[0].body[0]["name"] == "rl"
-            assert [c["value"] for c in synced[0].body[0]["options"][0]["choices"]][:3] == ["good", "bad", "undo"]
+            assert [c["value"] for c in synced[0].body[0]["options"][0]["choices"]] == list(get_args(Verb))
             answer = await r.ask(OWNER, "what is a monad?")
             post = r.fake.of("/messages")[-1]
             assert post["content"] == "answer to: what is a monad?"
@@ -118,10 +120,11 @@ def test_slash_command_rates_undoes_and_guards_admin_actions(queued_home, monkey
             await r.ask(OWNER, "q1")
             assert (await r.rl(OWNER, "good", "clear")).startswith("rated good")
             assert "nothing of yours to rate here" in await r.rl(STRANGER, "bad")
+            assert await r.rl(OWNER, "why", "a clear example") == "noted why it is good: a clear example"
             assert await r.rl(OWNER, "undo") == "undid your good rating"
             assert await r.rl(STRANGER, "train") == "/rl train is for admins only"
             assert "already on the base model" in await r.rl(ADMIN, "rollback")
-            assert r.ratings() == [(OWNER, 1, "undone")]
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, 1, "undone")]
     run(go())
 
 

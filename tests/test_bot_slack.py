@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from rlfleet.bots.core import BotCore
 from rlfleet.bots.slack import GOOD_ACTION, build_app, http_app
-from rlfleet.shared.schema import CaptureRow
+from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
 
@@ -151,6 +151,25 @@ def test_rl_good_bad_undo_by_the_owner(queued_home):
             await r.command(OWNER, "undo")
             assert (await r.reply(3)) == "undid your bad rating"
             assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "undone")]
+    run(go())
+
+
+def test_rl_why_gives_the_last_rating_its_reason(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            await r.command(OWNER, "why too long")
+            assert "nothing you rated here yet" in await r.reply(1)
+            await r.command(OWNER, "bad")
+            assert (await r.reply(2)).startswith("rated bad")
+            await r.mention(OWNER, "q2")  # a newer answer, not rated: the reason still goes to q1's rating
+            await r.command(OWNER, "why")
+            assert (await r.reply(3)).startswith("say why after /rl why")
+            await r.command(OWNER, "why too long")
+            assert await r.reply(4) == "noted why it is bad: too long"
+            assert r.ratings() == [(OWNER, -1, "replaced"), (OWNER, -1, "active")]
+            with r.store.session() as s:
+                assert s.scalars(select(RatingRow).where(RatingRow.state == "active")).one().comment == "too long"
     run(go())
 
 

@@ -143,6 +143,23 @@ def test_an_answer_a_length_cap_cut_off_trains_without_an_end_token(bridge):
     assert [smp.complete for smp in samples] == [False, True, True]
 
 
+def test_a_reason_said_afterwards_by_message_ref_and_one_without_words(bridge):
+    cfg, handle, url = bridge
+    client = BridgeClient(url, SECRET)
+    client.capture("explain monads", "A monad is a monoid.", conversation="s", message_ref="t-1")
+    work(cfg, handle)
+    client.rate("t-1", "bad", conversation="s")
+    work(cfg, handle)
+    with pytest.raises(BridgeError, match="say why after /rl why"):
+        client.rate("t-1", None, conversation="s")  # a reason with no words, and no rating either
+    answer = while_working(cfg, handle, lambda: client.rate("t-1", None, conversation="s", comment="too vague",
+                                                           wait=5))
+    assert answer["result"]["message"] == "noted why it is bad: too vague"
+    with Store(cfg.db_url).session() as s:
+        rows = s.scalars(select(RatingRow).order_by(RatingRow.id)).all()
+        assert [(r.value, r.comment, r.state) for r in rows] == [(-1, None, "replaced"), (-1, "too vague", "active")]
+
+
 def test_wait_returns_the_workers_answer(bridge):
     cfg, handle, url = bridge
     client = BridgeClient(url, SECRET)

@@ -122,16 +122,19 @@ def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_h
         _ask_until_rateable(child, "And snow?")
         child.send("/rl bad too long\r")
         child.expect("you> ", timeout=SEEN)
+        child.send("/rl why far too long\r")  # the reason, changed afterwards
+        child.expect("noted why it is bad: far too long", timeout=SEEN)
         child.send("/quit\r")
         assert child.wait(timeout=60) == 0
     finally:
         child.close()
     store = Store(cfg.db_url)
     deadline = time.monotonic() + 60
-    while len(rated := store.rated_pairs(all_states=True)) < 2 and time.monotonic() < deadline:
+    while len(rated := store.rated_pairs(all_states=True)) < 3 and time.monotonic() < deadline:
         time.sleep(0.5)  # the chat's worker applies what the chat acknowledged
-    got = sorted((c.prompt[-1]["content"], r.value, r.comment) for r, c in rated)
-    assert got == [("And snow?", -1, "too long"), ("What is rain?", -1, "wordy")]
+    got = sorted((c.prompt[-1]["content"], r.value, r.comment, r.state) for r, c in rated)
+    assert got == [("And snow?", -1, "far too long", "active"), ("And snow?", -1, "too long", "replaced"),
+                   ("What is rain?", -1, "wordy", "active")]
     eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id  # how each answer ended is recorded
     assert all(c.finish_reason == ("stop" if c.behaviour_token_ids[-1] == eos else "length") for _, c in rated)
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from rlfleet.cli.app import app
 from rlfleet.shared.config import load_config
-from rlfleet.shared.schema import CaptureRow
+from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 
 runner = CliRunner()
@@ -65,6 +65,19 @@ def test_a_capture_says_how_its_answer_ended_in_its_apis_word(queued_home):
     assert rl("capture", "--prompt", "q", "--response", "cut", "--finish-reason", "max_tokens").exit_code == 0
     with Store(load_config().db_url).session() as s:
         assert [(c.response, c.finish_reason) for c in s.query(CaptureRow)] == [("cut", "length")]
+
+
+def test_why_gives_the_latest_rating_its_reason(queued_home):
+    res = rl_main("why", "too long")
+    assert res.returncode == 2 and "nothing you rated here yet" in res.stderr and "Traceback" not in res.stderr
+    rl("capture", "--prompt", "q", "--response", "a long answer")
+    assert rl("bad").exit_code == 0
+    out = json.loads(rl("why", "too long", "--json").output)
+    assert out["ok"] and out["message"] == "noted why it is bad: too long"
+    with Store(load_config().db_url).session() as s:
+        assert [(r.value, r.comment, r.state) for r in s.query(RatingRow).order_by(RatingRow.id)] == [
+            (-1, None, "replaced"), (-1, "too long", "active")]
+    assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
 
 
 def test_unknown_target_is_one_line_error_and_changes_nothing(queued_home):

@@ -12,6 +12,7 @@ from rlfleet.shared.ingress.replies import NOT_YET_RECORDED, status_line, worker
     ("good", "good", None), ("/rl good  nice one ", "good", "nice one"), ("/rl@rlfleet_bot bad", "bad", None),
     ("rl undo", "undo", None), ("+1", "good", None), ("rollback v0003", "rollback", "v0003"),
     ("STATUS", "status", None), ("", "help", None), ("dance", "help", None), ("x" * 5000, "help", None),
+    ("/rl why too long", "why", "too long"), ("because", "why", None),
 ])
 def test_parse_rl(text, verb, arg):
     cmd = parse_rl(text)

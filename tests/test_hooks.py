@@ -90,14 +90,21 @@ def test_a_turn_is_captured_and_rl_good_rates_it_without_reaching_the_model(brid
         assert res.returncode == 0 and out["decision"] == "block"  # the model never sees /rl
         assert out["reason"] == "rlfleet: rated the last answer good"
         work(cfg, handle)
+        res = run_hook(agent, "prompt", prompt_payload("/rl why", transcript, agent), cfg.home)
+        assert json.loads(res.stdout)["reason"].startswith("rlfleet: say why after /rl why")
+        res = run_hook(agent, "prompt", prompt_payload("/rl why found the stale lockfile", transcript, agent),
+                       cfg.home)
+        assert json.loads(res.stdout)["reason"] == "rlfleet: noted why, on your last rating"
+        work(cfg, handle)
     with Store(cfg.db_url).session() as s:
         cap = s.scalars(select(CaptureRow)).one()
         assert (cap.source, cap.conversation, cap.owner) == (agent, SESSION, "local")
         assert cap.prompt == [{"role": "user", "content": "why is the build red?"}]
         assert cap.response == "The lockfile is stale."
         assert cap.message_ref == ("turn-7" if agent == "codex" else "7b0c6b1e-1f7e-4b8a-9d55-0e3a4f2c1d00")
-        rating = s.scalars(select(RatingRow)).one()
-        assert (rating.value, rating.comment, rating.capture_id) == (1, "spot on", cap.id)
+        ratings = s.scalars(select(RatingRow).order_by(RatingRow.id)).all()
+        assert [(r.value, r.comment, r.state, r.capture_id) for r in ratings] == [
+            (1, "spot on", "replaced", cap.id), (1, "found the stale lockfile", "active", cap.id)]
 
 
 def test_stop_without_a_remembered_prompt_reads_the_transcript(bridge_home, tmp_path):

@@ -135,6 +135,34 @@ def test_reset_with_purge_deletes_ratings(store):
     assert store.counts(MODEL).total == 0
 
 
+def test_a_reason_said_afterwards_keeps_the_rating_and_takes_its_words(store):
+    first, second, strangers = cap("first"), cap("second"), cap("theirs", owner="u2")
+    for c in (first, second, strangers):
+        store.apply_capture(c)
+    with pytest.raises(NotFound, match="nothing you rated here yet"):
+        store.apply_rating(Rating(value=None, comment="too long"), MODEL)
+    store.apply_rating(Rating(value=-1, target=first.capture_id), MODEL)
+    said = store.apply_rating(Rating(value=None, comment="too long"), MODEL)  # the answer last rated, not the newest
+    assert said.ok and said.capture_id == first.capture_id and said.value == -1
+    assert said.message == "noted why it is bad: too long"
+    changed = store.apply_rating(Rating(value=None, comment="far too long", target=first.capture_id), MODEL)
+    assert changed.ok and changed.value == -1
+    with pytest.raises(NotFound, match="you have not rated that answer"):
+        store.apply_rating(Rating(value=None, comment="meh", target=second.capture_id), MODEL)
+    store.apply_rating(Rating(actor="u2", value=1, target=strangers.capture_id), MODEL)
+    with pytest.raises(NotFound, match="you have not rated that answer"):  # another rater's rating is theirs
+        store.apply_rating(Rating(value=None, comment="meh", target=strangers.capture_id, scope="any"), MODEL)
+    assert [(r.value, r.comment, r.state) for r, c in store.rated_pairs(all_states=True)
+            if c.id == first.capture_id] == [(-1, None, "replaced"), (-1, "too long", "replaced"),
+                                             (-1, "far too long", "active")]
+    assert store.counts(MODEL).total == 2  # one rating per answer still
+
+
+def test_a_reason_needs_words():
+    with pytest.raises(ValueError, match="needs words"):
+        Rating(value=None, comment="  ")
+
+
 def test_migrations_are_reentrant(db_url):
     Store(db_url)
     Store(db_url)  # a second open finds the schema at head and changes nothing

@@ -10,11 +10,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Verb = Literal["good", "bad", "undo", "status", "train", "rollback", "reset", "help"]
+Verb = Literal["good", "bad", "why", "undo", "status", "train", "rollback", "reset", "help"]
 ADMIN_VERBS: frozenset[str] = frozenset({"train", "rollback", "reset"})
 _VERBS: dict[str, Verb] = {
     "good": "good", "+": "good", "+1": "good", "up": "good",
-    "bad": "bad", "-": "bad", "-1": "bad", "down": "bad",
+    "bad": "bad", "-": "bad", "-1": "bad", "down": "bad", "why": "why", "because": "why",
     "undo": "undo", "status": "status", "train": "train", "rollback": "rollback", "reset": "reset",
     "help": "help", "?": "help",
 }
@@ -22,6 +22,7 @@ MAX_COMMAND_CHARS = 2_000
 
 HELP = (
     "/rl good [comment] · /rl bad [comment]: rate the bot's last answer to you here\n"
+    "/rl why <reason>: say (or change) why, on your last rating here\n"
     "/rl undo: take back your last rating · /rl status: the model, ratings, training\n"
     "admins: /rl train · /rl rollback [version] · /rl reset\n"
     "or react to an answer with 👍 / 👎 (remove the reaction to undo)"
@@ -31,7 +32,7 @@ HELP = (
 @dataclass(frozen=True)
 class RlCommand:
     verb: Verb
-    arg: str | None = None  # the comment of good/bad, the version of rollback
+    arg: str | None = None  # the comment of good/bad, the reason of why, the version of rollback
     unknown: str | None = None  # what was typed when it was not a command we know
 
     @property
@@ -63,7 +64,7 @@ def parse_rl(text: str) -> RlCommand:
     arg = rest.strip() or None
     if verb is None:
         return RlCommand("help", unknown=head[:40])
-    if verb in ("good", "bad", "rollback"):
+    if verb in ("good", "bad", "why", "rollback"):
         return RlCommand(verb, arg)
     return RlCommand(verb)
 

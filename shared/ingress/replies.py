@@ -5,6 +5,7 @@ from __future__ import annotations
 
 NOTHING_TO_RATE = "nothing of yours to rate here"
 NOT_YOURS = "only the person the bot answered (or an allowlisted rater) can rate this answer"
+WHY_USAGE = "say why after /rl why, e.g. /rl why too long: it becomes the reason of your last rating here"
 NOT_YET_RECORDED = "noted; it will be recorded when the rlfleet worker gets to it"
 NO_STATUS = "no status yet: is the rlfleet worker running (`rlfleet up`)?"
 

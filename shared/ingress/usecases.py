@@ -28,7 +28,7 @@ from ..permissions import Action, Actor, Decision, PermissionTable
 from ..posted import Posted, PostedMessages
 from ..queue import QueueHandle, enqueue_event, status_key, wait_for
 from .grammar import HELP, parse_rl
-from .replies import NOT_YOURS, NOTHING_TO_RATE, admins_only, status_line, worker_answer
+from .replies import NOT_YOURS, NOTHING_TO_RATE, WHY_USAGE, admins_only, status_line, worker_answer
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,8 @@ class UseCases:
         verb = cmd.verb
         if verb == "good" or verb == "bad":
             return self.rate(who, conversation, 1 if verb == "good" else -1, cmd.arg, reply_to=reply_to)
+        if verb == "why":
+            return self.why(who, conversation, cmd.arg, reply_to=reply_to)
         if verb == "undo":
             return self.undo(who)
         if verb == "help" or verb == "status":
@@ -200,6 +202,21 @@ class UseCases:
                                      "that message is not an answer of this bot's")
         return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=target, value=value,
                            comment=comment, scope=decision.scope, **_event_id(event_id)))
+
+    def why(self, who: Actor, conversation: str | None, reason: str | None, *, reply_to: str | None = None,
+            target: str = "last", event_id: str | None = None) -> Outcome:
+        """A reason said after the rating (``/rl why <reason>``): ``who``'s rating of the answer ``reply_to``
+        names, else of ``target`` (``last``: their latest rating here), keeps its value and takes it."""
+        decision = self.decide(who, "rate")
+        if not decision.allowed:
+            return None
+        if not (reason or "").strip():
+            return Reply(WHY_USAGE)
+        if reply_to:
+            return self._rate_posted(who, decision, conversation or "", reply_to, None, reason,
+                                     "that message is not an answer of this bot's")
+        return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=target, value=None,
+                           comment=reason, scope=decision.scope, **_event_id(event_id)))
 
     def press(self, who: Actor, conversation: str, message_ref: str, value: Value) -> Outcome:
         """A good/bad button under the answer ``message_ref``."""
@@ -272,8 +289,8 @@ class UseCases:
     def _lookup(self, who: Actor, conversation: str, message_ref: str) -> Posted | None:
         return self.posted.lookup(who.source, conversation, message_ref) if self.posted is not None else None
 
-    def _rate_posted(self, who: Actor, decision: Decision, conversation: str, message_ref: str, value: Value,
-                     comment: str | None, not_ours: str) -> Outcome:
+    def _rate_posted(self, who: Actor, decision: Decision, conversation: str, message_ref: str,
+                     value: Value | None, comment: str | None, not_ours: str) -> Outcome:
         """A permitted rating of the answer this front end posted as ``message_ref``, if it is one and
         the decision reaches its owner."""
         posted = self._lookup(who, conversation, message_ref)

@@ -16,6 +16,13 @@ from collections.abc import Iterable
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+# Hypothesis checks isinstance(values, numpy.ndarray) whenever "numpy" is in sys.modules; a worker thread
+# importing the jobs module (which imports numpy) mid-draw would leave it half-initialised there.
+try:
+    import numpy  # noqa: F401
+except ImportError:  # without the training extra nothing imports it
+    pass
+
 EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", "300"))
 SECRET = "f" * 16 + "SECRET-VALUE-0123456789"
 BATCH = 12  # payloads per case in the platform tests (more and hypothesis cannot generate them in its budget)

@@ -145,7 +145,7 @@ def test_gateway_events_from_anyone_change_nothing_and_never_stop_the_client(que
         case()
         # still listening after all of it: the owner's reaction counts and /rl answers
         step(r.react(OWNER, answer, "👍"))
-        step(r.base.settle())
+        step(r.base.until(r.base.ratings, "the owner's rating"))  # a gateway event: handled when the client gets to it
         assert r.ratings() == [(OWNER, 1, "active")]
         assert step(r.rl(STRANGER, "status")).startswith(("serving", "no status yet"))
         assert len(r.base.llm.calls) == 1  # nobody else got an answer

@@ -106,6 +106,24 @@ def bad(target: TargetOpt = "last", comment: CommentOpt = None, conversation: Co
 
 
 @app.command()
+def why(
+    reason: Annotated[str, typer.Argument(help="Why you rated it so, e.g. 'too long' (or @file, or -).")],
+    target: Annotated[str, typer.Option("--target", help="A capture id or message ref, or 'last' (the answer "
+                                        "of your latest rating).")] = "last",
+    conversation: ConvOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Say (or change) why you rated an answer as you did: the rating keeps its value and takes the reason."""
+    cfg = command_config()
+    try:
+        ev = Rating(target=target, value=None, comment=_read_text(reason), conversation=conversation)
+    except Exception as exc:
+        raise BadInput(_validation_line(exc)) from None
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, ev), as_json)
+
+
+@app.command()
 def undo(as_json: JsonOpt = False) -> None:
     """Take back your most recent rating."""
     cfg = command_config()
