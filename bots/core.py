@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from rlfleet.shared.config import BotSettings, Config
 from rlfleet.shared.events import Capture, Platform, describe_validation_error, well_formed
+from rlfleet.shared.ingress.reasons import reason_for
 from rlfleet.shared.ingress.usecases import (
     ADMIN_COOLDOWN_S,
     Completion,
@@ -146,3 +147,18 @@ class BotCore:
         self, actor: str | None, conversation: str, message_ref: str, value: Literal[1, -1], *, is_bot: bool = False
     ) -> Reply | None:
         return await self.cases.carry_out(self.cases.press(self.who(actor, is_bot), conversation, message_ref, value))
+
+    @_well_formed_args
+    async def reason(
+        self, actor: str | None, conversation: str, message_ref: str, choice: str, *, is_bot: bool = False
+    ) -> Reply | None:
+        """A one-click reason (its number or words, shared/ingress/reasons.py) for the rating of the answer
+        posted as ``message_ref``."""
+        reason = reason_for(choice)
+        if reason is None:
+            return Reply(f"not a reason of the menu: {choice[:40]!r}; type /rl why <your words>")
+        try:
+            return await self.cases.carry_out(self.cases.why(self.who(actor, is_bot), conversation, reason,
+                                                             reply_to=message_ref))
+        except ValidationError as exc:  # an id the platform handed us that no event takes
+            return Reply(describe_validation_error(exc, "could not record that"))

@@ -24,6 +24,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from rlfleet.shared.config import Config, SlackSettings
 from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.ingress.grammar import reaction_value
+from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
@@ -33,6 +34,7 @@ from .supervisor import Link, supervise
 log = logging.getLogger(__name__)
 
 GOOD_ACTION, BAD_ACTION = "rl_good", "rl_bad"
+REASON_ACTION = "rl_why_"  # + the reason's number in shared/ingress/reasons.REASONS
 MAX_BODY_BYTES = 1 << 20  # Slack's payloads are a few kB; anything near this is not from Slack
 _MENTION = re.compile(r"<@[A-Z0-9]+>\s*")
 
@@ -186,16 +188,43 @@ def register_reactions(app: AsyncApp, core: BotCore) -> None:
         await on_reaction(event, added=False)
 
 
+def reason_blocks(text: str, message_ref: str) -> list[dict]:
+    """A private reply to a 👎 with the one-click reasons under it, each naming the answer it is about."""
+    return [
+        {"type": "section", "text": {"type": "mrkdwn", "text": f"{text[:2900]}\nWhy? (or type `/rl why <words>`)"}},
+        {"type": "actions", "block_id": "rl_why", "elements": [
+            {"type": "button", "action_id": f"{REASON_ACTION}{i}", "text": {"type": "plain_text", "text": reason},
+             "value": message_ref[:2000]} for i, reason in enumerate(REASONS, 1)
+        ]},
+    ]
+
+
 def register_buttons(app: AsyncApp, core: BotCore) -> None:
-    """The good/bad buttons under an answer, answered privately to whoever pressed one."""
+    """The good/bad buttons under an answer, answered privately to whoever pressed one; a 👎's reply
+    offers the reasons, and a reason pressed replaces that reply with the answer to it."""
 
     async def on_button(ack: Any, body: dict, respond: Any, value: int) -> None:
         await ack()
+        ref = (body.get("message") or {}).get("ts", "")
         reply = await core.button(
-            (body.get("user") or {}).get("id"), (body.get("channel") or {}).get("id", ""),
-            (body.get("message") or {}).get("ts", ""), value,  # type: ignore[arg-type]
+            (body.get("user") or {}).get("id"), (body.get("channel") or {}).get("id", ""), ref,
+            value,  # type: ignore[arg-type]
         )
-        await respond_private(respond, reply)
+        if reply is not None and reply.ask_why and isinstance(ref, str) and ref:
+            await respond(text=reply.text, blocks=reason_blocks(reply.text, ref), response_type="ephemeral",
+                          replace_original=False)
+        else:
+            await respond_private(respond, reply)
+
+    @app.action(re.compile(f"^{REASON_ACTION}[0-9]+$"))
+    async def reason_button(ack: Any, body: dict, respond: Any, action: dict) -> None:
+        await ack()
+        reply = await core.reason(
+            (body.get("user") or {}).get("id"), (body.get("channel") or {}).get("id", ""),
+            str(action.get("value") or ""), str(action.get("action_id", "")).removeprefix(REASON_ACTION),
+        )
+        if reply is not None:
+            await respond(text=reply.text, response_type="ephemeral", replace_original=True)
 
     @app.action(GOOD_ACTION)
     async def good_button(ack: Any, body: dict, respond: Any) -> None:

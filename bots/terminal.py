@@ -23,6 +23,7 @@ from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import describe_validation_error
 from rlfleet.shared.ingress.grammar import parse_rl
+from rlfleet.shared.ingress.reasons import OTHER, REASONS, menu, reason_for
 from rlfleet.shared.ingress.usecases import Completion, Send, UseCases, Value
 from rlfleet.shared.models import resolve_model
 from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
@@ -228,9 +229,25 @@ def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
             continue
         if key in ("1", "2", "g", "b", "good", "bad"):
             value: Value = 1 if key in ("1", "g", "good") else -1
+            if value < 0 and comment is None:
+                comment = _ask_reason(state)
             _rate(state, cfg, handle, value, comment, target=state.last_capture)
             return
         console.print("[dim]press 1, 2, c, or enter (or type /rl good, /rl bad \\[why])[/]")
+
+
+def _ask_reason(state: ChatState) -> str | None:
+    """Why a 👎, in one key: one of the shared reasons, ``o`` and your own words, or enter for none."""
+    while True:
+        key = state.screen.read(f"why? {menu()}  [enter] skip > ")
+        if key is None or not key.strip():
+            return None
+        if key.strip().lower() in ("o", OTHER):
+            return state.screen.read("why> ") or None
+        reason = reason_for(key)
+        if reason is not None:
+            return reason
+        console.print(f"[dim]press 1-{len(REASONS)}, o, or enter[/]")
 
 
 def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: Value, comment: str | None,

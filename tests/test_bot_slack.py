@@ -18,7 +18,9 @@ from slack_sdk.signature import SignatureVerifier
 from sqlalchemy import select
 
 from rlfleet.bots.core import BotCore
-from rlfleet.bots.slack import GOOD_ACTION, build_app, http_app
+from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION, build_app, http_app
+from rlfleet.shared.ingress.reasons import REASONS
+from rlfleet.shared.ingress.replies import NOT_YOURS
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
@@ -79,13 +81,13 @@ class SlackRig:
                                  "reaction": name, "item": {"type": "message", "channel": CHANNEL, "ts": ts},
                                  "item_user": "UBOT", "event_ts": str(time.time())})
 
-    async def button(self, user: str, ts: str, action: str = GOOD_ACTION):
+    async def button(self, user: str, ts: str, action: str = GOOD_ACTION, value: str | None = None):
         self._n += 1
         payload = {"type": "block_actions", "user": {"id": user}, "team": {"id": "T1"}, "api_app_id": "A1",
                    "channel": {"id": CHANNEL}, "message": {"ts": ts, "text": "x"}, "container": {"type": "message"},
                    "trigger_id": f"t{self._n}", "response_url": f"{self.slack.url}/respond/{self._n}",
                    "actions": [{"action_id": action, "block_id": "rl_rate", "type": "button",
-                                "value": "1" if action == GOOD_ACTION else "-1", "action_ts": "1"}]}
+                                "value": value or ("1" if action == GOOD_ACTION else "-1"), "action_ts": "1"}]}
         body = urlencode({"payload": json.dumps(payload)})
         return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
 
@@ -168,6 +170,33 @@ def test_rl_why_gives_the_last_rating_its_reason(queued_home):
             await r.command(OWNER, "why too long")
             assert await r.reply(4) == "noted why it is bad: too long"
             assert r.ratings() == [(OWNER, -1, "replaced"), (OWNER, -1, "active")]
+            with r.store.session() as s:
+                assert s.scalars(select(RatingRow).where(RatingRow.state == "active")).one().comment == "too long"
+    run(go())
+
+
+def test_a_thumbs_down_button_offers_the_reasons_and_one_click_gives_it(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            await r.button(OWNER, ts, GOOD_ACTION)
+            assert (await r.reply(1)).startswith("rated good")
+            assert "blocks" not in [c.body for c in r.slack.calls if c.path.startswith("/respond/")][0]
+            await r.button(OWNER, ts, BAD_ACTION)
+            assert (await r.reply(2)).startswith("re-rated bad")
+            offered = [c.body for c in r.slack.calls if c.path.startswith("/respond/")][1]
+            blocks = json.loads(offered["blocks"]) if isinstance(offered["blocks"], str) else offered["blocks"]
+            buttons = blocks[1]["elements"]
+            assert [b["text"]["text"] for b in buttons] == list(REASONS)
+            assert {b["value"] for b in buttons} == {ts}  # each one names the answer it is about
+            await r.button(STRANGER, ts, buttons[0]["action_id"], value=ts)  # not theirs to give a reason for
+            assert await r.reply(3) == NOT_YOURS
+            await r.button(OWNER, ts, buttons[0]["action_id"], value=ts)
+            assert await r.reply(4) == "noted why it is bad: too long"
+            assert [c.body.get("replace_original") for c in r.slack.calls if c.path.startswith("/respond/")][3]
+            await r.button(OWNER, ts, "rl_why_99", value=ts)  # a forged choice: said, nothing changed
+            assert "not a reason of the menu" in await r.reply(5)
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "replaced"), (OWNER, -1, "active")]
             with r.store.session() as s:
                 assert s.scalars(select(RatingRow).where(RatingRow.state == "active")).one().comment == "too long"
     run(go())

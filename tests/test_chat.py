@@ -102,7 +102,8 @@ def _ask_until_rateable(child: PtySession, question: str) -> None:
     raise AssertionError(f"no rateable answer to {question!r} in 5 tries; the screen ended with:\n{child.raw[-2000:]}")
 
 
-def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_home, tiny_model_dir, monkeypatch):
+def test_the_rating_prompt_takes_a_key_a_comment_a_reason_and_a_typed_rl_command(queued_home, tiny_model_dir,
+                                                                                  monkeypatch):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
     cfg.train.threshold = 1000  # no training run starts
@@ -124,16 +125,31 @@ def test_the_rating_prompt_takes_a_key_a_comment_and_a_typed_rl_command(queued_h
         child.expect("you> ", timeout=SEEN)
         child.send("/rl why far too long\r")  # the reason, changed afterwards
         child.expect("noted why it is bad: far too long", timeout=SEEN)
+        _ask_until_rateable(child, "And hail?")
+        child.send("2\r")  # a 👎 without a comment: one of the reasons, in one key
+        child.expect("why? [1] too long  [2] too short  [3] wrong  [4] off-topic  [5] tone  [o] other", timeout=SEEN)
+        child.send("9\r")
+        child.expect("press 1-5, o, or enter", timeout=SEEN)
+        child.send("3\r")
+        child.expect("rated bad", timeout=SEEN)
+        _ask_until_rateable(child, "And fog?")
+        child.send("2\r")
+        child.expect("skip > ", timeout=SEEN)
+        child.send("o\r")  # other: their own words
+        child.expect("why> ", timeout=SEEN)
+        child.send("grey and vague\r")
+        child.expect("rated bad", timeout=SEEN)
         child.send("/quit\r")
         assert child.wait(timeout=60) == 0
     finally:
         child.close()
     store = Store(cfg.db_url)
     deadline = time.monotonic() + 60
-    while len(rated := store.rated_pairs(all_states=True)) < 3 and time.monotonic() < deadline:
+    while len(rated := store.rated_pairs(all_states=True)) < 5 and time.monotonic() < deadline:
         time.sleep(0.5)  # the chat's worker applies what the chat acknowledged
     got = sorted((c.prompt[-1]["content"], r.value, r.comment, r.state) for r, c in rated)
-    assert got == [("And snow?", -1, "far too long", "active"), ("And snow?", -1, "too long", "replaced"),
+    assert got == [("And fog?", -1, "grey and vague", "active"), ("And hail?", -1, "wrong", "active"),
+                   ("And snow?", -1, "far too long", "active"), ("And snow?", -1, "too long", "replaced"),
                    ("What is rain?", -1, "wordy", "active")]
     eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id  # how each answer ended is recorded
     assert all(c.finish_reason == ("stop" if c.behaviour_token_ids[-1] == eos else "length") for _, c in rated)

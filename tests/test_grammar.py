@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.shared.ingress.grammar import is_rl, parse_rl, reaction_value
+from rlfleet.shared.ingress.reasons import REASONS, menu, reason_for
 from rlfleet.shared.ingress.replies import NOT_YET_RECORDED, status_line, worker_answer
 
 
@@ -63,3 +64,9 @@ def test_status_line():
     assert status_line(st) == ("serving v0002 of m · 5 ratings (3 good, 2 bad), 4/32 toward the next training "
                                "run · training training 2/8")
     assert status_line({**st, "training": {"state": "failed", "error": "boom"}}).endswith(" · last run: boom")
+
+
+def test_a_one_click_reason_is_its_number_or_its_words():
+    assert [reason_for(c) for c in ("1", " 5 ", "Too Long", "tone")] == ["too long", "tone", "too long", "tone"]
+    assert [reason_for(c) for c in ("0", "6", "o", "other", "because", "")] == [None] * 6
+    assert menu().startswith("[1] too long  [2] too short") and menu().endswith(f"[{len(REASONS)}] tone  [o] other")

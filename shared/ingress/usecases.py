@@ -54,6 +54,9 @@ class Completion:
 class Reply:
     text: str
     private: bool = True  # ephemeral where the platform has it, else to the sender only
+    # A 👎 just recorded without words: a front end with buttons offers the one-click reasons with it
+    # (shared/ingress/reasons.py), each one `why` on the same answer.
+    ask_why: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,8 +279,11 @@ class UseCases:
         """Say a reply, or send an event and say the worker's answer (waiting up to ``wait_s``)."""
         if not isinstance(outcome, Send):
             return outcome
-        ticket = self.hand_over(outcome.event)
-        return Reply(worker_answer(await asyncio.to_thread(wait_for, ticket, self.wait_s)))
+        ev = outcome.event
+        ticket = self.hand_over(ev)
+        result = await asyncio.to_thread(wait_for, ticket, self.wait_s)
+        bare_thumbs_down = isinstance(ev, Rating) and ev.value == -1 and not ev.comment
+        return Reply(worker_answer(result), ask_why=bare_thumbs_down and (result is None or bool(result.get("ok"))))
 
     def snapshot(self) -> dict | None:
         """The worker's last published status, or None."""
