@@ -20,6 +20,7 @@ from discord import app_commands
 
 from rlfleet.shared.config import Config, DiscordSettings
 from rlfleet.shared.ingress.grammar import Verb, reaction_value
+from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 
 from .core import BotCore, Reply
@@ -70,6 +71,19 @@ def _sender(interaction: discord.Interaction) -> tuple[str | None, bool]:
     return (str(user.id), bool(user.bot)) if user else (None, False)
 
 
+_REASON = "rlwhy:"  # custom id of a one-click reason: rlwhy:<its number in REASONS>:<the answer's message id>
+
+
+def reason_view(message_id: str) -> discord.ui.View:
+    """The one-click reasons, under a 👎's private reply; each names the answer it is about, so a click is
+    handled wherever it lands (RlfleetClient.on_interaction), not by this view's own callbacks."""
+    view = discord.ui.View(timeout=600)
+    for i, reason in enumerate(REASONS, 1):
+        view.add_item(discord.ui.Button(label=reason, custom_id=f"{_REASON}{i}:{message_id}"[:100],
+                                        style=discord.ButtonStyle.secondary))
+    return view
+
+
 class RatingView(discord.ui.View):
     """👍 / 👎 under an answer; persistent (fixed custom ids, no timeout)."""
 
@@ -84,7 +98,10 @@ class RatingView(discord.ui.View):
         reply = await self.core.button(
             actor, str(interaction.channel_id), str(message.id) if message else "", value, is_bot=is_bot,
         )
-        await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
+        if reply is not None and reply.ask_why and message is not None:
+            await interaction.followup.send(reply.text, ephemeral=True, view=reason_view(str(message.id)))
+        else:
+            await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
 
     @discord.ui.button(label="good", emoji="👍", style=discord.ButtonStyle.secondary, custom_id="rl:1")
     async def good(self, interaction: discord.Interaction, button: discord.ui.Button) -> None:
@@ -125,6 +142,19 @@ class RlfleetClient(discord.Client):
             self.add_view(self.view)
         if self.sync_commands:
             await self.tree.sync()
+
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        """A one-click reason pressed (every other interaction is the command tree's or a view's)."""
+        data = interaction.data if isinstance(interaction.data, dict) else {}
+        custom_id = data.get("custom_id")
+        if interaction.type != discord.InteractionType.component or not isinstance(custom_id, str) \
+                or not custom_id.startswith(_REASON):
+            return
+        choice, _, ref = custom_id.removeprefix(_REASON).partition(":")
+        await interaction.response.defer(ephemeral=True, thinking=True)
+        actor, is_bot = _sender(interaction)
+        reply = await self.core.reason(actor, str(interaction.channel_id), ref, choice, is_bot=is_bot)
+        await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
 
     async def on_ready(self) -> None:
         if self.link is not None:

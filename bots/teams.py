@@ -19,6 +19,7 @@ from botbuilder.schema import Activity, ChannelAccount, MessageReaction
 
 from rlfleet.shared.config import Config, TeamsSettings
 from rlfleet.shared.ingress.grammar import is_rl, reaction_value
+from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
@@ -35,6 +36,17 @@ def rating_card() -> Any:
         "type": "AdaptiveCard", "version": "1.4", "body": [],
         "actions": [{"type": "Action.Submit", "title": "👍 good", "data": {"rl": 1}},
                     {"type": "Action.Submit", "title": "👎 bad", "data": {"rl": -1}}],
+    })
+
+
+def reasons_card(text: str, answer_ref: str) -> Any:
+    """A 👎's reply with the one-click reasons as buttons; each names the answer it is about (the card's
+    own id is what a press of it replies to)."""
+    return CardFactory.adaptive_card({
+        "type": "AdaptiveCard", "version": "1.4",
+        "body": [{"type": "TextBlock", "text": f"{text}\n\nWhy? (or type /rl why <words>)", "wrap": True}],
+        "actions": [{"type": "Action.Submit", "title": reason, "data": {"rlwhy": i, "ref": answer_ref}}
+                    for i, reason in enumerate(REASONS, 1)],
     })
 
 
@@ -65,6 +77,14 @@ class TeamsBot(ActivityHandler):
                 await self._say(turn, "unknown button")
                 return
             reply = await self.core.button(actor, conversation, act.reply_to_id or "", value, is_bot=is_bot)
+            if reply is not None and reply.ask_why and act.reply_to_id:
+                await turn.send_activity(MessageFactory.attachment(reasons_card(reply.text, act.reply_to_id)))
+            elif reply is not None:
+                await self._say(turn, reply.text)
+            return
+        if isinstance(act.value, dict) and "rlwhy" in act.value:  # a reasons card's button
+            reply = await self.core.reason(actor, conversation, str(act.value.get("ref") or ""),
+                                           str(act.value.get("rlwhy")), is_bot=is_bot)
             if reply is not None:
                 await self._say(turn, reply.text)
             return

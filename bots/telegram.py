@@ -30,6 +30,7 @@ from telegram.ext import (
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.ingress.grammar import reaction_value
+from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
 
@@ -41,15 +42,22 @@ log = logging.getLogger(__name__)
 ALLOWED_UPDATES = ["message", "callback_query", "message_reaction"]
 MAX_BODY_BYTES = 1 << 20
 _BUTTON = "rl:"  # callback data: "rl:1" / "rl:-1"
+_REASON = "rlwhy:"  # + the reason's number in shared/ingress/reasons.REASONS
 
 
 def message_ref(chat_id: int, message_id: int) -> str:
     return f"{chat_id}:{message_id}"
 
 
-def rating_keyboard() -> InlineKeyboardMarkup:
-    return InlineKeyboardMarkup([[InlineKeyboardButton("👍 good", callback_data=f"{_BUTTON}1"),
-                                  InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")]])
+def rating_keyboard(reasons: bool = False) -> InlineKeyboardMarkup:
+    """The good/bad row under an answer; after a 👎, the one-click reasons under it too (each one about
+    the message it sits on)."""
+    rows = [[InlineKeyboardButton("👍 good", callback_data=f"{_BUTTON}1"),
+             InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")]]
+    if reasons:
+        why = [InlineKeyboardButton(r, callback_data=f"{_REASON}{i}") for i, r in enumerate(REASONS, 1)]
+        rows += [why[:3], why[3:]]
+    return InlineKeyboardMarkup(rows)
 
 
 def thumb(reactions: Any) -> Literal[1, -1] | None:
@@ -146,12 +154,35 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
         reply = await core.button(str(q.from_user.id), str(msg.chat.id), message_ref(msg.chat.id, msg.message_id),
                                   value, is_bot=q.from_user.is_bot)  # type: ignore[arg-type]
         await q.answer(reply.text if reply else None)  # a toast only the presser sees
+        if reply is not None and reply.ask_why:
+            await _show(q, rating_keyboard(reasons=True))
+
+    async def on_reason(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+        q = update.callback_query
+        if q is None or q.message is None or not q.data:
+            return
+        msg = q.message
+        reply = await core.reason(str(q.from_user.id), str(msg.chat.id), message_ref(msg.chat.id, msg.message_id),
+                                  q.data.removeprefix(_REASON), is_bot=q.from_user.is_bot)
+        await q.answer(reply.text if reply else None)
+        if reply is not None and reply.recorded:  # given: the reasons leave the answer
+            await _show(q, rating_keyboard())
 
     application.add_handler(CommandHandler("rl", rl))
     application.add_handler(MessageHandler(filters.TEXT & ~filters.COMMAND, on_text))
     application.add_handler(MessageReactionHandler(on_reaction))
     application.add_handler(CallbackQueryHandler(on_button, pattern=f"^{_BUTTON}"))
+    application.add_handler(CallbackQueryHandler(on_reason, pattern=f"^{_REASON}"))
     return application
+
+
+async def _show(q: Any, keyboard: InlineKeyboardMarkup) -> None:
+    """The answer's buttons as ``keyboard``; a message Telegram will not edit (too old, deleted) keeps
+    the ones it has."""
+    try:
+        await q.edit_message_reply_markup(reply_markup=keyboard)
+    except TelegramError as exc:
+        log.info("could not change the buttons under an answer: %s", exc)
 
 
 def webhook_app(application: Application, secret: str, path: str = "/telegram") -> web.Application:

@@ -15,6 +15,8 @@ from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 
 from rlfleet.bots.discord import RlfleetClient
 from rlfleet.shared.ingress.grammar import Verb
+from rlfleet.shared.ingress.reasons import REASONS
+from rlfleet.shared.ingress.replies import NOT_YOURS
 
 BOT = "999"
 
@@ -144,6 +146,14 @@ def test_reactions_and_buttons_follow_the_owner_rules(queued_home, monkeypatch):
             assert "only the person the bot answered" in await r.press(STRANGER, answer)
             assert (await r.press(RATER, answer, "rl:-1")).startswith("rated bad")
             assert r.ratings()[-1] == (RATER, -1, "active")
+            offered = [c.body for c in r.fake.calls if "/webhooks/" in c.path][-1]  # the 👎's reply, with reasons
+            buttons = [c for row in offered["components"] for c in row["components"]]
+            assert [b["label"] for b in buttons] == list(REASONS)
+            assert [b["custom_id"] for b in buttons][:2] == [f"rlwhy:1:{answer}", f"rlwhy:2:{answer}"]
+            assert await r.press(STRANGER, answer, buttons[1]["custom_id"]) == NOT_YOURS
+            assert await r.press(RATER, answer, buttons[1]["custom_id"]) == "noted why it is bad: too short"
+            assert "not a reason of the menu" in await r.press(RATER, answer, f"rlwhy:77:{answer}")
+            assert r.ratings()[-2:] == [(RATER, -1, "replaced"), (RATER, -1, "active")]
     run(go())
 
 

@@ -13,6 +13,8 @@ from botfakes import FakeTeamsConnector
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 
 from rlfleet.bots.teams import web_app
+from rlfleet.shared.ingress.reasons import REASONS
+from rlfleet.shared.ingress.replies import NOT_YOURS
 from rlfleet.shared.webserver import listening
 
 CONV = "19:team-chat"
@@ -122,6 +124,19 @@ def test_reactions_and_card_buttons_follow_the_owner_rules(queued_home):
             r.send(r.activity(RATER, type="message", value={"rl": 1}, replyToId=answer))
             assert (await r.said(3)).startswith("rated good")
             assert r.ratings()[-1] == (RATER, 1, "active")
+            r.send(r.activity(RATER, type="message", value={"rl": -1}, replyToId=answer))
+            await r.base.until(lambda: r.replies()[3:] or None, "the 👎's reply")
+            card = r.replies()[3]["attachments"][0]["content"]  # with the reasons under it
+            assert card["body"][0]["text"].startswith("re-rated bad")
+            assert [a["title"] for a in card["actions"]] == list(REASONS)
+            assert {a["data"]["ref"] for a in card["actions"]} == {answer}
+            r.send(r.activity(STRANGER, type="message", value=card["actions"][4]["data"], replyToId="reply-4"))
+            assert await r.said(5) == NOT_YOURS
+            r.send(r.activity(RATER, type="message", value=card["actions"][4]["data"], replyToId="reply-4"))
+            assert await r.said(6) == "noted why it is bad: tone"
+            r.send(r.activity(RATER, type="message", value={"rlwhy": "x", "ref": answer}, replyToId="reply-4"))
+            assert "not a reason of the menu" in await r.said(7)
+            assert r.ratings()[-2:] == [(RATER, -1, "replaced"), (RATER, -1, "active")]
     run(go())
 
 

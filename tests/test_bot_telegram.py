@@ -14,6 +14,8 @@ from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from telegram import Update
 
 from rlfleet.bots.telegram import ALLOWED_UPDATES, build_application, webhook_app
+from rlfleet.shared.ingress.reasons import REASONS
+from rlfleet.shared.ingress.replies import NOT_YOURS
 from rlfleet.shared.webserver import listening
 
 GROUP = -100123
@@ -166,12 +168,22 @@ def test_buttons_admin_commands_and_help(queued_home):
             answer = await r.ask(OWNER_ID, "q1")
             assert (await r.press(STRANGER_ID, answer)).startswith("only the person the bot answered")
             assert (await r.press(OWNER_ID, answer, "rl:-1")).startswith("rated bad")
+            keyboard = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup"), "the reasons offered")
+            rows = keyboard[0]["reply_markup"]
+            rows = (json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]
+            assert [b["text"] for row in rows[1:] for b in row] == list(REASONS)
+            assert (await r.press(STRANGER_ID, answer, rows[1][0]["callback_data"])) == NOT_YOURS
+            assert (await r.press(OWNER_ID, answer, rows[1][2]["callback_data"])) == "noted why it is bad: wrong"
+            restored = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup")[1:], "the reasons gone")
+            rows = restored[0]["reply_markup"]
+            assert len((json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]) == 1
+            assert (await r.press(OWNER_ID, answer, "rlwhy:9")).startswith("not a reason of the menu")
             assert (await r.press(OWNER_ID, answer, "rl:7")) == "unknown button"
             assert await r.rl(OWNER_ID, "reset") == "/rl reset is for admins only"
             assert "already on the base model" in await r.rl(ADMIN_ID, "rollback")
             assert "one admin command per 30 s" in await r.rl(ADMIN_ID, "train")
             assert "/rl good [comment]" in await r.rl(OWNER_ID, "")
-            assert r.ratings() == [(OWNER, -1, "active")]
+            assert r.ratings() == [(OWNER, -1, "replaced"), (OWNER, -1, "active")]
     run(go())
 
 

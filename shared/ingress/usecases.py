@@ -57,6 +57,7 @@ class Reply:
     # A 👎 just recorded without words: a front end with buttons offers the one-click reasons with it
     # (shared/ingress/reasons.py), each one `why` on the same answer.
     ask_why: bool = False
+    recorded: bool = False  # the worker applied the event this answers (False: refused, or not yet known)
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,8 @@ class UseCases:
         ticket = self.hand_over(ev)
         result = await asyncio.to_thread(wait_for, ticket, self.wait_s)
         bare_thumbs_down = isinstance(ev, Rating) and ev.value == -1 and not ev.comment
-        return Reply(worker_answer(result), ask_why=bare_thumbs_down and (result is None or bool(result.get("ok"))))
+        return Reply(worker_answer(result), ask_why=bare_thumbs_down and (result is None or bool(result.get("ok"))),
+                     recorded=result is not None and bool(result.get("ok")))
 
     def snapshot(self) -> dict | None:
         """The worker's last published status, or None."""
