@@ -145,7 +145,7 @@ class RlfleetClient(discord.Client):
 
     async def on_interaction(self, interaction: discord.Interaction) -> None:
         """A one-click reason pressed (every other interaction is the command tree's or a view's)."""
-        data = interaction.data if isinstance(interaction.data, dict) else {}
+        data: dict[str, Any] = dict(interaction.data) if isinstance(interaction.data, dict) else {}
         custom_id = data.get("custom_id")
         if interaction.type != discord.InteractionType.component or not isinstance(custom_id, str) \
                 or not custom_id.startswith(_REASON):
