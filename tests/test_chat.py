@@ -18,6 +18,7 @@ from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import TRAINING_BUSY, progress_key, train_lock_key
 from rlfleet.shared.store import Store
 
+TRIES = 14
 SEEN = 20  # seconds a line may take to show (the chat polls every second; the machine may be busy)
 
 
@@ -93,13 +94,15 @@ def test_quit_during_a_training_run_stops_quietly_and_says_the_run_comes_back(qu
 
 def _ask_until_rateable(child: PtySession, question: str) -> None:
     """Ask until an answer is captured: the tiny model's random bytes may hold a NUL, which the chat
-    refuses to capture (and says so) or be only white space (nothing to rate)."""
-    for _ in range(5):
+    refuses to capture (and says so) or be only white space (nothing to rate): about one try in two, so
+    enough tries that a test asking four questions does not fail on chance."""
+    for _ in range(TRIES):
         child.send(f"{question}\r")
         if child.expect_first(["skip > ", "not captured: ", "nothing to rate"], timeout=120) == "skip > ":
             return
         child.expect("you> ", timeout=SEEN)
-    raise AssertionError(f"no rateable answer to {question!r} in 5 tries; the screen ended with:\n{child.raw[-2000:]}")
+    raise AssertionError(f"no rateable answer to {question!r} in {TRIES} tries; the screen ended with:\n"
+                         f"{child.raw[-2000:]}")
 
 
 def test_the_rating_prompt_takes_a_key_a_comment_a_reason_and_a_typed_rl_command(queued_home, tiny_model_dir,
