@@ -270,6 +270,14 @@ def _say(result: dict, state: ChatState) -> None:
 
 
 def _command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:
+    try:
+        _run_command(text, state, cfg, handle)
+    except ValidationError as exc:
+        # Words no event takes (a NUL byte in a comment): said, nothing sent, the chat goes on.
+        console.print(f"[red]{escape(describe_validation_error(exc, 'could not record that'))}[/]")
+
+
+def _run_command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) -> None:
     cmd = parse_rl(text)
     verb = cmd.verb
     if verb == "good" or verb == "bad":

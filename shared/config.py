@@ -107,6 +107,23 @@ class TrainSettings(BaseModel):
     # then costs a run steps/explore_minibatches passes instead of one per step. 1: all in every step.
     explore_minibatches: int = Field(4, ge=1, le=64)
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
+    # Hindsight distillation (docs/objective.md, "Hindsight"): a rating with words (a comment or a
+    # one-click reason) also trains the policy toward a teacher that reads those words as a hint, at
+    # every position of the rated answer; the term's weight beside the policy gradient. 0: off.
+    hindsight: float = Field(1.0, ge=0, le=100)
+    # The teacher's K likeliest next tokens the student is pulled toward (and one bin for the rest).
+    hindsight_top_k: int = Field(32, ge=1, le=1024)
+    # A rated answer is taught only where the teacher moves it in its rating's direction by more than
+    # this (mean nats per token: less likely for a 👎, more for a 👍): a hint the teacher cannot read
+    # teaches nothing, and noise would.
+    hindsight_min_gap: float = Field(0.0, ge=-10, le=10)
+    # A stronger teacher that shares the policy's tokenizer (a local folder or a hub id); None: the
+    # base model itself, adapter off, with the hint in its context.
+    teacher: str | None = Field(None, min_length=1, max_length=1000)
+    # The teacher also answers each prompt with words again, under them; where the reward model
+    # (reward_model_min_auc) scores that answer above the rated one, it trains as a liked answer
+    # (docs/objective.md, "Hindsight"). Off by default: bench/RESULTS.md, "hindsight".
+    rewrite: bool = False
 
 
 class ChatSettings(BaseModel):

@@ -58,7 +58,8 @@ def bot_line(b: dict) -> str:
 
 HISTORY_FIELDS = ("ratings_used", "replayed", "heldout_n", "heldout_margin_before", "heldout_margin_after",
                   "heldout_kl", "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "reward_model_auc",
-                  "explored", "explore_reason", "verdict", "reason", "fallback", "steps_served", "refused_full")
+                  "explored", "explore_reason", "verdict", "reason", "fallback", "steps_served", "refused_full",
+                  "hinted", "hint_taught", "teacher_gap")
 
 
 def history_rows(versions: list[dict]) -> list[dict]:
@@ -71,9 +72,13 @@ def history_rows(versions: list[dict]) -> list[dict]:
 
 def versions_table(versions: list[dict], title: str | None = None) -> Table:
     """One row per version, narrow enough for 80 columns (the rest is in --json and meta.json)."""
-    t = Table("version", "status", "created", "ratings", "held-out margin", "KL", "acc tok", "verdict",
+    rows = history_rows(versions)
+    # The hindsight teacher's column only where a run read words: the table stays within 80 columns.
+    hints = any(r["hinted"] for r in rows)
+    t = Table("version", "status", "created", "ratings", "held-out margin", "KL", "acc tok",
+              *(("hints",) if hints else ()), "verdict",
               box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
-    for r in history_rows(versions):
+    for r in rows:
         before, after = r["heldout_margin_before"], r["heldout_margin_after"]
         margin = f"{before:+.3f} → {after:+.3f}" if before is not None and after is not None else "–"
         verdict = r["verdict"] or ""
@@ -84,13 +89,21 @@ def versions_table(versions: list[dict], title: str | None = None) -> Table:
         kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]
         t.add_row(r["version"], r["status"], (r["created"] or "")[5:16].replace("T", " "),
                   _ratings(r["ratings_used"], r["replayed"]), margin, _fmt(kl, 3), _fmt(r["accepted_token_frac"], 2),
-                  escape(verdict))
+                  *((_hints(r["hint_taught"], r["hinted"], r["teacher_gap"]),) if hints else ()), escape(verdict))
     return t
 
 
 def _ratings(used: Any, replayed: Any) -> str:
     """``32``, or ``32 +16`` when the run also replayed 16 earlier ratings."""
     return str(used or "") + (f" +{replayed}" if replayed else "")
+
+
+def _hints(taught: Any, hinted: Any, gap: Any) -> str:
+    """``12/16 +0.041``: ratings the hindsight teacher taught from of those with words, and its mean gap
+    (worker/training/hindsight.py); empty for a run with no words to read, or with hindsight off."""
+    if not hinted:
+        return ""
+    return f"{taught or 0}/{hinted}" + (f" {gap:+.3f}" if isinstance(gap, (int, float)) else "")
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

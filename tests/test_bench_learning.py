@@ -252,9 +252,12 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     for r in promoted:
         assert r["heldout_kl"] >= 0 and r["entropy_ratio"] > 0 and r["distinct2_ratio"] > 0, r
         assert 0 <= r["repetition"] <= 1 and 0 <= r["repetition_base"] <= 1, r
-    assert out["teacher_gap"] is None and out["comments"] is True
     # The last run's reward model (None only where it had under two answers of a class, and then says so).
     last_run = out["runs"][-1]
+    # The hindsight teacher read the comments: the last run's gap, and how many of them it taught from.
+    assert out["comments"] is True and isinstance(out["teacher_gap"], float)
+    assert out["teacher_gap"] == last_run["teacher_gap"]
+    assert last_run["hinted"] >= 1 and 0 <= last_run["hint_taught"] <= last_run["hinted"]
     assert out["reward_model_auc"] == last_run["reward_model_auc"] and last_run["reward_model_reason"]
     assert all(r["reward_model_auc"] is None or 0 <= r["reward_model_auc"] <= 1 for r in out["runs"])
     # Exploration is on by default: each run says whether it sampled answers and why.

@@ -208,3 +208,29 @@ def test_a_promotion_of_the_halfway_step_says_the_whole_run_was_refused(queued_h
     (said,) = news.poll().ended
     assert said == ("✓ v0001 promoted: held-out margin -0.250 → +0.500 on 12 ratings (the step from halfway "
                     f"through the run: the whole run was refused, {why}); now answering with it")
+
+
+def test_words_no_event_takes_are_said_in_the_chat_and_nothing_is_sent(capsys):
+    """`/rl bad|why` with a NUL byte in the words: the event contract refuses them; the chat says so
+    and goes on, and nothing reaches the queue (a valid line next to it does)."""
+    from rlfleet.bots import terminal
+    from rlfleet.shared.config import Config
+    from rlfleet.shared.ingress.usecases import UseCases
+    from rlfleet.shared.permissions import PermissionTable
+
+    cfg = Config()
+    sent: list = []
+
+    def dispatch(_handle, _cfg, event):
+        sent.append(event)
+        return {"ok": False, "message": "held here"}
+
+    state = terminal.ChatState(conversation="chat-t", history=[], screen=terminal.Screen(live=False), news=None,
+                               cases=UseCases(PermissionTable.for_config(cfg), cfg.model), dispatch=dispatch,
+                               last_capture="cap-1")
+    for line in ("/rl bad too\x00long", "/rl why far\x00too long"):
+        terminal._command(line, state, cfg, None)
+        assert "could not record that" in capsys.readouterr().out
+    assert sent == []
+    terminal._command("/rl why far too long", state, cfg, None)
+    assert [e.comment for e in sent] == ["far too long"]

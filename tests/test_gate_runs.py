@@ -225,3 +225,35 @@ def test_history_marks_a_version_served_from_halfway_through_its_run():
     console = Console(width=120, record=True)
     console.print(versions_table(versions))
     assert "promoted (step 4, halfway)" in console.export_text()
+
+
+def test_a_run_reads_the_words_on_its_ratings_and_history_shows_the_teacher_gap(gated_home):
+    """Ratings with a comment reach the run as hints (worker/orchestrate.rated_sample): the run
+    reports how many came with words, how many the teacher taught from and its mean gap, and `history`
+    shows them; bare ratings beside them are not hinted."""
+    from rich.console import Console
+
+    from rlfleet.shared.status_view import versions_table
+
+    with opened_queue() as (cfg, handle):
+        for i, t in enumerate(TOPICS[:6]):
+            _rate(cfg, handle, t, GOOD, 1)
+            cap = Capture(prompt=chat(f"Tell me about {t}."), response=BAD, model="external", conversation="g")
+            assert dispatch(handle, cfg, cap)["ok"]
+            words = "say yes instead" if i % 2 == 0 else None
+            assert dispatch(handle, cfg, Rating(value=-1, target=cap.capture_id, comment=words))["ok"]
+        _work_train_queue(handle)
+        st = status()
+        (v,) = st["adapter"]["versions"]
+        m = v["metrics"]
+        # 8 of the 12 train (the newest 4 are held out); the 👎s with words among them are hinted.
+        held = AdapterRegistry(cfg.adapters_root, st["model_slug"]).meta(v["version"])["heldout_rating_ids"]
+        assert len(held) == 4 and m["ratings_used"] == 8
+        assert 1 <= m["hinted"] <= 3 and m["hint_taught"] <= m["hinted"]
+        assert isinstance(m["teacher_gap"], float)
+        (row,) = json.loads(rl("history", "--json").output)
+        assert (row["hinted"], row["hint_taught"], row["teacher_gap"]) == (m["hinted"], m["hint_taught"],
+                                                                          m["teacher_gap"])
+        console = Console(width=140, record=True)
+        console.print(versions_table(st["adapter"]["versions"]))
+        assert f"{m['hint_taught']}/{m['hinted']} {m['teacher_gap']:+.3f}" in console.export_text()

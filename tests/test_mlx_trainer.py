@@ -275,6 +275,48 @@ def test_the_halfway_adapter_is_the_run_after_half_its_steps(mlx_trainer, tmp_pa
     check_halfway_adapter_is_the_half_run(mlx_trainer, tmp_path)
 
 
+def test_the_hindsight_teacher_is_the_base_with_the_hint_in_context(mlx_trainer, learned, tmp_path):
+    from test_hindsight import check_teacher_is_the_base_with_the_hint
+
+    parent, _, _ = learned
+    check_teacher_is_the_base_with_the_hint(mlx_trainer, parent, tmp_path)
+
+
+def test_a_run_distils_the_hindsight_teacher_into_held_out_answers(mlx_trainer, tiny_model_dir, tmp_path):
+    from test_hindsight import check_distils_the_teacher_into_held_out_answers
+
+    check_distils_the_teacher_into_held_out_answers(mlx_trainer, tiny_model_dir, tmp_path)
+
+
+def test_the_gap_gates_the_hindsight_hint(mlx_trainer, tmp_path):
+    from test_hindsight import check_the_gap_gates_the_hint
+
+    check_the_gap_gates_the_hint(mlx_trainer, tmp_path)
+
+
+def test_hindsight_rewrites_are_the_teachers_answers_the_reward_model_prefers(mlx_trainer, tmp_path):
+    from test_hindsight import check_rewrites_are_the_teachers_answers_the_reward_model_prefers
+
+    check_rewrites_are_the_teachers_answers_the_reward_model_prefers(mlx_trainer, tmp_path)
+
+
+def test_mlx_hindsight_term_matches_torch():
+    gen = torch.Generator().manual_seed(4)
+    teacher = torch.log_softmax(torch.randn(3, 5, 30, generator=gen) * 2, -1)
+    ids = teacher.topk(8, -1).indices
+    student = torch.log_softmax(torch.randn(3, 5, 30, generator=gen), -1).gather(-1, ids)
+    t_top = teacher.gather(-1, ids)
+    weights = torch.rand(3, 5, generator=gen)
+    t_student = student.clone().requires_grad_(True)
+    want = objective.per_answer_mean(objective.hindsight_kl(t_student, t_top), weights, 3)
+    want.backward()
+    got, grad = mx.value_and_grad(lambda x: objective_mlx.per_answer_mean(
+        objective_mlx.hindsight_kl(x, mx.array(t_top.numpy())), mx.array(weights.numpy()), 3))(
+        mx.array(student.numpy()))
+    assert float(got) == pytest.approx(want.item(), rel=1e-5)
+    np.testing.assert_allclose(np.array(grad), t_student.grad.numpy(), atol=1e-5)
+
+
 def test_mlx_unlikelihood_matches_torch():
     gen = torch.Generator().manual_seed(2)
     mask = torch.rand(4, 9, generator=gen) > 0.2

@@ -74,6 +74,27 @@ def top_k_kl(new_top: Tensor, ref_top: Tensor) -> Tensor:
     return (p_new * (new_top - ref_top)).sum(-1) + tail_new * (tail_new.log() - tail_ref.log())
 
 
+def hindsight_kl(student_top: Tensor, teacher_top: Tensor) -> Tensor:
+    """Per-position KL(teacher || student) over ``K + 1`` bins: the teacher's K likeliest tokens and
+    the rest of the vocabulary as one tail bin (:func:`top_k_kl` with the teacher as the first
+    distribution). ``[..., K]`` log-probs of the same tokens under each model -> ``[...]``.
+
+    The hindsight teacher (docs/objective.md, "Hindsight") is the model reading the user's words on
+    the answer; this pulls the student's whole next-token distribution toward the teacher's at every
+    position of the student's own answer. The forward direction covers the teacher's mass: tokens the
+    teacher prefers get probability even where the student never sampled them, which a 👎 alone, or
+    an advantage on the sampled token, cannot give them. Zero, with zero gradient, at student = teacher.
+    """
+    return top_k_kl(teacher_top, student_top)
+
+
+def per_answer_mean(values: Tensor, weights: Tensor, n_rows: int) -> Tensor:
+    """``sum(weights * values) / n_rows``: with each taught answer's positions weighted ``1 / its
+    length`` (0 elsewhere), every answer weighs the same whatever its length, and an answer without a
+    teacher still counts in the mean over the micro-batch's answers, as in :func:`mispo_loss`."""
+    return (weights * values).sum() / max(n_rows, 1)
+
+
 def next_token_entropy(logits: Tensor, lse: Tensor) -> Tensor:
     """The entropy of each next-token distribution, ``[..., V]`` logits and their ``[..., 1]``
     logsumexp -> ``[...]``: ``lse - sum(p * logits)``, which equals ``-sum(p * log p)``."""

@@ -147,6 +147,7 @@ def rated_sample(rating: RatingRow, cap: CaptureRow, model: str) -> TrainSample:
         behaviour_token_ids=cap.behaviour_token_ids if ours else None,
         fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
         complete=cap.finish_reason != "length",
+        comment=None if retraction else rating.comment,
     )
 
 

@@ -69,6 +69,15 @@ class TrainConfig:
     explore_cuts: int = 0  # an explored answer's best earlier sentence end tried beside it (0: off)
     explore_minibatches: int = 1  # explored answers split over the steps in turn (1: all in every step)
     reward_model_min_auc: float = 0.75
+    # Hindsight distillation from the user's words (training/hindsight.py): the term's weight (0: off),
+    # the teacher's top K, the smallest rating-direction gap a hinted answer needs, and a stronger
+    # teacher model sharing the tokenizer (None: the base with the hint in context). The product's
+    # defaults are the config's (shared/config.py); off here, as exploration is.
+    hindsight: float = 0.0
+    hindsight_top_k: int = 32
+    hindsight_min_gap: float = 0.0
+    teacher: str | None = None
+    rewrite: bool = False  # the teacher's answers under the hints as liked ones (training/rewrite.py)
 
 
 # beta, the KL anchor to the base: almost every rating of a taste the model rarely shows is a 👎, and
@@ -132,5 +141,10 @@ def resolve(
         explore_cuts=settings.explore_cuts,
         explore_minibatches=settings.explore_minibatches,
         reward_model_min_auc=settings.reward_model_min_auc,
+        hindsight=settings.hindsight,
+        hindsight_top_k=settings.hindsight_top_k,
+        hindsight_min_gap=settings.hindsight_min_gap,
+        teacher=settings.teacher,
+        rewrite=settings.rewrite,
     )
     return cfg

@@ -25,6 +25,9 @@ class TrainSample:
     # False: the answer was cut off at a length cap, not ended by the model; it trains without an end
     # token, which would otherwise teach the model to stop mid-sentence where the cap fell.
     complete: bool = True
+    # The user's words with the rating (`/rl bad too long`, a one-click reason): the hint the hindsight
+    # teacher reads (training/hindsight.py). None: a bare thumb.
+    comment: str | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "liked and disliked answers up, by at most CAP, until both pull equally (0: off)")
     ap.add_argument("--neg-fade", type=float, metavar="TAU", help="override train.neg_fade: a 👎's push fades "
                     "once its answer is TAU nats per token less likely than under the base (0: off)")
+    ap.add_argument("--hindsight", type=float, metavar="W", help="train.hindsight for the runs: the weight of the "
+                    "hindsight term, the student pulled toward a teacher reading each rating's comment "
+                    "(default: the config's; 0: off)")
+    ap.add_argument("--teacher", metavar="MODEL", help="train.teacher for the runs: a stronger hindsight teacher "
+                    "sharing the model's tokenizer, a local folder or hub id (default: the model itself)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -120,7 +125,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                ("--beta", args.beta, 10),
                ("--unlikelihood", args.unlikelihood, 100), ("--entropy-hinge", args.entropy_hinge, 100),
                ("--kl-top-k", args.kl_top_k, 1024), ("--balance", args.balance, 64),
-               ("--neg-fade", args.neg_fade, 10))
+               ("--neg-fade", args.neg_fade, 10), ("--hindsight", args.hindsight, 100))
     for flag, value, top in bounded:  # each the range its train.* setting accepts, from 0
         if value is not None and not 0 <= value <= top:
             ap.error(f"{flag} must be between 0 and {top}")
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("entropy_hinge", args.entropy_hinge),
                                    ("balance", args.balance), ("neg_fade", args.neg_fade),
                                    ("advantage", args.advantage),
+                                   ("hindsight", args.hindsight), ("teacher", args.teacher),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("explore_cuts", args.explore_cuts),
                                    ("explore_minibatches", args.explore_minibatches),

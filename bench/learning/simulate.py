@@ -149,7 +149,9 @@ class BenchResult:
             "promoted": sum(1 for r in self.runs if r["state"] == "succeeded" and r.get("verdict") == "promoted"),
             # The last run's cross-validated AUC of the reward model fitted on the user's ratings.
             "reward_model_auc": self.runs[-1].get("reward_model_auc") if self.runs else None,
-            "teacher_gap": None,  # no teacher uses the comments yet
+            # The last run's mean gap of the hindsight teacher over the rated answers it read words on
+            # (worker/training/hindsight.py); None without comments or with train.hindsight 0.
+            "teacher_gap": self.runs[-1].get("teacher_gap") if self.runs else None,
             "comments": self.config.comments,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
             "runs": self.runs,
@@ -330,7 +332,8 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # The resolved training settings a report labels runs by (a setting left at the preset's value has
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
-              "neg_fade", "explore", "explore_weight", "explore_cuts", "explore_minibatches")
+              "neg_fade", "explore", "explore_weight", "explore_cuts", "explore_minibatches", "hindsight",
+              "teacher")
 
 
 def _checkpoint_line(c: Checkpoint) -> str:
@@ -358,6 +361,8 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
             "explore_reason", "explore_seconds", "explored_looping", "explored_cut", "explored_ended_earlier",
             "explored_abs_advantage_median", "n_tokens", "ratings_cut",
             "class_weight", "seconds", "verdict", "reason",
+            # the hindsight teacher (worker/training/hindsight.py): answers with words, taught, the gap
+            "hinted", "hint_taught", "teacher_gap", "hindsight_kl_start", "hindsight_kl",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
             # a version served from halfway through its run, and why the whole run was refused

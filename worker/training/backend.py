@@ -33,6 +33,7 @@ class StepStats:
     accepted_seqs: float  # sequences the objective's sequence filter kept
     anchor_kl: float | None = None  # mean top-k anchor KL per response token, with ``extras.top``
     entropy_excess: float | None = None  # mean rise of the entropy over the base's, with ``extras.entropy``
+    hindsight_kl: float | None = None  # the hindsight term's value, with ``extras.teacher``
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,17 @@ class RefExtras:
 
     top: Any = None  # (ids, log-probs) of the base's K likeliest next tokens at each response position
     entropy: Any = None  # the base's next-token entropy at each response position
+    # The hindsight teacher's targets for the micro-batch (:meth:`Backend.teacher_targets`): None when
+    # none of its answers came with words the teacher could read.
+    teacher: Any = None
+
+
+class TopRow(NamedTuple):
+    """One answer as a model scored it, position by position over its response tokens (numpy arrays)."""
+
+    ids: Any  # [n, K] the K likeliest next tokens
+    logprobs: Any  # [n, K] their log-probs
+    token: Any  # [n] the log-prob of the answer's own token
 
 
 class TokenSums(NamedTuple):
@@ -82,6 +94,11 @@ class Backend(Protocol):
     def reference(self) -> AbstractContextManager[None]:
         """Forward passes in the block are the base's (the adapter switched off)."""
 
+    def teacher(self, spec: str | None) -> AbstractContextManager[None]:
+        """Forward passes in the block are the hindsight teacher's: the model ``spec`` names (a folder
+        or hub id, loaded once and kept; it must share the tokenizer, else ConfigError), or with None
+        the base itself, the adapter switched off."""
+
     def save(self, out_dir: Path) -> None:
         """Write the active adapter to ``out_dir`` as a peft adapter folder."""
 
@@ -101,6 +118,15 @@ class Backend(Protocol):
         """:meth:`logprobs`, and from the same pass what ``accumulate``'s ``extras`` compare with: the
         ``top_k`` likeliest next tokens at each response position with their log-probs (the top-k KL
         anchor), and with ``entropy`` the next-token entropy there (the entropy hinge)."""
+
+    def response_top(self, batch: Batch, top_k: int) -> list[TopRow]:
+        """Per row, its response positions as the active model scores them (no gradient): the ``top_k``
+        likeliest next tokens with their log-probs, and the answer's own token's log-prob."""
+
+    def teacher_targets(self, batch: Batch, rows: Sequence[tuple[TopRow, float] | None]) -> Any:
+        """The hindsight term's targets for ``batch`` in this backend's layout, for ``accumulate``'s
+        ``extras.teacher``: per row the teacher's :class:`TopRow` (as many positions as the row has
+        response tokens) and the weight of each of its positions, or None for a row nobody teaches."""
 
     def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
         """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``."""
@@ -124,7 +150,8 @@ class Backend(Protocol):
         """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated.
         ``extras`` from :meth:`reference_logprobs` under :meth:`reference`: with ``top`` the KL term
         is the top-k anchor (:func:`rlfleet.worker.objective.top_k_kl`); with ``entropy`` the entropy
-        hinge (:func:`rlfleet.worker.objective.entropy_excess`) is added at ``cfg.entropy_hinge``."""
+        hinge (:func:`rlfleet.worker.objective.entropy_excess`) is added at ``cfg.entropy_hinge``; with
+        ``teacher`` the hindsight term (:func:`rlfleet.worker.objective.hindsight_kl`) at ``cfg.hindsight``."""
 
     def accumulate_unlikelihood(
         self, batch: Batch, marks: Sequence[tuple[int, int, Sequence[int]]], weight: float, share: float

@@ -4,7 +4,8 @@
 and whatever the learning signal: check the input, let the signal pick the samples it trains on and
 their advantages, encode them, seed, wrap the model with the parent's adapter (or a fresh one),
 cross-validate a reward model of the user's ratings (:mod:`.reward_features`; its AUC is reported),
-add the answers it explores with that model where it is good enough (:mod:`.exploration`), let the
+add the answers it explores with that model where it is good enough (:mod:`.exploration`) and the
+hindsight teacher's rewrites it scores above the rated answers (:mod:`.rewrite`), let the
 signal run its optimizer steps, save the adapter, measure and check the run, and return the
 metrics every caller reads. A new learning signal implements :class:`Signal` and runs on every
 backend that has the tensor operations it uses.
@@ -25,7 +26,7 @@ from ..batching import Encoded, encode_sample, ended_as_recorded
 from ..objective import run_check
 from ..presets import TrainConfig
 from ..samples import Progress, RunResult, TrainSample
-from . import exploration, reward_features, scoring
+from . import exploration, reward_features, rewrite, scoring
 from .backend import Backend
 
 Report = Callable[[Progress], None]
@@ -149,8 +150,12 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),
                                                cfg.max_tokens, cfg.seed)
         explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
-        encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in explored.samples]
-        data = RunData(samples, chosen.samples + explored.samples, encoded, chosen.advantages + explored.advantages,
+        # The teacher's rewrites train beside the ratings, in every step; the explored answers last.
+        rewrites = rewrite.rewrite(backend, samples, reward_model, cfg)
+        added = rewrites.samples + explored.samples
+        encoded += [encode_sample(backend.tokenizer, s, cfg.max_tokens) for s in added]
+        data = RunData(samples, chosen.samples + added, encoded,
+                       chosen.advantages + rewrites.advantages + explored.advantages,
                        run.parent_adapter, run.halfway_dir, explored.groups)
         if not any(data.advantages):
             raise NothingToLearn(nothing_to_learn(chosen.samples))
@@ -183,6 +188,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         **chosen.metrics,
         **reward_model.metrics(),
         **explored.metrics(),
+        **rewrites.metrics(),
         **outcome.extra,
     }
     start_kl = final_kl if outcome.start_kl is None else outcome.start_kl

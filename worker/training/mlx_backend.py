@@ -29,7 +29,7 @@ from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from ..batching import Encoded, _ids, collate, micro_batches
 from ..presets import TrainConfig
-from .backend import RefExtras, StepStats, TokenSums
+from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
 from .mlx_model import (
     LoraSpec,
@@ -42,6 +42,7 @@ from .mlx_model import (
     require_mlx,
     write_adapter,
 )
+from .teachers import TeacherCache
 
 
 class MlxTrainer(TrainerInterface):
@@ -53,10 +54,8 @@ class MlxTrainer(TrainerInterface):
         dtype: str | None = "float32",
     ) -> None:
         require_mlx()
-        import mlx.core as mx
         import mlx.nn as nn
         from mlx.utils import tree_flatten
-        from mlx_lm.utils import load_model as mlx_load_model
 
         self.ref = ref
         self.device = device
@@ -67,24 +66,34 @@ class MlxTrainer(TrainerInterface):
         self._opt: Any = None
         self._grads: Any = None
         self._grad_clip = 0.0
+        self._cache_dir, self._dtype = cache_dir, dtype
         self.tokenizer = load_tokenizer(ref)
+        self._teachers = TeacherCache(self.tokenizer)
         self.folder = hf_folder(ref, cache_dir)
-        self.config = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
-        try:
-            loaded = mlx_load_model(self.folder, model_config=legacy_rope_fields(self.config))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelUnavailable(f"mlx_lm cannot load {ref.spec} from {self.folder}: {exc}") from None
-        self.model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if dtype is not None:
-            self.model.set_dtype(getattr(mx, dtype))
-        self.model.freeze()  # the base is never trained; only LoRA weights are
-        self.model.eval()
-        mx.eval(self.model.parameters())
+        self.config, self.model = self._load(ref, self.folder)
         # a list of (path, array) pairs: mlx annotates the return as that or a dict, which it returns
         # only when given a dict to fill
         flat = cast("list[tuple[str, Any]]", tree_flatten(self.model.parameters()))
         self._n_params = sum(v.size for _, v in flat)
         self._targets = self._lora_targets(nn)
+
+    def _load(self, ref: ModelRef, folder: Path) -> tuple[dict, Any]:
+        """A model's config and its mlx_lm model in this trainer's dtype, frozen (never trained)."""
+        mx = _mx()
+        from mlx_lm.utils import load_model as mlx_load_model
+
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        try:
+            loaded = mlx_load_model(folder, model_config=legacy_rope_fields(config))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelUnavailable(f"mlx_lm cannot load {ref.spec} from {folder}: {exc}") from None
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if self._dtype is not None:
+            model.set_dtype(getattr(mx, self._dtype))
+        model.freeze()  # the base is never trained; only LoRA weights are
+        model.eval()
+        mx.eval(model.parameters())
+        return config, model
 
     @property
     def n_params(self) -> int:
@@ -179,6 +188,19 @@ class MlxTrainer(TrainerInterface):
             for p, lora in self._loras.items():
                 lora.scale = scales[p]
 
+    @contextlib.contextmanager
+    def teacher(self, spec: str | None) -> Iterator[None]:
+        if spec is None:
+            with self.reference():
+                yield
+            return
+        model = self._teachers.get(spec, lambda ref: self._load(ref, hf_folder(ref, self._cache_dir))[1])
+        policy, self.model = self.model, model  # the forward passes read self.model
+        try:
+            yield
+        finally:
+            self.model = policy
+
     def save(self, out_dir: Path) -> None:
         """``lora_A.weight`` (r, in) and ``lora_B.weight`` (out, r) per module, in a peft folder."""
         import numpy as np
@@ -255,6 +277,41 @@ class MlxTrainer(TrainerInterface):
         mx.eval(lp, *(top or ()), *(() if ent is None else (ent,)))
         return lp, RefExtras(top=top, entropy=ent)
 
+    def response_top(self, batch: dict, top_k: int) -> list[TopRow]:
+        import numpy as np
+
+        mx = _mx()
+        ids = batch["input_ids"]
+        logits, lse = self._logits(ids)
+        k = min(top_k, logits.shape[-1])
+        top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        top_lp = mx.take_along_axis(logits, top_ids, axis=-1) - lse
+        token = (mx.take_along_axis(logits, ids[:, 1:, None], axis=-1) - lse).squeeze(-1)
+        mx.eval(top_ids, top_lp, token)
+        pred = np.array(batch["response_mask"])[:, 1:]  # token t is predicted at t-1
+        i_np, lp_np, t_np = np.array(top_ids), np.array(top_lp), np.array(token)
+        return [TopRow(i_np[r][pred[r]], lp_np[r][pred[r]], t_np[r][pred[r]]) for r in range(pred.shape[0])]
+
+    def teacher_targets(self, batch: dict, rows: Sequence[tuple[TopRow, float] | None]) -> tuple[Any, Any, Any]:
+        """``[B, L-1, K]`` ids and log-probs and ``[B, L-1]`` weights at every prediction position (the
+        layout of :meth:`_logits`); off a taught answer's positions, filler of weight 0."""
+        import numpy as np
+
+        mx = _mx()
+        pred = np.array(batch["response_mask"])[:, 1:]
+        k = next(r[0].ids.shape[1] for r in rows if r is not None)
+        ids = np.zeros((*pred.shape, k), dtype=np.int32)
+        lps = np.full((*pred.shape, k), -30.0, dtype=np.float32)  # finite: 0 * KL stays 0
+        weights = np.zeros(pred.shape, dtype=np.float32)
+        for r, row in enumerate(rows):
+            if row is None:
+                continue
+            top, weight = row
+            if top.ids.shape[0] != int(pred[r].sum()):
+                raise ValueError(f"a teacher row has {top.ids.shape[0]} positions, its answer {int(pred[r].sum())}")
+            ids[r][pred[r]], lps[r][pred[r]], weights[r][pred[r]] = top.ids, top.logprobs, weight
+        return mx.array(ids), mx.array(lps), mx.array(weights)
+
     def logprobs(self, batch: dict) -> Any:
         lp = self._logprobs(batch["input_ids"], batch["response_mask"])
         _mx().eval(lp)
@@ -283,7 +340,15 @@ class MlxTrainer(TrainerInterface):
         import mlx.nn as nn
         import mlx.optimizers as optim
 
-        from ..objective_mlx import entropy_excess, mispo_loss, next_token_entropy, top_k_kl, unlikelihood
+        from ..objective_mlx import (
+            entropy_excess,
+            hindsight_kl,
+            mispo_loss,
+            next_token_entropy,
+            per_answer_mean,
+            top_k_kl,
+            unlikelihood,
+        )
 
         mx = _mx()
         objective = getattr(cfg, "objective", "mispo")
@@ -293,7 +358,7 @@ class MlxTrainer(TrainerInterface):
                 "use train.device = 'auto' for it"
             )
 
-        def loss_fn(ids, mask, beh, ref, advantages, share, ref_top, ref_entropy):
+        def loss_fn(ids, mask, beh, ref, advantages, share, ref_top, ref_entropy, teacher):
             logits, lse, logp = self._logits_and_logprobs(ids, mask)
             anchor = None
             if ref_top is not None:
@@ -311,6 +376,12 @@ class MlxTrainer(TrainerInterface):
                 excess = at.sum() / mx.maximum(mask.astype(mx.float32).sum(), 1.0)
                 loss = loss + cfg.entropy_hinge * excess
                 stats["entropy_excess"] = mx.stop_gradient(excess)
+            if teacher is not None:
+                t_ids, t_lp, weights = teacher
+                student = mx.take_along_axis(logits, t_ids, axis=-1) - lse
+                distill = per_answer_mean(hindsight_kl(student, t_lp), weights, ids.shape[0])
+                loss = loss + cfg.hindsight * distill
+                stats["hindsight_kl"] = mx.stop_gradient(distill)
             return loss * share, stats
 
         self._train = nn.value_and_grad(self.model, loss_fn)
@@ -334,8 +405,9 @@ class MlxTrainer(TrainerInterface):
         mx = _mx()
         ref_top = None if extras is None else extras.top
         ref_entropy = None if extras is None else extras.entropy
+        teacher = None if extras is None else extras.teacher
         (_, stats), g = self._train(batch["input_ids"], batch["response_mask"], beh, ref, advantages, share, ref_top,
-                                    ref_entropy)
+                                    ref_entropy, teacher)
         self._grads = g if self._grads is None else tree_map(mx.add, self._grads, g)
         mx.eval(self._grads, stats)
         return StepStats(
@@ -346,6 +418,7 @@ class MlxTrainer(TrainerInterface):
             accepted_seqs=float(stats["accepted_seqs"]),
             anchor_kl=float(stats["anchor_kl"]) if ref_top is not None else None,
             entropy_excess=float(stats["entropy_excess"]) if ref_entropy is not None else None,
+            hindsight_kl=float(stats["hindsight_kl"]) if teacher is not None else None,
         )
 
     def accumulate_unlikelihood(

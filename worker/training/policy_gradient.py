@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..presets import TrainConfig
@@ -20,6 +21,7 @@ from ..samples import Progress, TrainSample
 from .advantages import balance_classes, run_advantages
 from .backend import Backend, Batch, RefExtras, Tensor
 from .exploration import minibatches
+from .hindsight import teach
 from .loop import Outcome, Report, RunData, Selection, halfway_steps
 from .loops import CHECK_EVERY, LoopBatch, LoopPool, batched, check
 
@@ -48,6 +50,9 @@ class PolicyGradient:
             part_of += [p] * len(g)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
         ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k, cfg.entropy_hinge > 0)
+        lesson = teach(backend, data.samples, data.encoded, groups, batches, cfg)
+        extras = [x if t is None else replace(x or RefExtras(), teacher=t)
+                  for x, t in zip(extras, lesson.targets, strict=True)]
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0))  # the optimizer steps begin
 
         advantages = [backend.vector([data.advantages[i] for i in g]) for g in groups]
@@ -68,6 +73,7 @@ class PolicyGradient:
             start_kl = _mean_kl(backend, batches, ref)
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
+        distills: list[float] = []  # per step: the hindsight term, a mean over the step's samples
         loops = LoopPool()  # the policy's own looping answers (train.unlikelihood)
         loop_batches: list[LoopBatch] = []
         seen = 0
@@ -81,13 +87,14 @@ class PolicyGradient:
             backend.begin_step()
             explored_part = step_part(step, len(parts))
             active = [k for k in range(len(batches)) if part_of[k] in (0, explored_part)]
-            step_loss = kl_sum = anchor_sum = excess_sum = tok_acc = seq_acc = 0.0
+            step_loss = kl_sum = anchor_sum = excess_sum = distill_sum = tok_acc = seq_acc = 0.0
             for k in active:
                 stats = backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k])
                 step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
                 anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
                 excess_sum += (stats.entropy_excess or 0.0) * stats.n_tokens
+                distill_sum += (stats.hindsight_kl or 0.0) * shares[k]
                 tok_acc += stats.accepted_tokens
                 seq_acc += stats.accepted_seqs
             for batch, marks, share in loop_batches:
@@ -103,6 +110,7 @@ class PolicyGradient:
                 start_kl = mean_kl
             anchor_kls.append(anchor_sum / step_response)
             excesses.append(excess_sum / step_response)
+            distills.append(distill_sum / max(sum(shares[k] for k in active), 1e-12))
             token_fracs.append(tok_acc / step_response)
             seq_fracs.append(seq_acc / max(sum(len(groups[k]) for k in active), 1))
             seen += sum(n_seen[k] for k in active)
@@ -126,6 +134,9 @@ class PolicyGradient:
                 **({"entropy_excess_start": excesses[0], "entropy_excess": excesses[-1]}
                    if cfg.entropy_hinge > 0 else {}),
                 **(loops.metrics() if cfg.unlikelihood > 0 else {}),
+                **{k: v for k, v in lesson.metrics.items() if v is not None},
+                **({"hindsight_kl_start": distills[0], "hindsight_kl": distills[-1]}
+                   if lesson.metrics.get("hint_taught") else {}),
             },
         )
 

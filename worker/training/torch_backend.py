@@ -24,10 +24,20 @@ from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
 from ..batching import Encoded, _ids, collate, micro_batches
-from ..objective import entropy_excess, k3_kl, loss_for, next_token_entropy, top_k_kl, unlikelihood
+from ..objective import (
+    entropy_excess,
+    hindsight_kl,
+    k3_kl,
+    loss_for,
+    next_token_entropy,
+    per_answer_mean,
+    top_k_kl,
+    unlikelihood,
+)
 from ..presets import TrainConfig
-from .backend import RefExtras, StepStats, TokenSums
+from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
+from .teachers import TeacherCache
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -65,6 +75,9 @@ class Trainer(TrainerInterface):
         self._opt: Any = None
         self._params: list[Tensor] = []
         self._grad_clip = 0.0
+        self._hindsight = 0.0
+        self._teachers = TeacherCache(tokenizer)
+        self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
 
     @property
     def n_params(self) -> int:
@@ -77,6 +90,8 @@ class Trainer(TrainerInterface):
         return bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
 
     def _active(self) -> Any:
+        if self._override is not None:
+            return self._override
         return self.base if self._model is None else self._model
 
     # -- model state ------------------------------------------------------------------------------
@@ -139,6 +154,24 @@ class Trainer(TrainerInterface):
 
     def reference(self) -> contextlib.AbstractContextManager[None]:
         return self._model.disable_adapter()
+
+    @contextlib.contextmanager
+    def teacher(self, spec: str | None) -> Iterator[None]:
+        if spec is None:
+            with self.reference():
+                yield
+            return
+        self._override = self._teachers.get(spec, self._load_teacher)
+        try:
+            yield
+        finally:
+            self._override = None
+
+    def _load_teacher(self, ref: ModelRef) -> Any:
+        model = load_model(ref, self.device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
 
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +257,39 @@ class Trainer(TrainerInterface):
         return lp, RefExtras(top=top, entropy=next_token_entropy(logits, lse) if entropy else None)
 
     @torch.no_grad()
+    def response_top(self, batch: dict[str, Tensor], top_k: int) -> list[TopRow]:
+        logits, targets = self._response_logits(batch)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        top_logits, top_ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+        token = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1)
+        counts = batch["response_mask"].sum(dim=1).tolist()
+        rows = zip(top_ids.split(counts), (top_logits - lse).split(counts), token.split(counts), strict=True)
+        return [TopRow(i.cpu().numpy(), lp.cpu().numpy(), t.cpu().numpy()) for i, lp, t in rows]
+
+    def teacher_targets(
+        self, batch: dict[str, Tensor], rows: Sequence[tuple[TopRow, float] | None]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``[N, K]`` ids and log-probs and ``[N]`` weights over the batch's response positions, in
+        row-major order (the order :meth:`_response_logits` yields them in)."""
+        counts = batch["response_mask"].sum(dim=1).tolist()
+        k = next(r[0].ids.shape[1] for r in rows if r is not None)
+        ids, lps, weights = [], [], []
+        for n, row in zip(counts, rows, strict=True):
+            if row is None or row[0].ids.shape[0] != n:
+                if row is not None:
+                    raise ValueError(f"a teacher row has {row[0].ids.shape[0]} positions, its answer {n}")
+                # Filler with weight 0: finite values, so 0 * KL stays 0.
+                ids.append(torch.zeros((n, k), dtype=torch.long))
+                lps.append(torch.full((n, k), -30.0))
+                weights.append(torch.zeros(n))
+                continue
+            top, weight = row
+            ids.append(torch.as_tensor(top.ids, dtype=torch.long))
+            lps.append(torch.as_tensor(top.logprobs, dtype=torch.float32))
+            weights.append(torch.full((n,), float(weight)))
+        return (torch.cat(ids).to(self.device), torch.cat(lps).to(self.device), torch.cat(weights).to(self.device))
+
+    @torch.no_grad()
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
         return self._logprobs(batch)
 
@@ -247,6 +313,7 @@ class Trainer(TrainerInterface):
         self._opt = torch.optim.AdamW(self._params, lr=cfg.lr)
         self._grad_clip = cfg.grad_clip
         self._entropy_hinge = cfg.entropy_hinge
+        self._hindsight = cfg.hindsight
 
     def begin_step(self) -> None:
         self._opt.zero_grad(set_to_none=True)
@@ -261,7 +328,7 @@ class Trainer(TrainerInterface):
         extras: RefExtras | None = None,
     ) -> StepStats:
         logits, lse, logp = self._logits_and_logprobs(batch)
-        anchor = excess = None
+        anchor = excess = distill = None
         if extras is not None and extras.top is not None:
             top_ids, top_ref = extras.top
             anchor = self._scatter(batch, top_k_kl(logits.gather(-1, top_ids) - lse, top_ref))
@@ -271,6 +338,11 @@ class Trainer(TrainerInterface):
             # A mean over the micro-batch's response positions (the rows are already those positions).
             excess = entropy_excess(next_token_entropy(logits, lse), extras.entropy).mean()
             loss = loss + self._entropy_hinge * excess
+        if extras is not None and extras.teacher is not None:
+            t_ids, t_lp, weights = extras.teacher
+            student = logits.gather(-1, t_ids) - lse
+            distill = per_answer_mean(hindsight_kl(student, t_lp), weights, batch["input_ids"].shape[0])
+            loss = loss + self._hindsight * distill
         (loss * share).backward()
         return StepStats(
             loss=float(out.loss.detach()),
@@ -280,6 +352,7 @@ class Trainer(TrainerInterface):
             accepted_seqs=out.accepted_seq_frac * batch["input_ids"].shape[0],
             anchor_kl=out.anchor_kl,
             entropy_excess=None if excess is None else float(excess.detach()),
+            hindsight_kl=None if distill is None else float(distill.detach()),
         )
 
     def accumulate_unlikelihood(
