@@ -168,20 +168,31 @@ def register_messages(app: AsyncApp, core: BotCore) -> None:
             await answer_message(core, settings, event, client, context.get("bot_user_id"))
 
 
-def register_reactions(app: AsyncApp, core: BotCore) -> None:
-    """A thumb added to an answer rates it; removing it takes the rating back."""
+ASK_WHY_AFTER_REACTION = "👎 noted."
 
-    async def on_reaction(event: dict, added: bool) -> None:
+
+def register_reactions(app: AsyncApp, core: BotCore) -> None:
+    """A thumb added to an answer rates it; removing it takes the rating back. A 👎 that counted is
+    followed by the one-click reasons, shown to whoever reacted only (an ephemeral message)."""
+
+    async def on_reaction(event: dict, added: bool) -> bool:
         item = event.get("item") or {}
         value = reaction_value(event.get("reaction"))
         if item.get("type") != "message" or value is None:
-            return
-        await core.reaction(event.get("user"), item.get("channel", ""), item.get("ts", ""),
-                            old=None if added else value, new=value if added else None)
+            return False
+        return await core.reaction(event.get("user"), item.get("channel", ""), item.get("ts", ""),
+                                   old=None if added else value, new=value if added else None)
 
     @app.event("reaction_added")
-    async def reaction_added(event: dict) -> None:
-        await on_reaction(event, added=True)
+    async def reaction_added(event: dict, client: AsyncWebClient) -> None:
+        if await on_reaction(event, added=True) and reaction_value(event.get("reaction")) == -1:
+            item = event.get("item") or {}
+            try:
+                await client.chat_postEphemeral(
+                    channel=item.get("channel", ""), user=event.get("user", ""), text=ASK_WHY_AFTER_REACTION,
+                    blocks=reason_blocks(ASK_WHY_AFTER_REACTION, str(item.get("ts", ""))))
+            except (SlackApiError, OSError, asyncio.TimeoutError) as exc:  # the rating stands without it
+                log.warning("could not offer the reasons after a 👎 reaction: %s", type(exc).__name__)
 
     @app.event("reaction_removed")
     async def reaction_removed(event: dict) -> None:

@@ -251,11 +251,12 @@ def _ask_reason(state: ChatState) -> str | None:
 
 
 def _rate(state: ChatState, cfg: Config, handle: QueueHandle, value: Value, comment: str | None,
-          target: str | None) -> None:
+          target: str | None, stars: int | None = None) -> None:
     if target is None:
         console.print("[yellow]nothing of yours to rate here yet[/]")
         return
-    _carry_out(state, cfg, handle, state.cases.rate(ME, state.conversation, value, comment, target=target))
+    _carry_out(state, cfg, handle, state.cases.rate(ME, state.conversation, value, comment, target=target,
+                                                    stars=stars))
 
 
 def _say(result: dict, state: ChatState) -> None:
@@ -281,7 +282,7 @@ def _run_command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) 
     cmd = parse_rl(text)
     verb = cmd.verb
     if verb == "good" or verb == "bad":
-        _rate(state, cfg, handle, 1 if verb == "good" else -1, cmd.arg, state.last_capture)
+        _rate(state, cfg, handle, 1 if verb == "good" else -1, cmd.arg, state.last_capture, cmd.stars)
     elif verb == "why":
         _carry_out(state, cfg, handle, state.cases.why(ME, state.conversation, cmd.arg))
     elif verb == "undo":

@@ -39,6 +39,8 @@ class RatingIn(_Body):
     value: Literal["good", "bad", 1, -1] | None = Field(
         description="null: keep your rating of the answer and give it `comment` as its reason (`/rl why`)")
     comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
+    stars: int | None = Field(None, ge=1, le=5, description="1-5 stars beside the thumb (4-5 good, 1-3 bad); "
+                              "with no value they set it, with one they must agree with it")
 
 
 class UndoIn(_Body):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.events import Capture, Message, describe_validation_error, finish_reason
+from rlfleet.shared.ingress.grammar import thumb_of
 from rlfleet.shared.ingress.replies import NO_STATUS
 from rlfleet.shared.ingress.usecases import Reply, Send, UseCases, Value
 from rlfleet.shared.models import model_slug
@@ -129,14 +130,15 @@ class Bridge:
         try:
             if isinstance(body, CaptureIn):
                 return self._capture(body, who)
-            if isinstance(body, RatingIn) and body.value is None:
+            if isinstance(body, RatingIn) and body.value is None and body.stars is None:
                 out = self.cases.why(who, body.conversation, body.comment, target=body.target, event_id=body.event_id)
                 if isinstance(out, Reply):
                     return _error(422, f"invalid body: {out.text}")
             elif isinstance(body, RatingIn):
-                value: Value = 1 if body.value in ("good", 1) else -1
+                value: Value = (thumb_of(body.stars) if body.value is None and body.stars is not None
+                                else 1 if body.value in ("good", 1) else -1)
                 out = self.cases.rate(who, body.conversation, value, body.comment, target=body.target,
-                                      event_id=body.event_id)
+                                      event_id=body.event_id, stars=body.stars)
             elif isinstance(body, UndoIn):
                 out = self.cases.undo(who, body.conversation, body.target, body.event_id)
             else:  # a command is the key's own act, whoever it names

@@ -157,7 +157,8 @@ def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None
     base = {"source": agent, "actor": "local"}
     if cmd.verb in ("good", "bad"):
         status, data = bridge.send("POST", "/v1/ratings", {**base, "target": "last", "conversation": session,
-                                                           "value": cmd.verb, "comment": cmd.arg})
+                                                           "value": cmd.verb, "comment": cmd.arg,
+                                                           **({"stars": cmd.stars} if cmd.stars else {})})
         reason = _said(status, data, f"rated the last answer {cmd.verb}")
     elif cmd.verb == "why":
         if not (cmd.arg or "").strip():

@@ -36,9 +36,10 @@ def capture_values(ev: Capture) -> dict:
     }
 
 
-def rated(value: int, again: bool, response: str) -> str:
+def rated(value: int, again: bool, response: str, stars: int | None = None) -> str:
     """The answer to a rating that was stored."""
-    return f"{'re-rated' if again else 'rated'} {'good' if value > 0 else 'bad'}: {preview(response)}"
+    given = f" ({stars}★)" if stars else ""
+    return f"{'re-rated' if again else 'rated'} {'good' if value > 0 else 'bad'}{given}: {preview(response)}"
 
 
 def reasoned(value: int, reason: str | None) -> str:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from .errors import BadInput
+from .ingress.grammar import thumb_of
 
 Source = Literal["slack", "discord", "telegram", "teams", "cli", "claude-code", "codex", "bridge"]
 Platform = Literal["slack", "discord", "telegram", "teams"]
@@ -145,14 +146,25 @@ class Rating(_Event):
     ingress's permission decision granted (shared/permissions.py): the actor's ``own`` answers only, or
     ``any`` one (an allowlisted rater); the store resolves the target within it. ``value`` None is a
     reason said afterwards (``/rl why``): the actor's rating of the answer keeps its value and takes
-    ``comment`` as its reason."""
+    ``comment`` as its reason. ``stars`` (1-5, ``/rl 4``) is stored beside the thumb, which it sets when
+    none is given (:func:`thumb_of`) and must agree with when one is."""
 
     type: Literal["rating"] = "rating"
     target: Ident = "last"
     conversation: Ident | None = None
     value: Literal[1, -1] | None
     comment: str | None = None
+    stars: int | None = Field(default=None, ge=1, le=5)
     scope: Literal["own", "any"] = "own"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stars_set_the_thumb(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("stars") is not None and data.get("value") is None:
+            stars = data["stars"]
+            if isinstance(stars, int) and not isinstance(stars, bool) and 1 <= stars <= 5:
+                return {**data, "value": thumb_of(stars)}
+        return data
 
     @field_validator("comment")
     @classmethod
@@ -163,6 +175,10 @@ class Rating(_Event):
     def _a_reason_has_words(self) -> Rating:
         if self.value is None and not (self.comment or "").strip():
             raise ValueError("a reason without a rating needs words: /rl why <reason>")
+        if self.stars is not None and self.value != thumb_of(self.stars):
+            word = "up" if thumb_of(self.stars) > 0 else "down"
+            raise ValueError(f"{self.stars} stars is a thumbs-{word} (4-5 up, 1-3 down); value {self.value} "
+                             "contradicts it")
         return self
 
 

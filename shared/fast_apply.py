@@ -20,7 +20,7 @@ _RATINGS, _EVENTS, _CAPTURES = table_of(RatingRow), table_of(ProcessedEvent), ta
 _DONE = select(_EVENTS.c.event_id).where(_EVENTS.c.event_id.in_(bindparam("ids", expanding=True)))
 _TARGETS = (
     select(_CAPTURES.c.id, _CAPTURES.c.owner, _CAPTURES.c.adapter_version, _CAPTURES.c.response,
-           _RATINGS.c.id, _RATINGS.c.value, _RATINGS.c.comment)
+           _RATINGS.c.id, _RATINGS.c.value, _RATINGS.c.comment, _RATINGS.c.stars)
     .outerjoin(_RATINGS, (_RATINGS.c.capture_id == _CAPTURES.c.id) & (_RATINGS.c.state == "active"))
     .where(_CAPTURES.c.id.in_(bindparam("ids", expanding=True)))
 )
@@ -41,6 +41,7 @@ class _Active:
     id: int | None
     value: int
     comment: str | None
+    stars: int | None = None
     new: dict | None = None
     waiting: list[int] | None = None
 
@@ -88,10 +89,10 @@ def _look_up(conn: Connection, events: Sequence[Capture | Rating]) -> _Batch:
     done = {r[0] for r in conn.execute(_DONE, {"ids": [ev.event_id for ev in events]})}
     wanted = {ev.target if isinstance(ev, Rating) else ev.capture_id for ev in events}
     b = _Batch(done, {}, {})
-    for cid, owner, version, response, rid, value, comment in conn.execute(_TARGETS, {"ids": list(wanted)}):
+    for cid, owner, version, response, rid, value, comment, stars in conn.execute(_TARGETS, {"ids": list(wanted)}):
         b.caps[cid] = (owner, version, response)
         if rid is not None or cid not in b.active:
-            b.active[cid] = _Active(rid, value, comment) if rid is not None else None
+            b.active[cid] = _Active(rid, value, comment, stars) if rid is not None else None
     return b
 
 
@@ -121,7 +122,8 @@ def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
     b.claims.append({"event_id": ev.event_id, "kind": "rating"})
     now = datetime.now(timezone.utc)
     current = b.active.get(ev.target)
-    if current is not None and current.value == ev.value and current.comment == ev.comment:
+    if (current is not None and current.value == ev.value and current.comment == ev.comment
+            and current.stars == ev.stars):
         if current.new is not None:  # inserted by this batch: its id comes with the INSERT
             current.waiting = (current.waiting or []) + [len(b.out)]
         b.out.append(Applied(True, "already rated that way", capture_id=ev.target, rating_id=current.id,
@@ -133,14 +135,14 @@ def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
         else:
             assert current.id is not None  # a stored row: read with its id
             b.replaced.append((current.id, now))
-    row = _Active(None, ev.value, ev.comment, new={
+    row = _Active(None, ev.value, ev.comment, ev.stars, new={
         "event_id": ev.event_id, "capture_id": ev.target, "train_model": train_model, "actor": ev.actor,
-        "source": ev.source, "value": ev.value, "comment": ev.comment, "state": "active",
+        "source": ev.source, "value": ev.value, "comment": ev.comment, "stars": ev.stars, "state": "active",
         "adapter_version": version, "created": now, "changed": now,
     }, waiting=[len(b.out)])
     b.active[ev.target] = row
     b.new_ratings.append(row)
-    b.out.append(Applied(True, rated(ev.value, current is not None, response), capture_id=ev.target,
+    b.out.append(Applied(True, rated(ev.value, current is not None, response, ev.stars), capture_id=ev.target,
                          value=ev.value))
 
 

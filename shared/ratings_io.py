@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .events import (
     MAX_COMMENT_CHARS,
@@ -29,6 +29,7 @@ from .events import (
     Message,
     describe_validation_error,
 )
+from .ingress.grammar import thumb_of
 
 FORMAT_VERSION: Final = 1
 MAX_LINE_BYTES = 8 << 20
@@ -67,7 +68,14 @@ class RatedExample(BaseModel):
     completion: list[Message] = Field(min_length=1, max_length=1)
     label: bool
     comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
+    stars: int | None = Field(None, ge=1, le=5)  # beside the thumb, when it was given in stars (`/rl 4`)
     rlfleet: Provenance
+
+    @model_validator(mode="after")
+    def _stars_agree(self) -> RatedExample:
+        if self.stars is not None and thumb_of(self.stars) != self.rlfleet.value:
+            raise ValueError(f"{self.stars} stars disagree with value {self.rlfleet.value} (4-5 good, 1-3 bad)")
+        return self
 
     @property
     def response(self) -> str:
@@ -91,6 +99,7 @@ def to_example(rating, capture) -> RatedExample:
         completion=[Message(role="assistant", content=capture.response)],
         label=rating.value > 0,
         comment=rating.comment,
+        stars=rating.stars,
         rlfleet=Provenance(
             rating_event_id=rating.event_id, actor=rating.actor, source=rating.source, value=rating.value,
             state=rating.state, train_model=rating.train_model, rated_at=rating.created, changed_at=rating.changed,

@@ -71,6 +71,7 @@ class RatingRow(Base):
     source: Mapped[str] = mapped_column(String(32))
     value: Mapped[int] = mapped_column(Integer)
     comment: Mapped[str | None] = mapped_column(Text)
+    stars: Mapped[int | None] = mapped_column(Integer)  # 1-5 when rated in stars (/rl 4), beside the thumb
     state: Mapped[str] = mapped_column(String(16), default="active")
     adapter_version: Mapped[str | None] = mapped_column(String(64))
     run_id: Mapped[int | None] = mapped_column(ForeignKey("train_runs.id"))

@@ -182,9 +182,12 @@ class Store(RunLedger):
             raise NotFound("nothing of yours to rate here")
         current = self._active(s, cap.id, b)
         value: int = ev.value if ev.value is not None else self._own_value(current, ev.actor)
+        # A reason said afterwards keeps the rating's stars, as it keeps its thumb.
+        stars = ev.stars if ev.value is not None else (current.stars if current is not None else None)
         self._claim(s, ev.event_id, "rating", b)
         now = datetime.now(timezone.utc)
-        if current is not None and current.value == value and current.comment == ev.comment:
+        if (current is not None and current.value == value and current.comment == ev.comment
+                and current.stars == stars):
             if current.id is None:  # added earlier in this batch: its id comes with the flush
                 b.fresh = current
             return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=value)
@@ -199,6 +202,7 @@ class Store(RunLedger):
             source=ev.source,
             value=value,
             comment=ev.comment,
+            stars=stars,
             state="active",
             adapter_version=cap.adapter_version,
             created=now,
@@ -207,7 +211,8 @@ class Store(RunLedger):
         s.add(row)
         b.active[cap.id] = row
         b.fresh = row
-        said = reasoned(value, ev.comment) if ev.value is None else rated(value, current is not None, cap.response)
+        said = (reasoned(value, ev.comment) if ev.value is None
+                else rated(value, current is not None, cap.response, stars))
         return Applied(True, said, capture_id=cap.id, value=value)
 
     @staticmethod
@@ -341,7 +346,7 @@ class Store(RunLedger):
                 self._remember(s, p.rating_event_id, "rating")
                 s.add(RatingRow(
                     event_id=p.rating_event_id, capture_id=cap.id, train_model=p.train_model, actor=p.actor,
-                    source=p.source, value=p.value, comment=ex.comment, state=p.state,
+                    source=p.source, value=p.value, comment=ex.comment, stars=ex.stars, state=p.state,
                     adapter_version=p.adapter_version, created=as_utc(p.rated_at), changed=as_utc(p.changed_at),
                 ))
         except _Skip as skip:
@@ -454,6 +459,18 @@ class Store(RunLedger):
                 .order_by(CaptureRow.created.desc(), CaptureRow.id.desc()).limit(n)
             ).scalars().all()
             return [list(p) for p in rows]
+
+    def stars_given(self, model: str) -> dict[str, list[int]]:
+        """Each person's stars on their active star ratings for ``model`` (a rating's reward weighs its
+        stars against the person's usual ones: worker/training/rewards.py)."""
+        with self.session() as s:
+            rows = s.execute(select(RatingRow.actor, RatingRow.stars).where(
+                RatingRow.train_model == model, RatingRow.state == "active", RatingRow.stars.is_not(None)))
+            out: dict[str, list[int]] = {}
+            for actor, stars in rows:
+                if stars is not None:  # the query's filter; the row type cannot say so
+                    out.setdefault(actor, []).append(int(stars))
+            return out
 
     def ratings_with_captures(self, ids: Sequence[int]) -> list[tuple[RatingRow, CaptureRow]]:
         """The ratings ``ids`` with their captures, in id order."""

@@ -117,6 +117,24 @@ def test_external_rater_with_comments(tmp_path):
         load_rater(f"{f}:rambling").judge("p", "a")
 
 
+def test_short_grades_in_stars_that_agree_with_its_thumb_and_external_raters_may_too(tmp_path):
+    pref = preference("short:10")
+    graded = [pref.graded("p", " ".join(["w"] * n)) for n in (3, 7, 12, 17, 25)]
+    assert [(j.value, j.stars) for j in graded] == [(1, 5), (1, 4), (-1, 3), (-1, 2), (-1, 1)]
+    assert graded[2].comment == "too long, keep it under 10 words"
+    assert pref.judge("p", "w w w") == Judgement(1, None)  # without --stars: the thumb alone
+    assert preference("question").graded("p", "Why?") == Judgement(1, None)  # a preference that does not grade
+    f = tmp_path / "starry.py"
+    f.write_text("def fine(prompt, answer):\n    return (1, 'nice', 5)\n"
+                 "def wrong(prompt, answer):\n    return (1, None, 2)\n"
+                 "def many(prompt, answer):\n    return (-1, None, 9)\n")
+    assert load_rater(f"{f}:fine").judge("p", "a") == Judgement(1, "nice", 5)
+    with pytest.raises(ValueError, match="2 stars are a thumbs-down"):
+        load_rater(f"{f}:wrong").judge("p", "a")
+    with pytest.raises(ValueError, match="stars are 1 to 5"):
+        load_rater(f"{f}:many").judge("p", "a")
+
+
 def test_the_simulated_user_rates_as_a_person_types_it():
     from rlfleet.shared.ingress.usecases import UseCases
     from rlfleet.shared.permissions import Grants, PermissionTable
@@ -127,6 +145,9 @@ def test_the_simulated_user_rates_as_a_person_types_it():
     ev = rating_event(cases, "cap-1", -1, "mention ocean")
     assert (ev.value, ev.comment, ev.target, ev.source, ev.actor) == (-1, "mention ocean", "cap-1", "cli", "local")
     assert rating_event(cases, "cap-1", 1, None).comment is None
+    assert typed(-1, "too long", 2) == "/rl 2 too long"
+    starred = rating_event(cases, "cap-1", -1, "too long", 2)
+    assert (starred.value, starred.stars, starred.comment) == (-1, 2, "too long")
     with pytest.raises(ValueError, match=r"not a /rl good\|bad command"):  # past the command's length limit
         rating_event(cases, "cap-1", -1, "x" * 2000)
 

@@ -156,6 +156,20 @@ def test_rl_good_bad_undo_by_the_owner(queued_home):
     run(go())
 
 
+def test_rl_stars_rate_through_the_slash_command(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            await r.command(OWNER, "4 close")
+            assert (await r.reply(1)).startswith("rated good (4★)")
+            await r.command(OWNER, "6")
+            assert "unknown command '6'" in await r.reply(2)
+            assert r.ratings() == [(OWNER, 1, "active")]
+            with r.store.session() as s:
+                assert s.scalars(select(RatingRow)).one().stars == 4
+    run(go())
+
+
 def test_rl_why_gives_the_last_rating_its_reason(queued_home):
     async def go():
         async with rig(queued_home) as r:
@@ -229,6 +243,29 @@ def test_reactions_rate_rerate_and_undo(queued_home):
             await r.reaction(OWNER, ts, "-1", added=False)
             await r.drain()
             assert r.ratings()[-1] == (OWNER, -1, "undone")
+    run(go())
+
+
+def test_a_thumbs_down_reaction_offers_the_reasons_to_whoever_reacted(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            await r.reaction(OWNER, ts, "+1")  # a 👍 asks nothing
+            await r.reaction(STRANGER, ts, "-1")  # nor a reaction that did not count
+            await r.drain()
+            assert r.slack.of("chat.postEphemeral") == []
+            await r.reaction(OWNER, ts, "thumbsdown")
+            (offer,) = await r.slack.wait_for("chat.postEphemeral", 1)
+            assert (offer["channel"], offer["user"]) == (CHANNEL, OWNER)
+            blocks = offer["blocks"] if isinstance(offer["blocks"], list) else json.loads(offer["blocks"])
+            buttons = blocks[1]["elements"]
+            assert [b["text"]["text"] for b in buttons] == list(REASONS) and {b["value"] for b in buttons} == {ts}
+            await r.drain()
+            await r.button(OWNER, "1700000000.999999", action=buttons[0]["action_id"], value=ts)  # "too long"
+            assert await r.reply(1) == "noted why it is bad: too long"
+            with r.store.session() as s:
+                active = s.scalars(select(RatingRow).where(RatingRow.state == "active")).one()
+                assert (active.value, active.comment) == (-1, "too long")
     run(go())
 
 

@@ -160,6 +160,25 @@ def test_a_reason_said_afterwards_by_message_ref_and_one_without_words(bridge):
         assert [(r.value, r.comment, r.state) for r in rows] == [(-1, None, "replaced"), (-1, "too vague", "active")]
 
 
+def test_stars_rate_beside_the_thumb_and_a_contradiction_is_refused(bridge):
+    cfg, handle, url = bridge
+    client = BridgeClient(url, SECRET)
+    client.capture("explain monads", "A monad is a monoid.", conversation="s", message_ref="t-1")
+    client.capture("and functors?", "A functor maps arrows.", conversation="s", message_ref="t-2")
+    work(cfg, handle)
+    with pytest.raises(BridgeError, match="2 stars is a thumbs-down"):
+        client.rate("t-1", "good", conversation="s", stars=2)
+    with pytest.raises(BridgeError, match="less than or equal to 5"):
+        client.rate("t-1", None, conversation="s", stars=6)
+    answer = while_working(cfg, handle, lambda: client.rate("t-1", None, conversation="s", stars=5, wait=5))
+    assert answer["result"]["message"].startswith("rated good (5★)")
+    client.rate("t-2", "bad", conversation="s", stars=1, comment="wrong")
+    work(cfg, handle)
+    with Store(cfg.db_url).session() as s:
+        rows = s.scalars(select(RatingRow).order_by(RatingRow.id)).all()
+        assert [(r.value, r.stars, r.comment) for r in rows] == [(1, 5, None), (-1, 1, "wrong")]
+
+
 def test_wait_returns_the_workers_answer(bridge):
     cfg, handle, url = bridge
     client = BridgeClient(url, SECRET)

@@ -233,4 +233,5 @@ def test_words_no_event_takes_are_said_in_the_chat_and_nothing_is_sent(capsys):
         assert "could not record that" in capsys.readouterr().out
     assert sent == []
     terminal._command("/rl why far too long", state, cfg, None)
-    assert [e.comment for e in sent] == ["far too long"]
+    terminal._command("/rl 2 still too long", state, cfg, None)  # stars, from the chat as anywhere
+    assert [(e.value, e.stars, e.comment) for e in sent] == [(None, None, "far too long"), (-1, 2, "still too long")]

@@ -80,6 +80,19 @@ def test_why_gives_the_latest_rating_its_reason(queued_home):
     assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
 
 
+def test_rate_in_stars_keeps_them_beside_the_thumb(queued_home):
+    rl("capture", "--prompt", "q", "--response", "an answer")
+    res = rl_main("rate", "6")
+    assert res.returncode == 2 and "less than or equal to 5" in res.stderr and "Traceback" not in res.stderr
+    out = json.loads(rl("rate", "4", "--comment", "nearly", "--json").output)
+    assert out["ok"] and out["message"] == "rated good (4★): an answer"
+    rl("rate", "2")
+    with Store(load_config().db_url).session() as s:
+        assert [(r.value, r.stars, r.comment, r.state) for r in s.query(RatingRow).order_by(RatingRow.id)] == [
+            (1, 4, "nearly", "replaced"), (-1, 2, None, "active")]
+    assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
+
+
 def test_unknown_target_is_one_line_error_and_changes_nothing(queued_home):
     res = rl("good", "--target", "nope")
     assert res.exit_code == 2

@@ -31,7 +31,7 @@ def _rated_store(url: str) -> Store:
             finish_reason=("length", "stop", None)[i]))
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-0", value=1, comment="crisp"), "tiny")
     store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=1), "tiny")
-    store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=-1), "tiny")
+    store.apply_rating(Rating(source="slack", actor="U1", target="cap-1", value=-1, stars=2), "tiny")
     store.apply_rating(Rating(source="slack", actor="U2", target="cap-2", value=1, scope="any"), "tiny")
     store.apply_undo(Undo(source="slack", actor="U2"))
     return store
@@ -40,7 +40,7 @@ def _rated_store(url: str) -> Store:
 def _rows(store: Store) -> list[tuple]:
     """Everything export promises to carry, per rating, as comparable tuples."""
     return [
-        (r.event_id, r.actor, r.source, r.value, r.comment, r.state, r.train_model, r.created, r.changed,
+        (r.event_id, r.actor, r.source, r.value, r.comment, r.stars, r.state, r.train_model, r.created, r.changed,
          c.id, c.event_id, c.source, c.conversation, c.message_ref, c.owner, c.prompt, c.response, c.model,
          c.adapter_version, c.behaviour_logprobs, c.behaviour_token_ids, c.finish_reason, c.created)
         for r, c in store.rated_pairs(all_states=True)
@@ -67,6 +67,7 @@ def test_ratings_round_trip_to_identical_rows(home, tmp_path, db_url, monkeypatc
     assert first["rlfleet"]["behaviour_logprobs"] == [-0.5, -0.25]
     assert [x["rlfleet"].get("finish_reason") for x in lines] == ["length", "stop", "stop", None]
     assert [x["label"] for x in lines] == [True, True, False, True]
+    assert [x.get("stars") for x in lines] == [None, None, 2, None]  # beside the thumb
     assert len(rl("export", "ratings", tmp_path / "active.jsonl").output.split("wrote 2 ")) == 2  # active only
 
     monkeypatch.setenv("DATABASE_URL", db_url)

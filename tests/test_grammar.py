@@ -70,3 +70,19 @@ def test_a_one_click_reason_is_its_number_or_its_words():
     assert [reason_for(c) for c in ("1", " 5 ", "Too Long", "tone")] == ["too long", "tone", "too long", "tone"]
     assert [reason_for(c) for c in ("0", "6", "o", "other", "because", "")] == [None] * 6
     assert menu().startswith("[1] too long  [2] too short") and menu().endswith(f"[{len(REASONS)}] tone  [o] other")
+
+
+@pytest.mark.parametrize("text, verb, stars, arg", [
+    ("/rl 4", "good", 4, None), ("/rl 5 spot on", "good", 5, "spot on"), ("/rl 3", "bad", 3, None),
+    ("/rl 1 wrong year", "bad", 1, "wrong year"), ("/rl 4/5", "good", 4, None), ("/rl 2★", "bad", 2, None),
+    ("/rl ★★★★★", "good", 5, None), ("/rl +1", "good", None, None), ("/rl -1", "bad", None, None),
+])
+def test_stars_rate_good_from_four_and_bad_below(text, verb, stars, arg):
+    cmd = parse_rl(text)
+    assert (cmd.verb, cmd.stars, cmd.arg) == (verb, stars, arg)
+
+
+@pytest.mark.parametrize("text", ["/rl 0", "/rl 6", "/rl 45", "/rl ★★★★★★", "/rl 4.5"])
+def test_stars_outside_one_to_five_are_not_understood(text):
+    cmd = parse_rl(text)
+    assert cmd.verb == "help" and cmd.unknown and cmd.stars is None

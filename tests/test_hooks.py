@@ -85,7 +85,8 @@ def test_a_turn_is_captured_and_rl_good_rates_it_without_reaching_the_model(brid
         res = run_hook(agent, "stop", stop_payload("The lockfile is stale.", transcript, agent), cfg.home)
         assert res.returncode == 0 and res.stdout == b""  # a Stop hook must not block the agent
         work(cfg, handle)
-        res = run_hook(agent, "prompt", prompt_payload("/rl good spot on", transcript, agent), cfg.home)
+        rating = "/rl 5 spot on" if agent == "claude-code" else "/rl good spot on"  # stars, or a thumb
+        res = run_hook(agent, "prompt", prompt_payload(rating, transcript, agent), cfg.home)
         out = json.loads(res.stdout)
         assert res.returncode == 0 and out["decision"] == "block"  # the model never sees /rl
         assert out["reason"] == "rlfleet: rated the last answer good"
@@ -103,8 +104,9 @@ def test_a_turn_is_captured_and_rl_good_rates_it_without_reaching_the_model(brid
         assert cap.response == "The lockfile is stale."
         assert cap.message_ref == ("turn-7" if agent == "codex" else "7b0c6b1e-1f7e-4b8a-9d55-0e3a4f2c1d00")
         ratings = s.scalars(select(RatingRow).order_by(RatingRow.id)).all()
-        assert [(r.value, r.comment, r.state, r.capture_id) for r in ratings] == [
-            (1, "spot on", "replaced", cap.id), (1, "found the stale lockfile", "active", cap.id)]
+        stars = 5 if agent == "claude-code" else None  # a reason said afterwards keeps them
+        assert [(r.value, r.stars, r.comment, r.state, r.capture_id) for r in ratings] == [
+            (1, stars, "spot on", "replaced", cap.id), (1, stars, "found the stale lockfile", "active", cap.id)]
 
 
 def test_stop_without_a_remembered_prompt_reads_the_transcript(bridge_home, tmp_path):

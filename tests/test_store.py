@@ -226,3 +226,57 @@ def test_a_deferred_commit_leaves_every_other_transaction_waiting_for_the_disk(s
         with store.session(durable=False) as s:
             assert str(s.execute(text(setting)).scalar()) in ("1", "off")  # NORMAL / off: waits for sync()
     assert store.counts(MODEL).total == 1
+
+
+def test_stars_are_stored_beside_the_thumb_and_a_reason_keeps_them(store):
+    first, second = cap(), cap()
+    for c in (first, second):
+        store.apply_capture(c)
+    said = store.apply_rating(Rating(target=first.capture_id, stars=4), MODEL)
+    assert said.ok and said.message.startswith("rated good (4★)") and said.value == 1
+    assert store.apply_rating(Rating(target=first.capture_id, stars=4), MODEL).message == "already rated that way"
+    store.apply_rating(Rating(target=first.capture_id, stars=5), MODEL)  # more stars: re-rated
+    store.apply_rating(Rating(value=None, comment="spot on", target=first.capture_id), MODEL)
+    store.apply_rating(Rating(target=second.capture_id, value=1), MODEL)  # a bare thumb has none
+    store.apply_many([Rating(target=second.capture_id, stars=2, comment="wrong")], MODEL)  # the fast path too
+    rows = [(c.id == first.capture_id, r.value, r.stars, r.comment, r.state)
+            for r, c in store.rated_pairs(all_states=True)]
+    assert rows == [(True, 1, 4, None, "replaced"), (True, 1, 5, None, "replaced"), (True, 1, 5, "spot on", "active"),
+                    (False, 1, None, None, "replaced"), (False, -1, 2, "wrong", "active")]
+    assert store.stars_given(MODEL) == {"local": [5, 2]}
+
+
+def test_stars_must_agree_with_the_thumb_and_stay_within_one_to_five():
+    assert Rating(stars=4).value == 1 and Rating(stars=3).value == -1
+    with pytest.raises(ValueError, match="2 stars is a thumbs-down"):
+        Rating(stars=2, value=1)
+    for bad in (0, 6):
+        with pytest.raises(ValueError):
+            Rating(stars=bad)
+
+
+def test_a_database_from_before_stars_keeps_its_ratings_as_bare_thumbs(db_url):
+    import sqlalchemy as sa
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from rlfleet.shared.engines import MIGRATIONS
+
+    engine = sa.create_engine(db_url)
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0003")
+        conn.execute(sa.text(
+            "INSERT INTO captures (id, event_id, source, conversation, owner, prompt, response, model, created) "
+            "VALUES ('old', 'ev-old', 'cli', 'c1', 'local', '[]', 'an old answer', 'm', '2026-11-01 00:00:00')"))
+        conn.execute(sa.text(
+            "INSERT INTO ratings (event_id, capture_id, train_model, actor, source, value, state, created, changed) "
+            "VALUES ('r-old', 'old', 'm', 'local', 'cli', 1, 'active', '2026-11-01 00:00:00', '2026-11-01 00:00:00')"))
+    engine.dispose()
+    store = Store(db_url)
+    new = cap()
+    store.apply_capture(new)
+    assert store.apply_rating(Rating(target=new.capture_id, stars=1), MODEL).ok
+    assert sorted((r.capture_id == "old", r.stars) for r, _ in store.rated_pairs()) == [(False, 1), (True, None)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample
 from .trainer_cache import get_trainer
 from .training.loop import NothingToLearn, halfway_steps
+from .training.rewards import rating_reward, star_centres
 from .trigger import LOCK_TTL
 
 log = logging.getLogger("rlfleet.worker")
@@ -95,7 +96,8 @@ def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
         ctx.store.fail_run(run_id, "nothing to train on: no pending ratings", state="skipped")
         return JobResult.done("nothing to train on")
     gcfg = gate_config(ctx.cfg)
-    inputs = with_earlier(ctx, run_id, RunInputs.of(rows, ctx.cfg.model, gcfg))
+    centres = star_centres(ctx.store.stars_given(ctx.cfg.model))
+    inputs = with_earlier(ctx, run_id, RunInputs.of(rows, ctx.cfg.model, gcfg, centres), centres)
     candidate = train_candidate(ctx, run_id, inputs, parent, gcfg, board)
     return conclude(ctx, conn, run_id, inputs, candidate)
 
@@ -113,12 +115,14 @@ class RunInputs:
     captured: list[list[dict]] = field(default_factory=list)  # prompts nobody rated, for exploration
 
     @classmethod
-    def of(cls, rows: list[tuple[RatingRow, CaptureRow]], model: str, gcfg: GateConfig) -> RunInputs:
+    def of(cls, rows: list[tuple[RatingRow, CaptureRow]], model: str, gcfg: GateConfig,
+           centres: Mapping[str, float] | None = None) -> RunInputs:
+        """``centres``: each person's usual stars (training/rewards.py), for the rewards of star ratings."""
         samples, retracted = [], []
         for rating, cap in rows:
             if rating.state != "active":
                 retracted.append(rating.id)
-            samples.append(rated_sample(rating, cap, model))
+            samples.append(rated_sample(rating, cap, model, centres))
         fresh = [s for s in samples if s.fixed_advantage is None]
         held: list[TrainSample] = []
         if gcfg.enabled:
@@ -137,12 +141,15 @@ class RunInputs:
         return self.train + self.replayed
 
 
-def rated_sample(rating: RatingRow, cap: CaptureRow, model: str) -> TrainSample:
-    """One rating as a training sample: a retraction (undone or replaced) takes its update back."""
+def rated_sample(rating: RatingRow, cap: CaptureRow, model: str,
+                 centres: Mapping[str, float] | None = None) -> TrainSample:
+    """One rating as a training sample: a retraction (undone or replaced) takes its update back. Its
+    reward is the thumb, refined by its stars against the person's usual ones (``centres``)."""
     retraction = rating.state != "active"
     ours = cap.model == model  # stored log-probs describe the policy that answered: ours, or useless
+    reward = rating_reward(rating.value, rating.stars, (centres or {}).get(rating.actor, 0.0))
     return TrainSample(
-        rating_id=rating.id, prompt=cap.prompt, response=cap.response, reward=float(rating.value),
+        rating_id=rating.id, prompt=cap.prompt, response=cap.response, reward=reward,
         behaviour_logprobs=cap.behaviour_logprobs if ours else None,
         behaviour_token_ids=cap.behaviour_token_ids if ours else None,
         fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
@@ -151,30 +158,31 @@ def rated_sample(rating: RatingRow, cap: CaptureRow, model: str) -> TrainSample:
     )
 
 
-def with_earlier(ctx: Context, run_id: int, inputs: RunInputs) -> RunInputs:
+def with_earlier(ctx: Context, run_id: int, inputs: RunInputs,
+                 centres: Mapping[str, float] | None = None) -> RunInputs:
     """``inputs`` with what the run reads beyond its pending ratings, the pool of earlier ratings read
     once: the ones it replays, the user's newest earlier ones (at most :data:`REWARD_MODEL_HISTORY`)
     for its reward model, and, when it explores, the prompts of the newest answers nobody rated."""
     pool = ctx.store.replay_pool(ctx.slug)
-    history = _earlier_samples(ctx, [rid for rid, _ in pool][-REWARD_MODEL_HISTORY:])
+    history = _earlier_samples(ctx, [rid for rid, _ in pool][-REWARD_MODEL_HISTORY:], centres)
     captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if ctx.cfg.train.explore > 0 else []
-    return replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh), pool), history=history,
+    return replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh), pool, centres), history=history,
                    captured=captured)
 
 
-def replay_samples(ctx: Context, run_id: int, n_new: int,
-                   pool: list[tuple[int, int]] | None = None) -> list[TrainSample]:
+def replay_samples(ctx: Context, run_id: int, n_new: int, pool: list[tuple[int, int]] | None = None,
+                   centres: Mapping[str, float] | None = None) -> list[TrainSample]:
     """The earlier ratings run ``run_id`` replays beside its ``n_new`` fresh ones (worker/replay.py),
     drawn from ``pool`` (default: the store's replay pool)."""
     n = wanted(n_new, ctx.cfg.train.replay)
     if n == 0:
         return []
     ids = draw(ctx.store.replay_pool(ctx.slug) if pool is None else pool, n, run_id)
-    return [replace(s, replayed=True) for s in _earlier_samples(ctx, ids)]
+    return [replace(s, replayed=True) for s in _earlier_samples(ctx, ids, centres)]
 
 
-def _earlier_samples(ctx: Context, ids: list[int]) -> list[TrainSample]:
-    return [rated_sample(rating, cap, ctx.cfg.model) for rating, cap in ctx.store.ratings_with_captures(ids)]
+def _earlier_samples(ctx: Context, ids: list[int], centres: Mapping[str, float] | None = None) -> list[TrainSample]:
+    return [rated_sample(rating, cap, ctx.cfg.model, centres) for rating, cap in ctx.store.ratings_with_captures(ids)]
 
 
 class ProgressBoard:

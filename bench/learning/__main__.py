@@ -103,6 +103,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=4, help="answers per held-out prompt per checkpoint (default 4)")
     ap.add_argument("--batch", type=int, default=32, help="held-out answers per generate call (default 32)")
     ap.add_argument("--no-comments", action="store_true", help="rate without words (no comment on a thumbs-down)")
+    ap.add_argument("--stars", action="store_true", help="rate in stars where the preference grades them "
+                    "(short: by length; `/rl 2 too long`), else in thumbs")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             bc = BenchConfig(
                 preference=pref, model=args.model, ratings=args.ratings, objective=objective,
                 threshold=args.threshold, preset=args.preset, heldout=args.heldout, samples=args.samples,
-                batch=args.batch, comments=not args.no_comments,
+                batch=args.batch, comments=not args.no_comments, stars=args.stars,
                 max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, gate=not args.no_gate,
                 overrides=overrides, home=home, then=then, switch_at=args.switch_at,
             )

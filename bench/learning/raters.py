@@ -1,9 +1,11 @@
 """Simulated users: a hidden preference judged from the answer text alone.
 
 A rater is ``(prompt: str, answer: str) -> 1 | -1 | None`` (None: no opinion, not rated), or a pair
-``(value, comment)``: the words a person adds to a rating (``/rl bad too long``), stored with it. Named
-ones are built from a spec, ``NAME`` or ``NAME:ARG`` (``short:30`` = under 30 words) and say what they
-want on a thumbs-down. Any function of either shape plugs in with ``--rater FILE.py:FUNC``.
+``(value, comment)``: the words a person adds to a rating (``/rl bad too long``), stored with it, or a
+triple ``(value, comment, stars)`` with 1-5 stars that agree with the value (4-5 good, 1-3 bad: ``/rl 4``).
+Named ones are built from a spec, ``NAME`` or ``NAME:ARG`` (``short:30`` = under 30 words) and say what
+they want on a thumbs-down; ``short`` also grades in stars by length (``Preference.stars``, used with
+``--stars``). Any function of these shapes plugs in with ``--rater FILE.py:FUNC``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.shared.events import MAX_COMMENT_CHARS
+from rlfleet.shared.ingress.grammar import thumb_of
 
 Rater = Callable[[str, str], "int | None | tuple[int | None, str | None]"]
 
@@ -34,15 +37,22 @@ def words(text: str) -> list[str]:
 class Judgement:
     value: int | None  # 1 liked, -1 disliked, None no opinion (not rated)
     comment: str | None = None  # what the user types after `/rl good|bad`
+    stars: int | None = None  # 1-5, agreeing with value, when the rater grades (`/rl 4 comment`)
 
 
 def judgement(result: object, who: str) -> Judgement:
-    """A rater's return value, checked: ``1 | -1 | None`` or ``(value, comment)``; ValueError says why not."""
-    shape = "a rater returns 1, -1 or None, or a pair (value, comment) with comment a str or None"
+    """A rater's return value, checked: ``1 | -1 | None``, ``(value, comment)`` or ``(value, comment,
+    stars)``; ValueError says why not."""
+    shape = ("a rater returns 1, -1 or None, or a pair (value, comment) with comment a str or None, or a "
+             "triple (value, comment, stars)")
+    stars: object = None
     if isinstance(result, tuple):
-        if len(result) != 2:
+        if len(result) == 3:
+            value, comment, stars = result
+        elif len(result) == 2:
+            value, comment = result
+        else:
             raise ValueError(f"{who} returned {result!r}; {shape}")
-        value, comment = result
     else:
         value, comment = result, None
     if value is not None and (isinstance(value, bool) or value not in (1, -1)):
@@ -55,7 +65,13 @@ def judgement(result: object, who: str) -> Judgement:
         comment = comment.strip() or None
     if value is None and comment is not None:
         raise ValueError(f"{who} returned a comment without a rating ({result!r}); comment with 1 or -1")
-    return Judgement(None if value is None else int(value), comment)
+    if stars is not None:
+        if isinstance(stars, bool) or not isinstance(stars, int) or not 1 <= stars <= 5:
+            raise ValueError(f"{who} returned {result!r}; stars are 1 to 5")
+        if value is None or thumb_of(stars) != value:
+            raise ValueError(f"{who} returned {result!r}; {stars} stars are a thumbs-"
+                             f"{'up' if thumb_of(stars) > 0 else 'down'} (4-5 up, 1-3 down)")
+    return Judgement(None if value is None else int(value), comment, stars if isinstance(stars, int) else None)
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,14 @@ class Preference:
     name: str
     description: str
     rater: Rater
+    stars: Callable[[str], int] | None = None  # the answer graded 1-5 (agreeing with the rater), where it grades
+
+    def graded(self, prompt: str, answer: str) -> Judgement:
+        """:meth:`judge`, with the stars of :attr:`stars` where the rater gave none."""
+        j = self.judge(prompt, answer)
+        if j.value is None or j.stars is not None or self.stars is None:
+            return j
+        return judgement((j.value, j.comment, self.stars(answer)), self.name)
 
     def judge(self, prompt: str, answer: str) -> Judgement:
         return judgement(self.rater(prompt, answer), self.name)
@@ -74,6 +98,17 @@ class Preference:
 
 def short(limit: int = 30) -> Rater:
     return lambda _p, a: 1 if len(words(a)) < limit else (-1, f"too long, keep it under {limit} words")
+
+
+def short_stars(limit: int = 30) -> Callable[[str], int]:
+    """Stars by length, as someone who wants answers under ``limit`` words grades them: under half of it
+    5, under it 4, then 3, 2 and 1 by each half-limit over."""
+    def grade(answer: str) -> int:
+        n = len(words(answer))
+        if n < limit:
+            return 5 if n < limit / 2 else 4
+        return 3 if n < 1.5 * limit else 2 if n < 2 * limit else 1
+    return grade
 
 
 def question(_unused: str | None = None) -> Rater:
@@ -113,6 +148,10 @@ _NAMED: dict[str, tuple[Callable[..., Rater], str, type | None]] = {
 }
 
 
+# The named preferences that also grade an answer in stars (Preference.stars).
+_GRADED: dict[str, Callable[..., Callable[[str], int]]] = {"short": short_stars}
+
+
 CONTROLS = ("short:30", "question", "topic:ocean", "avoid:however", "polite", "example", "direct")
 
 
@@ -135,9 +174,10 @@ def preference(spec: str) -> Preference:
         raise ValueError(f"preference {name!r} takes no argument")
     try:
         rate = make(kind(arg)) if arg else make()
+        grade = None if name not in _GRADED else _GRADED[name](kind(arg)) if arg else _GRADED[name]()
     except ValueError:
         raise ValueError(f"bad argument {arg!r} for preference {name!r}") from None
-    return Preference(spec, description + (f" [{arg}]" if arg else ""), rate)
+    return Preference(spec, description + (f" [{arg}]" if arg else ""), rate, grade)
 
 
 def load_rater(spec: str) -> Preference:

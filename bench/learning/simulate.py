@@ -78,6 +78,7 @@ class BenchConfig:
     samples: int = 4  # answers per held-out prompt per checkpoint
     batch: int = 32  # held-out answers per generate call
     comments: bool = True  # rate with the rater's comment (`/rl bad too long`), else the value alone
+    stars: bool = False  # rate in stars where the preference grades them (`/rl 2 too long`)
     max_new_tokens: int = 48
     seed: int = 0
     device: str = "auto"
@@ -153,6 +154,7 @@ class BenchResult:
             # (worker/training/hindsight.py); None without comments or with train.hindsight 0.
             "teacher_gap": self.runs[-1].get("teacher_gap") if self.runs else None,
             "comments": self.config.comments,
+            "stars": self.config.stars,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
             "runs": self.runs,
             "checkpoints": [c.to_dict() for c in self.checkpoints],
@@ -280,7 +282,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             asked += 1
             say("rating answers", given, bc.ratings)
             a = responder.answer([{"role": "user", "content": prompt}], seed=bc.seed * 1_000_003 + asked)
-            judged = bc.rater_at(given).judge(prompt, a.text)
+            pref = bc.rater_at(given)
+            judged = pref.graded(prompt, a.text) if bc.stars else pref.judge(prompt, a.text)
             if not a.text.strip() or judged.value is None:
                 continue
             try:  # exactly what `rlfleet chat` sends
@@ -294,7 +297,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             if not dispatch(handle, cfg, cap).get("ok"):
                 continue
             result = dispatch(handle, cfg, rating_event(cases, cap.capture_id, judged.value,
-                                                        judged.comment if bc.comments else None))
+                                                        judged.comment if bc.comments else None,
+                                                        judged.stars if bc.stars else None))
             given += 1
             if str(result.get("training") or "").startswith("training run"):
                 say(f"training after {given} ratings", 0, 1)
@@ -312,18 +316,22 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
     return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
 
 
-def typed(value: int, comment: str | None) -> str:
-    """What the user types to rate the answer just given: ``/rl bad too long, keep it under 25 words``."""
-    return f"/rl {'good' if value > 0 else 'bad'}" + (f" {comment}" if comment else "")
+def typed(value: int, comment: str | None, stars: int | None = None) -> str:
+    """What the user types to rate the answer just given: ``/rl bad too long, keep it under 25 words``,
+    or in stars ``/rl 2 too long``."""
+    head = str(stars) if stars is not None else "good" if value > 0 else "bad"
+    return f"/rl {head}" + (f" {comment}" if comment else "")
 
 
-def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | None) -> Rating:
-    """The rating event the ingress makes of the user's typed ``/rl good|bad [comment]`` (as the terminal
-    chat does: the answer addressed by its capture id)."""
-    cmd = parse_rl(typed(value, comment))
+def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | None,
+                 stars: int | None = None) -> Rating:
+    """The rating event the ingress makes of the user's typed ``/rl good|bad|1-5 [comment]`` (as the
+    terminal chat does: the answer addressed by its capture id)."""
+    cmd = parse_rl(typed(value, comment, stars))
     if cmd.verb not in ("good", "bad"):  # e.g. a comment past the command's length limit
-        raise ValueError(f"the rating {typed(value, comment)[:60]!r}... is not a /rl good|bad command")
-    outcome = cases.rate(USER, CONVERSATION, 1 if cmd.verb == "good" else -1, cmd.arg, target=capture_id)
+        raise ValueError(f"the rating {typed(value, comment, stars)[:60]!r}... is not a /rl good|bad command")
+    outcome = cases.rate(USER, CONVERSATION, 1 if cmd.verb == "good" else -1, cmd.arg, target=capture_id,
+                         stars=cmd.stars)
     if not isinstance(outcome, Send) or not isinstance(outcome.event, Rating):
         raise RuntimeError(f"the ingress refused the simulated user's rating: {outcome!r}")
     return outcome.event

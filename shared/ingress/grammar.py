@@ -22,6 +22,7 @@ MAX_COMMAND_CHARS = 2_000
 
 HELP = (
     "/rl good [comment] · /rl bad [comment]: rate the bot's last answer to you here\n"
+    "/rl 1-5 [comment]: rate it in stars (4-5 is a 👍, 1-3 a 👎)\n"
     "/rl why <reason>: say (or change) why, on your last rating here\n"
     "/rl undo: take back your last rating · /rl status: the model, ratings, training\n"
     "admins: /rl train · /rl rollback [version] · /rl reset\n"
@@ -34,6 +35,7 @@ class RlCommand:
     verb: Verb
     arg: str | None = None  # the comment of good/bad, the reason of why, the version of rollback
     unknown: str | None = None  # what was typed when it was not a command we know
+    stars: int | None = None  # a star rating (`/rl 4`): good or bad by the stars, with them
 
     @property
     def admin(self) -> bool:
@@ -62,11 +64,33 @@ def parse_rl(text: str) -> RlCommand:
     head, _, rest = text.partition(" ")
     verb = _VERBS.get(head.lower())
     arg = rest.strip() or None
+    stars = stars_of(head)
+    if stars is not None:
+        return RlCommand("good" if thumb_of(stars) > 0 else "bad", arg, stars=stars)
     if verb is None:
         return RlCommand("help", unknown=head[:40])
     if verb in ("good", "bad", "why", "rollback"):
         return RlCommand(verb, arg)
     return RlCommand(verb)
+
+
+MIN_LIKED_STARS = 4  # a star rating from here up is a 👍, below it a 👎
+_STARS = re.compile(r"^([1-5])(?:/5|\*|★)?$")
+
+
+def thumb_of(stars: int) -> Literal[1, -1]:
+    """The thumb a star rating carries: 4 or 5 stars 👍, 1 to 3 👎 (an answer rated under 4 was not what
+    the person wanted)."""
+    return 1 if stars >= MIN_LIKED_STARS else -1
+
+
+def stars_of(word: str) -> int | None:
+    """``4``, ``4/5``, ``4*``, ``4★`` or ``★★★★`` -> 4; anything else (``+1`` is a thumb) -> None."""
+    word = word.strip()
+    if word and set(word) == {"★"} and len(word) <= 5:
+        return len(word)
+    match = _STARS.match(word)
+    return int(match.group(1)) if match else None
 
 
 _GOOD = {"+1", "thumbsup", "thumbs_up", "like", "👍", "1f44d_thumbsup"}

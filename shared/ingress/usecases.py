@@ -181,7 +181,8 @@ class UseCases:
         cmd = parse_rl(text)
         verb = cmd.verb
         if verb == "good" or verb == "bad":
-            return self.rate(who, conversation, 1 if verb == "good" else -1, cmd.arg, reply_to=reply_to)
+            return self.rate(who, conversation, 1 if verb == "good" else -1, cmd.arg, reply_to=reply_to,
+                             stars=cmd.stars)
         if verb == "why":
             return self.why(who, conversation, cmd.arg, reply_to=reply_to)
         if verb == "undo":
@@ -195,17 +196,19 @@ class UseCases:
         return self.command(who, verb, {"version": cmd.arg} if verb == "rollback" and cmd.arg else {})
 
     def rate(self, who: Actor, conversation: str | None, value: Value, comment: str | None = None, *,
-             reply_to: str | None = None, target: str = "last", event_id: str | None = None) -> Outcome:
+             reply_to: str | None = None, target: str = "last", event_id: str | None = None,
+             stars: int | None = None) -> Outcome:
         """A rating of the answer ``reply_to`` names (a message this front end posted), else of ``target``
-        (``last``, a capture id or a message ref), which the store resolves within the decision's scope."""
+        (``last``, a capture id or a message ref), which the store resolves within the decision's scope;
+        ``stars`` (1-5) beside the thumb when it was given in stars."""
         decision = self.decide(who, "rate")
         if not decision.allowed:
             return None
         if reply_to:
             return self._rate_posted(who, decision, conversation or "", reply_to, value, comment,
-                                     "that message is not an answer of this bot's")
+                                     "that message is not an answer of this bot's", stars)
         return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=target, value=value,
-                           comment=comment, scope=decision.scope, **_event_id(event_id)))
+                           comment=comment, stars=stars, scope=decision.scope, **_event_id(event_id)))
 
     def why(self, who: Actor, conversation: str | None, reason: str | None, *, reply_to: str | None = None,
             target: str = "last", event_id: str | None = None) -> Outcome:
@@ -298,7 +301,7 @@ class UseCases:
         return self.posted.lookup(who.source, conversation, message_ref) if self.posted is not None else None
 
     def _rate_posted(self, who: Actor, decision: Decision, conversation: str, message_ref: str,
-                     value: Value | None, comment: str | None, not_ours: str) -> Outcome:
+                     value: Value | None, comment: str | None, not_ours: str, stars: int | None = None) -> Outcome:
         """A permitted rating of the answer this front end posted as ``message_ref``, if it is one and
         the decision reaches its owner."""
         posted = self._lookup(who, conversation, message_ref)
@@ -307,7 +310,7 @@ class UseCases:
         if not decision.reaches(posted.owner):
             return Reply(NOT_YOURS)
         return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=posted.capture_id,
-                           value=value, comment=comment, scope=decision.scope))
+                           value=value, comment=comment, stars=stars, scope=decision.scope))
 
     def _cooldown(self, who: Actor) -> int:
         """0 and start the cooldown, or the seconds left of a running one."""

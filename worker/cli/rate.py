@@ -1,4 +1,5 @@
-"""``rlfleet capture``, ``good``, ``bad`` and ``undo``: answers produced elsewhere, and their ratings."""
+"""``rlfleet capture``, ``good``, ``bad``, ``rate``, ``why`` and ``undo``: answers produced elsewhere, and their
+ratings."""
 
 from __future__ import annotations
 
@@ -75,10 +76,11 @@ def capture(
         emit(result, False)
 
 
-def _rate(value: int, target: str, comment: str | None, conversation: str | None, as_json: bool) -> None:
+def _rate(value: int | None, target: str, comment: str | None, conversation: str | None, as_json: bool,
+          stars: int | None = None) -> None:
     cfg = command_config()
     try:
-        ev = Rating(target=target, value=value, comment=comment, conversation=conversation)
+        ev = Rating(target=target, value=value, comment=comment, conversation=conversation, stars=stars)
     except Exception as exc:
         raise BadInput(_validation_line(exc)) from None
     with queue_for(cfg) as q:
@@ -103,6 +105,16 @@ def bad(target: TargetOpt = "last", comment: CommentOpt = None, conversation: Co
         as_json: JsonOpt = False) -> None:
     """Rate an answer bad (the last one by default)."""
     _rate(-1, target, comment, conversation, as_json)
+
+
+@app.command()
+def rate(
+    stars: Annotated[int, typer.Argument(min=1, max=5, help="1-5 stars: 4 or 5 is a good rating, 1 to 3 a bad one.")],
+    target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Rate an answer in stars (the last one by default); the stars are kept beside the thumb they make, and a
+    4 weighs more than a bare good, a 5 more still, against what you usually give (docs/objective.md)."""
+    _rate(None, target, comment, conversation, as_json, stars)
 
 
 @app.command()
