@@ -108,9 +108,11 @@ def test_external_rater_with_comments(tmp_path):
     assert pref.judge("p", "maybe so") == Judgement(-1, "too vague") and pref.rate("p", "maybe so") == -1
     assert pref.judge("p", "so") == Judgement(1, None)
     shape = r"returned .*; a rater returns 1, -1 or None, or a pair \(value, comment\)"
-    for func in ("not_a_str", "triple", "yes"):
+    for func in ("not_a_str", "yes"):
         with pytest.raises(ValueError, match=shape):
             load_rater(f"{f}:{func}").judge("p", "a")
+    with pytest.raises(ValueError, match="stars are 1 to 5"):  # a triple's third is its stars
+        load_rater(f"{f}:triple").judge("p", "a")
     with pytest.raises(ValueError, match="a comment without a rating"):
         load_rater(f"{f}:orphan").judge("p", "a")
     with pytest.raises(ValueError, match="over 2000 characters"):
@@ -278,6 +280,10 @@ def test_a_small_benchmark_run_shows_the_preference_taking_hold(tiny_model_dir, 
     # The hindsight teacher read the comments: the last run's gap, and how many of them it taught from.
     assert out["comments"] is True and isinstance(out["teacher_gap"], float)
     assert out["teacher_gap"] == last_run["teacher_gap"]
+    # ... and what the hint can teach at most: the base's rate with the hint in the held-out prompts.
+    assert out["teacher_hint"] == "too long" and 0 <= out["teacher_rate"] <= 1
+    lo, hi = out["teacher_ci95"]
+    assert lo <= out["teacher_rate"] <= hi
     assert last_run["hinted"] >= 1 and 0 <= last_run["hint_taught"] <= last_run["hinted"]
     assert out["reward_model_auc"] == last_run["reward_model_auc"] and last_run["reward_model_reason"]
     assert all(r["reward_model_auc"] is None or 0 <= r["reward_model_auc"] <= 1 for r in out["runs"])

@@ -38,7 +38,7 @@ from .raters import Preference, controls
 
 if TYPE_CHECKING:
     from rlfleet.shared.registry import AdapterRegistry
-    from rlfleet.shared.responder import Sample
+    from rlfleet.shared.responder import LocalResponder, Sample
 
 TOPICS = [
     "the moon", "coffee", "trains", "gardening", "volcanoes", "chess", "bicycles", "honey", "rainbows",
@@ -114,6 +114,9 @@ class BenchResult:
     checkpoints: list[Checkpoint]
     runs: list[dict]
     seconds: float
+    # The base model reading the user's most common 👎 comment as the hindsight teacher does (the hint in
+    # the held-out prompt): its rate of the preferred behaviour, what hindsight distillation can reach.
+    teacher: dict | None = None
 
     def summary(self) -> dict:
         first, last = self.checkpoints[0], self.checkpoints[-1]
@@ -153,6 +156,7 @@ class BenchResult:
             # The last run's mean gap of the hindsight teacher over the rated answers it read words on
             # (worker/training/hindsight.py); None without comments or with train.hindsight 0.
             "teacher_gap": self.runs[-1].get("teacher_gap") if self.runs else None,
+            **(self.teacher or {"teacher_rate": None, "teacher_ci95": None, "teacher_hint": None}),
             "comments": self.config.comments,
             "stars": self.config.stars,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
@@ -248,6 +252,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
             rows = [((a.messages, a.text), v) for (_, a), v in zip(texts, verdicts, strict=True) if a.text.strip()]
             pairs = [pair for pair, _ in rows]
             reference.update(
+                comments=[bc.measured.judge(p, a.text).comment for p, a in texts],  # the hint's candidates
                 pairs=pairs,
                 good=[pair for pair, v in rows if v == 1],
                 bad=[pair for pair, v in rows if v == -1],
@@ -275,6 +280,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         marks = sorted({0, *range(bc.threshold, bc.ratings + 1, bc.threshold), bc.ratings, bc.switch or 0})
         checkpoints = [checkpoint(0, 0)]
         say(_checkpoint_line(checkpoints[-1]), 1, 1)
+        # Before any adapter: the responder is the base, as the hindsight teacher is.
+        teacher = teacher_rate(responder, bc, reference["comments"], held) if bc.comments else None
         prompts = train_prompts()
         given = asked = 0
         while given < bc.ratings:
@@ -313,7 +320,25 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
                 say(_checkpoint_line(checkpoints[-1]), 1, 1)
     finally:
         handle.close()
-    return BenchResult(bc, checkpoints, runs, time.perf_counter() - started)
+    return BenchResult(bc, checkpoints, runs, time.perf_counter() - started, teacher)
+
+
+def teacher_rate(responder: LocalResponder, bc: BenchConfig, said: list[str | None], held: list[str]) -> dict | None:
+    """The preferred-behaviour rate of the base reading a hint, on the held-out prompts: the hint is the
+    comment the user's rater gives most often on the base's held-out answers (None: it gives none)."""
+    from rlfleet.worker.training.hindsight import with_hint
+
+    comments = [c for c in said if c]
+    if not comments:
+        return None
+    hint = max(set(comments), key=comments.count)
+    rows = [with_hint([{"role": "user", "content": p}], hint) for p in held for _ in range(bc.samples)]
+    got: list[Sample] = []
+    for b, start in enumerate(range(0, len(rows), bc.batch)):
+        got += responder.sample(rows[start:start + bc.batch], seed=10_000 + b)
+    rate, ci, _ = preferred_rate([bc.measured.rate(p, a.text) for p, a in zip(
+        [p for p in held for _ in range(bc.samples)], got, strict=True)])
+    return {"teacher_rate": rate, "teacher_ci95": list(ci), "teacher_hint": hint}
 
 
 def typed(value: int, comment: str | None, stars: int | None = None) -> str:
