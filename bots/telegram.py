@@ -134,10 +134,18 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
         if r is None:
             return
         user = r.user  # None for anonymous admins and channels: they cannot own an answer
-        await core.reaction(
+        old, new = thumb(r.old_reaction), thumb(r.new_reaction)
+        counted = await core.reaction(
             str(user.id) if user else None, str(r.chat.id), message_ref(r.chat.id, r.message_id),
-            old=thumb(r.old_reaction), new=thumb(r.new_reaction), is_bot=bool(user and user.is_bot),
+            old=old, new=new, is_bot=bool(user and user.is_bot),
         )
+        if counted and new == -1 and old != -1 and settings.buttons:
+            # As after the 👎 button: the reasons under the answer until one is chosen.
+            try:
+                await context.bot.edit_message_reply_markup(chat_id=r.chat.id, message_id=r.message_id,
+                                                            reply_markup=rating_keyboard(reasons=True))
+            except TelegramError as exc:
+                log.info("could not offer the reasons under an answer: %s", exc)
 
     async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
         q = update.callback_query

@@ -150,9 +150,17 @@ def test_reactions_rate_change_and_undo_and_strangers_are_ignored(queued_home):
             assert r.queued() == 0
             await r.react(OWNER_ID, answer, [], ["👍🏽"])
             await r.drain()
+            assert r.fake.of("editMessageReplyMarkup") == []  # a 👍 and the strangers' reactions ask nothing
             await r.react(OWNER_ID, answer, ["👍🏽"], ["👎"])  # one update carries the change
             await r.drain()
             assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            # A 👎 reaction that counted offers the reasons under the answer, as the 👎 button does.
+            (offer,) = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup"), "the reasons offered")
+            rows = offer["reply_markup"]
+            rows = (json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]
+            assert [b["text"] for row in rows[1:] for b in row] == list(REASONS)
+            assert (await r.press(OWNER_ID, answer, rows[1][0]["callback_data"])) == "noted why it is bad: too long"
+            await r.drain()
             await r.react(OWNER_ID, answer, ["👎"], [])
             await r.drain()
             assert r.ratings()[-1] == (OWNER, -1, "undone")

@@ -395,7 +395,8 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
             "explored_abs_advantage_median", "n_tokens", "ratings_cut",
             "class_weight", "seconds", "verdict", "reason",
             # the hindsight teacher (worker/training/hindsight.py): answers with words, taught, the gap
-            "hinted", "hint_taught", "teacher_gap", "hindsight_kl_start", "hindsight_kl",
+            "hinted", "hint_taught", "teacher_gap", "teacher_seconds", "hindsight_kl_start", "hindsight_kl",
+            "rewritten", "rewrites_tried",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
             # a version served from halfway through its run, and why the whole run was refused
