@@ -144,9 +144,15 @@ class BotCore:
 
     @_well_formed_args
     async def button(
-        self, actor: str | None, conversation: str, message_ref: str, value: Literal[1, -1], *, is_bot: bool = False
+        self, actor: str | None, conversation: str, message_ref: str, value: Literal[1, -1], *, is_bot: bool = False,
+        stars: int | None = None,
     ) -> Reply | None:
-        return await self.cases.carry_out(self.cases.press(self.who(actor, is_bot), conversation, message_ref, value))
+        """A good/bad button (or a star control: ``stars``, whose thumb ``value`` is) under an answer."""
+        try:
+            return await self.cases.carry_out(self.cases.press(self.who(actor, is_bot), conversation, message_ref,
+                                                               value, stars))
+        except ValidationError as exc:  # stars that disagree with the thumb, an id no event takes
+            return Reply(describe_validation_error(exc, "could not record that"))
 
     @_well_formed_args
     async def reason(

@@ -23,7 +23,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from rlfleet.shared.config import Config, SlackSettings
 from rlfleet.shared.errors import ConfigError
-from rlfleet.shared.ingress.grammar import reaction_value
+from rlfleet.shared.ingress.grammar import reaction_value, stars_of, thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
@@ -34,6 +34,7 @@ from .supervisor import Link, supervise
 log = logging.getLogger(__name__)
 
 GOOD_ACTION, BAD_ACTION = "rl_good", "rl_bad"
+STARS_ACTION = "rl_stars"  # the 1-5 stars control beside the buttons
 REASON_ACTION = "rl_why_"  # + the reason's number in shared/ingress/reasons.REASONS
 MAX_BODY_BYTES = 1 << 20  # Slack's payloads are a few kB; anything near this is not from Slack
 _MENTION = re.compile(r"<@[A-Z0-9]+>\s*")
@@ -50,6 +51,8 @@ def answer_blocks(text: str, buttons: bool) -> list[dict] | None:
              "value": "1"},
             {"type": "button", "action_id": BAD_ACTION, "text": {"type": "plain_text", "text": "👎 bad"},
              "value": "-1"},
+            {"type": "static_select", "action_id": STARS_ACTION, "placeholder": {"type": "plain_text", "text": "★ 1-5"},
+             "options": [{"text": {"type": "plain_text", "text": "★" * n}, "value": str(n)} for n in range(5, 0, -1)]},
         ]},
     ]
 
@@ -214,12 +217,13 @@ def register_buttons(app: AsyncApp, core: BotCore) -> None:
     """The good/bad buttons under an answer, answered privately to whoever pressed one; a 👎's reply
     offers the reasons, and a reason pressed replaces that reply with the answer to it."""
 
-    async def on_button(ack: Any, body: dict, respond: Any, value: int) -> None:
+    async def on_button(ack: Any, body: dict, respond: Any, value: int, stars: int | None = None) -> None:
         await ack()
         ref = (body.get("message") or {}).get("ts", "")
         reply = await core.button(
             (body.get("user") or {}).get("id"), (body.get("channel") or {}).get("id", ""), ref,
             value,  # type: ignore[arg-type]
+            stars=stars,
         )
         if reply is not None and reply.ask_why and isinstance(ref, str) and ref:
             await respond(text=reply.text, blocks=reason_blocks(reply.text, ref), response_type="ephemeral",
@@ -236,6 +240,15 @@ def register_buttons(app: AsyncApp, core: BotCore) -> None:
         )
         if reply is not None:
             await respond(text=reply.text, response_type="ephemeral", replace_original=True)
+
+    @app.action(STARS_ACTION)
+    async def stars_select(ack: Any, body: dict, respond: Any, action: dict) -> None:
+        stars = stars_of(str((action.get("selected_option") or {}).get("value") or ""))
+        if stars is None:  # not one of the options we sent: a forged or garbled payload
+            await ack()
+            await respond(text="not a star rating (1-5)", response_type="ephemeral", replace_original=False)
+            return
+        await on_button(ack, body, respond, thumb_of(stars), stars)
 
     @app.action(GOOD_ACTION)
     async def good_button(ack: Any, body: dict, respond: Any) -> None:

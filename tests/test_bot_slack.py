@@ -18,7 +18,7 @@ from slack_sdk.signature import SignatureVerifier
 from sqlalchemy import select
 
 from rlfleet.bots.core import BotCore
-from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION, build_app, http_app
+from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION, STARS_ACTION, build_app, http_app
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.replies import NOT_YOURS
 from rlfleet.shared.schema import CaptureRow, RatingRow
@@ -91,6 +91,18 @@ class SlackRig:
         body = urlencode({"payload": json.dumps(payload)})
         return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
 
+    async def select_stars(self, user: str, ts: str, value: str):
+        """The 1-5 stars control under an answer, an option chosen."""
+        self._n += 1
+        payload = {"type": "block_actions", "user": {"id": user}, "team": {"id": "T1"}, "api_app_id": "A1",
+                   "channel": {"id": CHANNEL}, "message": {"ts": ts, "text": "x"}, "container": {"type": "message"},
+                   "trigger_id": f"t{self._n}", "response_url": f"{self.slack.url}/respond/{self._n}",
+                   "actions": [{"action_id": STARS_ACTION, "block_id": "rl_rate", "type": "static_select",
+                                "selected_option": {"text": {"type": "plain_text", "text": "★"}, "value": value},
+                                "action_ts": "1"}]}
+        body = urlencode({"payload": json.dumps(payload)})
+        return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
+
     async def reply(self, n: int) -> str:
         """The text of the n-th private reply (to a command or button), working the queue meanwhile."""
         def got():
@@ -116,7 +128,7 @@ def test_a_mention_is_answered_in_thread_with_buttons_and_captured(queued_home):
             assert post["text"] == "answer to: what is a monad?"
             assert post["thread_ts"] == "1699999999.000001"
             actions = json.loads(post["blocks"]) if isinstance(post["blocks"], str) else post["blocks"]
-            assert [e["action_id"] for e in actions[1]["elements"]] == ["rl_good", "rl_bad"]
+            assert [e["action_id"] for e in actions[1]["elements"]] == ["rl_good", "rl_bad", "rl_stars"]
             with r.store.session() as s:
                 cap = s.scalars(select(CaptureRow)).one()
                 assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("slack", CHANNEL, ts, OWNER)
@@ -167,6 +179,30 @@ def test_rl_stars_rate_through_the_slash_command(queued_home):
             assert r.ratings() == [(OWNER, 1, "active")]
             with r.store.session() as s:
                 assert s.scalars(select(RatingRow)).one().stars == 4
+    run(go())
+
+
+def test_the_stars_control_under_an_answer_rates_in_stars(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            ts = await r.mention(OWNER, "q1")
+            post = r.slack.of("chat.postMessage")[-1]
+            blocks = post["blocks"] if isinstance(post["blocks"], list) else json.loads(post["blocks"])
+            (control,) = [e for e in blocks[1]["elements"] if e["action_id"] == STARS_ACTION]
+            assert [o["value"] for o in control["options"]] == ["5", "4", "3", "2", "1"]
+            await r.select_stars(OWNER, ts, "5")
+            assert (await r.reply(1)).startswith("rated good (5★)")
+            await r.select_stars(STRANGER, ts, "1")
+            assert await r.reply(2) == NOT_YOURS
+            await r.select_stars(OWNER, ts, "9")  # not an option we sent
+            assert await r.reply(3) == "not a star rating (1-5)"
+            await r.select_stars(OWNER, ts, "2")  # a 👎 in stars offers the reasons, as the 👎 button does
+            offer = await r.base.until(lambda: [c.body for c in r.slack.calls if c.path.startswith("/respond/")][3:],
+                                       "the reasons offered")
+            assert offer[0]["text"].startswith("re-rated bad (2★)") and "blocks" in offer[0]
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            with r.store.session() as s:
+                assert [row.stars for row in s.scalars(select(RatingRow).order_by(RatingRow.id))] == [5, 2]
     run(go())
 
 

@@ -225,12 +225,14 @@ class UseCases:
         return Send(Rating(source=who.source, actor=who.id, conversation=conversation, target=target, value=None,
                            comment=reason, scope=decision.scope, **_event_id(event_id)))
 
-    def press(self, who: Actor, conversation: str, message_ref: str, value: Value) -> Outcome:
-        """A good/bad button under the answer ``message_ref``."""
+    def press(self, who: Actor, conversation: str, message_ref: str, value: Value, stars: int | None = None) -> Outcome:
+        """A good/bad button under the answer ``message_ref``, or a star control (``stars``, whose thumb
+        ``value`` is)."""
         decision = self.decide(who, "rate")
         if not decision.allowed:
             return None
-        return self._rate_posted(who, decision, conversation, message_ref, value, None, "that answer was not captured")
+        return self._rate_posted(who, decision, conversation, message_ref, value, None, "that answer was not captured",
+                                 stars)
 
     def react(self, who: Actor, conversation: str, message_ref: str, old: Value | None,
               new: Value | None) -> Rating | Undo | None:
