@@ -355,7 +355,11 @@ def test_seeds_of_one_variant_pool_into_one_row_with_a_narrower_interval():
     assert mispo["base_repeat"] == pytest.approx(0.025) and "| 2.5 % → 3.5 % |" in table[2]
     # A version served from halfway through its run is counted as promoted, and said.
     runs[0]["runs"] = [{"state": "succeeded", "fallback": "halfway"}]
-    assert "| 2/2 (1 halfway) |" in markdown_table(pool(runs)).splitlines()[2]
+    assert "| 2/2 (1 halfway) | n/a · n/a |" in markdown_table(pool(runs)).splitlines()[2]
+    # The hindsight teacher's own rate and gap, averaged over the seeds that measured them.
+    runs[0].update(teacher_rate=0.25, teacher_gap=0.02)
+    runs[1].update(teacher_rate=0.5, teacher_gap=0.04)
+    assert "| 0.38 · +0.030 |" in markdown_table(pool(runs)).splitlines()[2]
 
 
 def test_labels_name_only_what_varies_within_a_preference():

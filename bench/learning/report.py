@@ -31,8 +31,8 @@ def label(s: dict) -> str:
 def markdown_table(summaries: list[dict]) -> str:
     head = ("| variant | ratings | seeds | rate before | rate after | Δ | 95 % CI after | margin before → after "
             "| words before → after | distinct-2 after | repeated trigrams before → after | entropy ratio "
-            "| runs promoted | seconds |")
-    rows = [head, "|" + "---|" * 14]
+            "| runs promoted | teacher rate · gap | seconds |")
+    rows = [head, "|" + "---|" * 15]
     for s in summaries:
         lo, hi = s["ci95"]
         promoted = sum(1 for r in s["runs"] if r["state"] == "succeeded")
@@ -46,7 +46,8 @@ def markdown_table(summaries: list[dict]) -> str:
             f"| {_f(s['distinct2_after'], '.2f')} "
             f"| {_percent(s.get('base_repeat'))} → {_percent(s.get('final_repeat'))} "
             f"| {_f(s['entropy_ratio'], '.2f')} "
-            f"| {promoted}/{len(s['runs'])}{f' ({halfway} halfway)' if halfway else ''} | {s['seconds']:.0f} |"
+            f"| {promoted}/{len(s['runs'])}{f' ({halfway} halfway)' if halfway else ''} "
+            f"| {_f(s.get('teacher_rate'), '.2f')} · {_f(s.get('teacher_gap'), '+.3f')} | {s['seconds']:.0f} |"
         )
     return "\n".join(rows)
 
@@ -111,6 +112,9 @@ def pool(summaries: list[dict]) -> list[dict]:
             "runs": [r for m in members for r in m["runs"]],
             "checkpoints": cps,
             "seconds": _mean([m["seconds"] for m in members]),
+            # The hindsight teacher (the base reading the hint): its own rate, and the last runs' gap.
+            "teacher_rate": _mean([m.get("teacher_rate") for m in members]),
+            "teacher_gap": _mean([m.get("teacher_gap") for m in members]),
         })
     return pooled
 
