@@ -19,7 +19,7 @@ import yarl
 from discord import app_commands
 
 from rlfleet.shared.config import Config, DiscordSettings
-from rlfleet.shared.ingress.grammar import Verb, reaction_value
+from rlfleet.shared.ingress.grammar import Verb, reaction_value, stars_of, thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 
@@ -85,18 +85,19 @@ def reason_view(message_id: str) -> discord.ui.View:
 
 
 class RatingView(discord.ui.View):
-    """👍 / 👎 under an answer; persistent (fixed custom ids, no timeout)."""
+    """👍 / 👎 and a 1-5 ★ menu under an answer; persistent (fixed custom ids, no timeout)."""
 
     def __init__(self, core: BotCore) -> None:
         super().__init__(timeout=None)
         self.core = core
 
-    async def _rate(self, interaction: discord.Interaction, value: Literal[1, -1]) -> None:
+    async def _rate(self, interaction: discord.Interaction, value: Literal[1, -1], stars: int | None = None) -> None:
         await interaction.response.defer(ephemeral=True, thinking=True)
         message = interaction.message
         actor, is_bot = _sender(interaction)
         reply = await self.core.button(
             actor, str(interaction.channel_id), str(message.id) if message else "", value, is_bot=is_bot,
+            stars=stars,
         )
         if reply is not None and reply.ask_why and message is not None:
             await interaction.followup.send(reply.text, ephemeral=True, view=reason_view(str(message.id)))
@@ -110,6 +111,16 @@ class RatingView(discord.ui.View):
     @discord.ui.button(label="bad", emoji="👎", style=discord.ButtonStyle.secondary, custom_id="rl:-1")
     async def bad(self, interaction: discord.Interaction, button: discord.ui.Button) -> None:
         await self._rate(interaction, -1)
+
+    @discord.ui.select(custom_id="rl:stars", placeholder="★ 1-5", row=1, options=[
+        discord.SelectOption(label="★" * n, value=str(n)) for n in range(5, 0, -1)])
+    async def stars(self, interaction: discord.Interaction, select: discord.ui.Select) -> None:
+        stars = stars_of(select.values[0]) if select.values else None
+        if stars is None:  # not one of the options we sent: a forged or garbled interaction
+            await interaction.response.defer(ephemeral=True, thinking=True)
+            await interaction.followup.send("not a star rating (1-5)", ephemeral=True)
+            return
+        await self._rate(interaction, thumb_of(stars), stars)
 
 
 class RlfleetClient(discord.Client):

@@ -12,11 +12,13 @@ import discord
 import yarl
 from botfakes import FakeDiscord, _discord_user
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
+from sqlalchemy import select
 
 from rlfleet.bots.discord import RlfleetClient
 from rlfleet.shared.ingress.grammar import Verb
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.replies import NOT_YOURS
+from rlfleet.shared.schema import RatingRow
 
 BOT = "999"
 
@@ -74,6 +76,11 @@ class DiscordRig:
         msg = self.fake.message(answer, _discord_user(BOT, bot=True), "an answer")
         return await self._followup(self._interaction(user, 3, {"custom_id": custom_id, "component_type": 2}, msg))
 
+    async def choose_stars(self, user: str, answer: str, value: str) -> str:
+        msg = self.fake.message(answer, _discord_user(BOT, bot=True), "an answer")
+        return await self._followup(self._interaction(
+            user, 3, {"custom_id": "rl:stars", "component_type": 3, "values": [value]}, msg))
+
     async def react(self, user: str, answer: str, emoji: str, added: bool = True, bot: bool = False) -> None:
         data = {"user_id": user, "channel_id": self.fake.channel, "message_id": answer, "guild_id": self.fake.guild,
                 "emoji": {"id": None, "name": emoji}, "type": 0, "burst": False}
@@ -110,9 +117,26 @@ def test_start_syncs_the_rl_command_and_a_mention_is_answered_with_buttons(queue
             post = r.fake.of("/messages")[-1]
             assert post["content"] == "answer to: what is a monad?"
             ids = [c["custom_id"] for row in post["components"] for c in row["components"]]
-            assert ids == ["rl:1", "rl:-1"]
+            assert ids == ["rl:1", "rl:-1", "rl:stars"]
+            stars = [c for row in post["components"] for c in row["components"] if c["custom_id"] == "rl:stars"]
+            assert [o["value"] for o in stars[0]["options"]] == ["5", "4", "3", "2", "1"]
             (cap,) = r.base.captures()
             assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("discord", "222", answer, OWNER)
+    run(go())
+
+
+def test_the_stars_menu_under_an_answer_rates_in_stars(queued_home, monkeypatch):
+    async def go():
+        async with rig(queued_home, monkeypatch) as r:
+            answer = await r.ask(OWNER, "what is a monad?")
+            assert (await r.choose_stars(OWNER, answer, "4")).startswith("rated good (4★)")
+            assert await r.choose_stars(STRANGER, answer, "1") == NOT_YOURS
+            assert await r.choose_stars(OWNER, answer, "7") == "not a star rating (1-5)"
+            assert (await r.choose_stars(OWNER, answer, "1")).startswith("re-rated bad (1★)")
+            await r.base.drain()
+            assert r.base.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            with r.base.store.session() as s:
+                assert [row.stars for row in s.scalars(select(RatingRow).order_by(RatingRow.id))] == [4, 1]
     run(go())
 
 
