@@ -156,7 +156,8 @@ class BenchResult:
             # The last run's mean gap of the hindsight teacher over the rated answers it read words on
             # (worker/training/hindsight.py); None without comments or with train.hindsight 0.
             "teacher_gap": self.runs[-1].get("teacher_gap") if self.runs else None,
-            **(self.teacher or {"teacher_rate": None, "teacher_ci95": None, "teacher_hint": None}),
+            **(self.teacher or {"teacher_rate": None, "teacher_ci95": None, "teacher_hint": None,
+                                "teacher_rate_seconds": 0.0}),
             "comments": self.config.comments,
             "stars": self.config.stars,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
@@ -328,6 +329,7 @@ def teacher_rate(responder: LocalResponder, bc: BenchConfig, said: list[str | No
     comment the user's rater gives most often on the base's held-out answers (None: it gives none)."""
     from rlfleet.worker.training.hindsight import with_hint
 
+    started = time.perf_counter()
     comments = [c for c in said if c]
     if not comments:
         return None
@@ -338,7 +340,8 @@ def teacher_rate(responder: LocalResponder, bc: BenchConfig, said: list[str | No
         got += responder.sample(rows[start:start + bc.batch], seed=10_000 + b)
     rate, ci, _ = preferred_rate([bc.measured.rate(p, a.text) for p, a in zip(
         [p for p in held for _ in range(bc.samples)], got, strict=True)])
-    return {"teacher_rate": rate, "teacher_ci95": list(ci), "teacher_hint": hint}
+    return {"teacher_rate": rate, "teacher_ci95": list(ci), "teacher_hint": hint,
+            "teacher_rate_seconds": time.perf_counter() - started}  # part of the run's seconds
 
 
 def typed(value: int, comment: str | None, stars: int | None = None) -> str:
