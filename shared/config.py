@@ -109,7 +109,9 @@ class TrainSettings(BaseModel):
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
     # Hindsight distillation (docs/objective.md, "Hindsight"): a rating with words (a comment or a
     # one-click reason) also trains the policy toward a teacher that reads those words as a hint, at
-    # every position of the rated answer; the term's weight beside the policy gradient. 0: off.
+    # every position of the rated answer; the term's weight beside the policy gradient. 0: off. On: where
+    # the model reads the hint it gave the largest gain measured, elsewhere it was neutral
+    # (bench/RESULTS.md, "hindsight from the user's words").
     hindsight: float = Field(1.0, ge=0, le=100)
     # The teacher's K likeliest next tokens the student is pulled toward (and one bin for the rest).
     hindsight_top_k: int = Field(32, ge=1, le=1024)
@@ -122,7 +124,8 @@ class TrainSettings(BaseModel):
     teacher: str | None = Field(None, min_length=1, max_length=1000)
     # The teacher also answers each prompt with words again, under them; where the reward model
     # (reward_model_min_auc) scores that answer above the rated one, it trains as a liked answer
-    # (docs/objective.md, "Hindsight"). Off by default: bench/RESULTS.md, "hindsight".
+    # (docs/objective.md, "Hindsight"). Off by default: not measured yet (bench/RESULTS.md, "hindsight from
+    # the user's words").
     rewrite: bool = False
 
 
