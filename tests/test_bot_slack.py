@@ -81,27 +81,25 @@ class SlackRig:
                                  "reaction": name, "item": {"type": "message", "channel": CHANNEL, "ts": ts},
                                  "item_user": "UBOT", "event_ts": str(time.time())})
 
-    async def button(self, user: str, ts: str, action: str = GOOD_ACTION, value: str | None = None):
+    async def block_action(self, user: str, ts: str, action: dict):
+        """``action`` taken on the blocks under the answer ``ts``, as Slack posts it."""
         self._n += 1
         payload = {"type": "block_actions", "user": {"id": user}, "team": {"id": "T1"}, "api_app_id": "A1",
                    "channel": {"id": CHANNEL}, "message": {"ts": ts, "text": "x"}, "container": {"type": "message"},
                    "trigger_id": f"t{self._n}", "response_url": f"{self.slack.url}/respond/{self._n}",
-                   "actions": [{"action_id": action, "block_id": "rl_rate", "type": "button",
-                                "value": value or ("1" if action == GOOD_ACTION else "-1"), "action_ts": "1"}]}
+                   "actions": [{"block_id": "rl_rate", "action_ts": "1", **action}]}
         body = urlencode({"payload": json.dumps(payload)})
         return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
 
+    async def button(self, user: str, ts: str, action: str = GOOD_ACTION, value: str | None = None):
+        return await self.block_action(user, ts, {"action_id": action, "type": "button",
+                                                  "value": value or ("1" if action == GOOD_ACTION else "-1")})
+
     async def select_stars(self, user: str, ts: str, value: str):
         """The 1-5 stars control under an answer, an option chosen."""
-        self._n += 1
-        payload = {"type": "block_actions", "user": {"id": user}, "team": {"id": "T1"}, "api_app_id": "A1",
-                   "channel": {"id": CHANNEL}, "message": {"ts": ts, "text": "x"}, "container": {"type": "message"},
-                   "trigger_id": f"t{self._n}", "response_url": f"{self.slack.url}/respond/{self._n}",
-                   "actions": [{"action_id": STARS_ACTION, "block_id": "rl_rate", "type": "static_select",
-                                "selected_option": {"text": {"type": "plain_text", "text": "★"}, "value": value},
-                                "action_ts": "1"}]}
-        body = urlencode({"payload": json.dumps(payload)})
-        return await self.app.async_dispatch(self.signed(body, "application/x-www-form-urlencoded").bolt())
+        return await self.block_action(user, ts, {
+            "action_id": STARS_ACTION, "type": "static_select",
+            "selected_option": {"text": {"type": "plain_text", "text": "★"}, "value": value}})
 
     async def reply(self, n: int) -> str:
         """The text of the n-th private reply (to a command or button), working the queue meanwhile."""

@@ -292,4 +292,4 @@ def test_no_rewrite_without_words_or_a_reward_model_good_enough():
     weak = replace(good, auc=0.6)
     assert "below train.reward_model_min_auc" in why_not(hinted_samples(), weak, cfg)
     none = RewardModelReport(auc=None, reason="too few liked answers", seconds=0.0)
-    assert why_not(hinted_samples(), none, cfg) == "no reward model to judge them: too few liked answers"
+    assert why_not(hinted_samples(), none, cfg) == "no reward model: too few liked answers"

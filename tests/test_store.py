@@ -167,9 +167,13 @@ def test_migrations_are_reentrant(db_url):
     Store(db_url)
     Store(db_url)  # a second open finds the schema at head and changes nothing
 
-def test_a_database_from_before_finish_reason_keeps_its_answers_as_ended(db_url):
-    """A data dir made by the release before captures said how an answer ended: the next start migrates
-    it, its captures read as not known (they train as ended, as before), and new ones record it."""
+OLD_CAPTURE = ("INSERT INTO captures (id, event_id, source, conversation, owner, prompt, response, model, created) "
+               "VALUES ('old', 'ev-old', 'cli', 'c1', 'local', '[]', 'an old answer', 'm', '2026-11-01 00:00:00')")
+
+
+def database_at(db_url: str, revision: str, *inserts: str) -> None:
+    """A database as an older release left it: the schema migrated up to ``revision`` only, with
+    ``inserts`` (SQL) run on it; the next Store migrates the rest."""
     import sqlalchemy as sa
     from alembic import command
     from alembic.config import Config as AlembicConfig
@@ -181,11 +185,16 @@ def test_a_database_from_before_finish_reason_keeps_its_answers_as_ended(db_url)
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0002")
-        conn.execute(sa.text(
-            "INSERT INTO captures (id, event_id, source, conversation, owner, prompt, response, model, created) "
-            "VALUES ('old', 'ev-old', 'cli', 'c1', 'local', '[]', 'an old answer', 'm', '2026-11-01 00:00:00')"))
+        command.upgrade(cfg, revision)
+        for sql in inserts:
+            conn.execute(sa.text(sql))
     engine.dispose()
+
+
+def test_a_database_from_before_finish_reason_keeps_its_answers_as_ended(db_url):
+    """A data dir made by the release before captures said how an answer ended: the next start migrates
+    it, its captures read as not known (they train as ended, as before), and new ones record it."""
+    database_at(db_url, "0002", OLD_CAPTURE)
     store = Store(db_url)
     cut = Capture(prompt=[{"role": "user", "content": "q"}], response="a", model="m", finish_reason="length")
     assert store.apply_capture(cut).ok
@@ -256,25 +265,10 @@ def test_stars_must_agree_with_the_thumb_and_stay_within_one_to_five():
 
 
 def test_a_database_from_before_stars_keeps_its_ratings_as_bare_thumbs(db_url):
-    import sqlalchemy as sa
-    from alembic import command
-    from alembic.config import Config as AlembicConfig
-
-    from rlfleet.shared.engines import MIGRATIONS
-
-    engine = sa.create_engine(db_url)
-    cfg = AlembicConfig()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0003")
-        conn.execute(sa.text(
-            "INSERT INTO captures (id, event_id, source, conversation, owner, prompt, response, model, created) "
-            "VALUES ('old', 'ev-old', 'cli', 'c1', 'local', '[]', 'an old answer', 'm', '2026-11-01 00:00:00')"))
-        conn.execute(sa.text(
-            "INSERT INTO ratings (event_id, capture_id, train_model, actor, source, value, state, created, changed) "
-            "VALUES ('r-old', 'old', 'm', 'local', 'cli', 1, 'active', '2026-11-01 00:00:00', '2026-11-01 00:00:00')"))
-    engine.dispose()
+    database_at(db_url, "0003", OLD_CAPTURE,
+                "INSERT INTO ratings (event_id, capture_id, train_model, actor, source, value, state, created, "
+                "changed) VALUES ('r-old', 'old', 'm', 'local', 'cli', 1, 'active', '2026-11-01 00:00:00', "
+                "'2026-11-01 00:00:00')")
     store = Store(db_url)
     new = cap()
     store.apply_capture(new)

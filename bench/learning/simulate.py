@@ -334,12 +334,12 @@ def teacher_rate(responder: LocalResponder, bc: BenchConfig, said: list[str | No
     if not comments:
         return None
     hint = max(set(comments), key=comments.count)
-    rows = [with_hint([{"role": "user", "content": p}], hint) for p in held for _ in range(bc.samples)]
+    prompts = [p for p in held for _ in range(bc.samples)]
+    rows = [with_hint([{"role": "user", "content": p}], hint) for p in prompts]
     got: list[Sample] = []
     for b, start in enumerate(range(0, len(rows), bc.batch)):
         got += responder.sample(rows[start:start + bc.batch], seed=10_000 + b)
-    rate, ci, _ = preferred_rate([bc.measured.rate(p, a.text) for p, a in zip(
-        [p for p in held for _ in range(bc.samples)], got, strict=True)])
+    rate, ci, _ = preferred_rate([bc.measured.rate(p, a.text) for p, a in zip(prompts, got, strict=True)])
     return {"teacher_rate": rate, "teacher_ci95": list(ci), "teacher_hint": hint,
             "teacher_rate_seconds": time.perf_counter() - started}  # part of the run's seconds
 

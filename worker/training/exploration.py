@@ -70,11 +70,7 @@ def why_not(report: RewardModelReport, cfg: TrainConfig) -> str | None:
     """Why this run does not explore, or None when it does."""
     if cfg.explore <= 0:
         return "off (train.explore = 0)"
-    if report.auc is None or report.model is None:
-        return f"no reward model: {report.reason}"
-    if report.auc < cfg.reward_model_min_auc:
-        return f"reward model AUC {report.auc:.3f} below train.reward_model_min_auc {cfg.reward_model_min_auc}"
-    return None
+    return report.unusable(cfg.reward_model_min_auc)
 
 
 def prompts_to_explore(samples: Sequence[TrainSample], n: int,

@@ -53,6 +53,15 @@ class RewardModelReport:
         return {"reward_model_auc": self.auc, "reward_model_reason": self.reason,
                 "reward_model_seconds": self.seconds}
 
+    def unusable(self, min_auc: float) -> str | None:
+        """Why answers may not be scored with this model (none fitted, or its AUC under ``min_auc``:
+        ``train.reward_model_min_auc``), or None when they may."""
+        if self.auc is None or self.model is None:
+            return f"no reward model: {self.reason}"
+        if self.auc < min_auc:
+            return f"reward model AUC {self.auc:.3f} below train.reward_model_min_auc {min_auc}"
+        return None
+
 
 def answer_statistics(response: str, n_tokens: int) -> list[float]:
     """``[log(n_tokens), log(1 + words), share of words that end a sentence]`` (0 for an empty answer)."""

@@ -50,11 +50,7 @@ def why_not(samples: Sequence[TrainSample], report: RewardModelReport, cfg: Trai
         return "off (train.rewrite = false)"
     if not any(hint_for(s) for s in samples):
         return "no rating with words to rewrite under"
-    if report.auc is None or report.model is None:
-        return f"no reward model to judge them: {report.reason}"
-    if report.auc < cfg.reward_model_min_auc:
-        return f"reward model AUC {report.auc:.3f} below train.reward_model_min_auc {cfg.reward_model_min_auc}"
-    return None
+    return report.unusable(cfg.reward_model_min_auc)
 
 
 def rewrite(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,

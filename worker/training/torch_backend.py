@@ -275,15 +275,14 @@ class Trainer(TrainerInterface):
         k = next(r[0].ids.shape[1] for r in rows if r is not None)
         ids, lps, weights = [], [], []
         for n, row in zip(counts, rows, strict=True):
-            if row is None or row[0].ids.shape[0] != n:
-                if row is not None:
-                    raise ValueError(f"a teacher row has {row[0].ids.shape[0]} positions, its answer {n}")
-                # Filler with weight 0: finite values, so 0 * KL stays 0.
+            if row is None:  # filler with weight 0: finite values, so 0 * KL stays 0
                 ids.append(torch.zeros((n, k), dtype=torch.long))
                 lps.append(torch.full((n, k), -30.0))
                 weights.append(torch.zeros(n))
                 continue
             top, weight = row
+            if top.ids.shape[0] != n:
+                raise ValueError(f"a teacher row has {top.ids.shape[0]} positions, its answer {n}")
             ids.append(torch.as_tensor(top.ids, dtype=torch.long))
             lps.append(torch.as_tensor(top.logprobs, dtype=torch.float32))
             weights.append(torch.full((n,), float(weight)))
