@@ -77,10 +77,14 @@ _REASON = "rlwhy:"  # custom id of a one-click reason: rlwhy:<its number in REAS
 def reason_view(message_id: str) -> discord.ui.View:
     """The one-click reasons, under a 👎's private reply; each names the answer it is about, so a click is
     handled wherever it lands (RlfleetClient.on_interaction), not by this view's own callbacks."""
-    view = discord.ui.View(timeout=600)
+    return with_reasons(discord.ui.View(timeout=600), message_id)
+
+
+def with_reasons(view: discord.ui.View, message_id: str) -> discord.ui.View:
+    """``view`` with the one-click reasons as a row of its own, about the answer ``message_id``."""
     for i, reason in enumerate(REASONS, 1):
         view.add_item(discord.ui.Button(label=reason, custom_id=f"{_REASON}{i}:{message_id}"[:100],
-                                        style=discord.ButtonStyle.secondary))
+                                        style=discord.ButtonStyle.secondary, row=2))
     return view
 
 
@@ -166,6 +170,18 @@ class RlfleetClient(discord.Client):
         actor, is_bot = _sender(interaction)
         reply = await self.core.reason(actor, str(interaction.channel_id), ref, choice, is_bot=is_bot)
         await interaction.followup.send((reply or Reply("ignored")).text, ephemeral=True)
+        message = interaction.message
+        if reply is not None and reply.recorded and self.view is not None and message is not None \
+                and str(message.id) == ref:  # given under the answer itself: the reasons leave it
+            await self._show(message, self.view)
+
+    async def _show(self, message: discord.Message | discord.PartialMessage, view: discord.ui.View) -> None:
+        """The answer's components as ``view``; one Discord will not edit (deleted, not the bot's) keeps
+        the ones it has."""
+        try:
+            await message.edit(view=view)
+        except discord.HTTPException as exc:
+            log.info("could not change the buttons under an answer: %s", exc.__class__.__name__)
 
     async def on_ready(self) -> None:
         if self.link is not None:
@@ -215,8 +231,14 @@ class RlfleetClient(discord.Client):
         if value is None or (self.user is not None and payload.user_id == self.user.id):
             return
         is_bot = bool(payload.member and payload.member.bot)
-        await self.core.reaction(str(payload.user_id), str(payload.channel_id), str(payload.message_id),
-                                 old=None if added else value, new=value if added else None, is_bot=is_bot)
+        counted = await self.core.reaction(str(payload.user_id), str(payload.channel_id), str(payload.message_id),
+                                           old=None if added else value, new=value if added else None,
+                                           is_bot=is_bot)
+        if counted and added and value == -1 and self.view is not None:
+            # As after the 👎 button: the reasons, here under the answer until one is chosen (a reaction
+            # has no interaction to answer privately).
+            answer = self.get_partial_messageable(payload.channel_id).get_partial_message(payload.message_id)
+            await self._show(answer, with_reasons(RatingView(self.core), str(payload.message_id)))
 
     async def on_raw_reaction_add(self, payload: discord.RawReactionActionEvent) -> None:
         await self._reaction(payload, added=True)

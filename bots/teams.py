@@ -3,14 +3,16 @@
 Translation only. Teams has no slash commands: `/rl good` is message text (in channels after the
 @mention, which is stripped). A user is their AAD object id (stable across chats); an answer is the
 activity id `send_activity` returned, which a later reaction carries as ``replyToId``. Buttons are an
-Adaptive Card whose ``Action.Submit`` comes back as a message with ``value`` {"rl": 1 | -1}.
+Adaptive Card whose ``Action.Submit`` comes back as a message with ``value`` {"rl": 1 | -1 | "stars"}
+and the card's ★ menu ({"stars": "1".."5"}); a 👎 (button, stars under 4, or reaction) is answered
+with a card of one-click reasons.
 Bot Framework authentication is on whenever an app id is configured.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from botbuilder.core import ActivityHandler, CardFactory, MessageFactory, TurnContext
@@ -18,7 +20,7 @@ from botbuilder.integration.aiohttp import CloudAdapter, ConfigurationBotFramewo
 from botbuilder.schema import Activity, ChannelAccount, MessageReaction
 
 from rlfleet.shared.config import Config, TeamsSettings
-from rlfleet.shared.ingress.grammar import is_rl, reaction_value
+from rlfleet.shared.ingress.grammar import is_rl, reaction_value, stars_of, thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
@@ -29,14 +31,37 @@ from .supervisor import Link, supervise
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+REACTED_BAD = "noted your 👎"
+
+
+STARS_INPUT = "stars"  # the card's 1-5 ★ menu; Teams merges its value into every Submit's data
 
 
 def rating_card() -> Any:
+    """👍 / 👎 and a 1-5 ★ menu with its own button. A thumb pressed with stars chosen sends both (the
+    use case refuses a pair that disagrees, e.g. 👍 with 2★)."""
     return CardFactory.adaptive_card({
-        "type": "AdaptiveCard", "version": "1.4", "body": [],
+        "type": "AdaptiveCard", "version": "1.4",
+        "body": [{"type": "Input.ChoiceSet", "id": STARS_INPUT, "style": "compact", "placeholder": "★ 1-5",
+                  "choices": [{"title": "★" * n, "value": str(n)} for n in range(5, 0, -1)]}],
         "actions": [{"type": "Action.Submit", "title": "👍 good", "data": {"rl": 1}},
-                    {"type": "Action.Submit", "title": "👎 bad", "data": {"rl": -1}}],
+                    {"type": "Action.Submit", "title": "👎 bad", "data": {"rl": -1}},
+                    {"type": "Action.Submit", "title": "★ rate", "data": {"rl": STARS_INPUT}}],
     })
+
+
+def _pressed(value: dict) -> tuple[Literal[1, -1], int | None] | str:
+    """A rating card's Submit as (thumb, stars), or why it is not one a card of ours sends."""
+    chosen = value.get(STARS_INPUT)
+    stars = stars_of(str(chosen)) if chosen not in (None, "") else None
+    if chosen not in (None, "") and stars is None:
+        return "not a star rating (1-5)"
+    thumb = value.get("rl")
+    if thumb == STARS_INPUT:
+        return (thumb_of(stars), stars) if stars is not None else "choose 1-5 stars in the menu first"
+    if type(thumb) is int and thumb in (1, -1):
+        return (1 if thumb == 1 else -1), stars
+    return "unknown button"
 
 
 def reasons_card(text: str, answer_ref: str) -> Any:
@@ -72,11 +97,13 @@ class TeamsBot(ActivityHandler):
         actor, conversation = user_id(act.from_property), act.conversation.id if act.conversation else ""
         is_bot = _is_bot(act.from_property)
         if isinstance(act.value, dict) and "rl" in act.value:  # a rating card's button
-            value = act.value.get("rl")
-            if value not in (1, -1):
-                await self._say(turn, "unknown button")
+            pressed = _pressed(act.value)
+            if isinstance(pressed, str):
+                await self._say(turn, pressed)
                 return
-            reply = await self.core.button(actor, conversation, act.reply_to_id or "", value, is_bot=is_bot)
+            value, stars = pressed
+            reply = await self.core.button(actor, conversation, act.reply_to_id or "", value, is_bot=is_bot,
+                                           stars=stars)
             if reply is not None and reply.ask_why and act.reply_to_id:
                 await turn.send_activity(MessageFactory.attachment(reasons_card(reply.text, act.reply_to_id)))
             elif reply is not None:
@@ -120,9 +147,12 @@ class TeamsBot(ActivityHandler):
             value = reaction_value(r.type)
             if value is None:
                 continue
-            await self.core.reaction(
+            counted = await self.core.reaction(
                 user_id(act.from_property), act.conversation.id if act.conversation else "", act.reply_to_id or "",
                 old=None if added else value, new=value if added else None, is_bot=_is_bot(act.from_property))
+            if counted and added and value == -1 and act.reply_to_id and self.core.settings.buttons:
+                # As after the 👎 button: the reasons, as a reply card (a reaction has no reply of its own).
+                await turn.send_activity(MessageFactory.attachment(reasons_card(REACTED_BAD, act.reply_to_id)))
 
     async def on_reactions_added(self, message_reactions: list[MessageReaction], turn_context: TurnContext) -> None:
         await self._reactions(message_reactions, turn_context, added=True)

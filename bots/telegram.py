@@ -29,7 +29,7 @@ from telegram.ext import (
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import ConfigError
-from rlfleet.shared.ingress.grammar import reaction_value
+from rlfleet.shared.ingress.grammar import reaction_value, stars_of, thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
 from rlfleet.shared.webserver import listening, until_cancelled
@@ -43,6 +43,7 @@ ALLOWED_UPDATES = ["message", "callback_query", "message_reaction"]
 MAX_BODY_BYTES = 1 << 20
 _BUTTON = "rl:"  # callback data: "rl:1" / "rl:-1"
 _REASON = "rlwhy:"  # + the reason's number in shared/ingress/reasons.REASONS
+_STARS = "rlstars:"  # + 1..5
 
 
 def message_ref(chat_id: int, message_id: int) -> str:
@@ -50,14 +51,23 @@ def message_ref(chat_id: int, message_id: int) -> str:
 
 
 def rating_keyboard(reasons: bool = False) -> InlineKeyboardMarkup:
-    """The good/bad row under an answer; after a 👎, the one-click reasons under it too (each one about
-    the message it sits on)."""
+    """The good/bad row and a 1-5 ★ row under an answer; after a 👎, the one-click reasons under them too
+    (each one about the message it sits on)."""
     rows = [[InlineKeyboardButton("👍 good", callback_data=f"{_BUTTON}1"),
-             InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")]]
+             InlineKeyboardButton("👎 bad", callback_data=f"{_BUTTON}-1")],
+            [InlineKeyboardButton(f"{n}★", callback_data=f"{_STARS}{n}") for n in range(1, 6)]]
     if reasons:
         why = [InlineKeyboardButton(r, callback_data=f"{_REASON}{i}") for i, r in enumerate(REASONS, 1)]
         rows += [why[:3], why[3:]]
     return InlineKeyboardMarkup(rows)
+
+
+def pressed(data: str) -> tuple[Literal[1, -1], int | None] | None:
+    """A rating button's callback data as (thumb, stars); None for data no keyboard of ours sends."""
+    if data.startswith(_STARS):
+        stars = stars_of(data.removeprefix(_STARS))
+        return None if stars is None else (thumb_of(stars), stars)
+    return {f"{_BUTTON}1": (1, None), f"{_BUTTON}-1": (-1, None)}.get(data)  # type: ignore[return-value]
 
 
 def thumb(reactions: Any) -> Literal[1, -1] | None:
@@ -151,16 +161,13 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
         q = update.callback_query
         if q is None or q.message is None or not q.data:
             return
-        try:
-            value = int(q.data.removeprefix(_BUTTON))
-        except ValueError:
-            value = 0
-        if value not in (1, -1):
+        rating = pressed(q.data)
+        if rating is None:
             await q.answer("unknown button")
             return
         msg = q.message
         reply = await core.button(str(q.from_user.id), str(msg.chat.id), message_ref(msg.chat.id, msg.message_id),
-                                  value, is_bot=q.from_user.is_bot)  # type: ignore[arg-type]
+                                  rating[0], is_bot=q.from_user.is_bot, stars=rating[1])
         await q.answer(reply.text if reply else None)  # a toast only the presser sees
         if reply is not None and reply.ask_why:
             await _show(q, rating_keyboard(reasons=True))
@@ -179,7 +186,7 @@ def build_application(core: BotCore, token: str, api_base: str | None = None) ->
     application.add_handler(CommandHandler("rl", rl))
     application.add_handler(MessageHandler(filters.TEXT & ~filters.COMMAND, on_text))
     application.add_handler(MessageReactionHandler(on_reaction))
-    application.add_handler(CallbackQueryHandler(on_button, pattern=f"^{_BUTTON}"))
+    application.add_handler(CallbackQueryHandler(on_button, pattern=f"^({_BUTTON}|{_STARS})"))
     application.add_handler(CallbackQueryHandler(on_reason, pattern=f"^{_REASON}"))
     return application
 

@@ -272,6 +272,10 @@ class FakeDiscord(FakeServer):
                                "flags": 0, "owner": _discord_user("1")})
         if tail.startswith("applications/") and tail.endswith("/commands"):
             return self._json([])
+        if tail.startswith("channels/") and "/messages/" in tail and request.method == "PATCH":  # an edit
+            mid = tail.rsplit("/", 1)[1]
+            return self._json(self.message(mid, _discord_user(self.bot_id, bot=True), body.get("content") or "",
+                                           components=body.get("components") or []))
         if tail.startswith("channels/") and tail.endswith("/messages"):
             mid = str(next(self._ids))
             return self._json(self.message(mid, _discord_user(self.bot_id, bot=True), body.get("content", ""),

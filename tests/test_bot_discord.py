@@ -181,6 +181,30 @@ def test_reactions_and_buttons_follow_the_owner_rules(queued_home, monkeypatch):
     run(go())
 
 
+def test_a_thumbs_down_reaction_offers_the_reasons_under_the_answer(queued_home, monkeypatch):
+    async def go():
+        async with rig(queued_home, monkeypatch) as r:
+            answer = await r.ask(OWNER, "q1")
+            edits = f"/channels/{r.fake.channel}/messages/{answer}"
+            await r.react(STRANGER, answer, "👎")  # not theirs: nothing offered
+            await r.react(OWNER, answer, "👍")
+            await r.drain()
+            assert r.fake.of(edits) == []
+            await r.react(OWNER, answer, "👎")
+            (offer,) = await r.base.until(lambda: r.fake.of(edits), "the reasons under the answer")
+            rows = [[c["custom_id"] for c in row["components"]] for row in offer["components"]]
+            assert rows == [["rl:1", "rl:-1"], ["rl:stars"], [f"rlwhy:{i}:{answer}" for i in range(1, 6)]]
+            assert await r.press(STRANGER, answer, rows[2][0]) == NOT_YOURS
+            assert len(r.fake.of(edits)) == 1  # a refused press leaves the reasons there
+            assert await r.press(OWNER, answer, rows[2][3]) == "noted why it is bad: off-topic"
+            (_, restored) = await r.base.until(lambda: r.fake.of(edits)[1:] and r.fake.of(edits), "reasons gone")
+            assert [[c["custom_id"] for c in row["components"]] for row in restored["components"]] == \
+                [["rl:1", "rl:-1"], ["rl:stars"]]
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "replaced"), (OWNER, -1, "active")]
+    run(go())
+
+
 def test_other_bots_are_not_answered_and_change_nothing(queued_home, monkeypatch):
     """Discord's gateway is authenticated by the bot token over TLS: there is no signature to forge and
     discord.py parses its payloads; what can reach us unwanted is other bots."""

@@ -11,10 +11,12 @@ from contextlib import asynccontextmanager
 import aiohttp
 from botfakes import FakeTeamsConnector
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
+from sqlalchemy import select
 
 from rlfleet.bots.teams import web_app
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.replies import NOT_YOURS
+from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.webserver import listening
 
 CONV = "19:team-chat"
@@ -86,7 +88,10 @@ def test_a_mention_is_answered_with_a_rating_card_and_captured(queued_home):
             assert reply["text"] == "answer to: what is a monad?"
             card = reply["attachments"][0]
             assert card["contentType"] == "application/vnd.microsoft.card.adaptive"
-            assert [a["data"] for a in card["content"]["actions"]] == [{"rl": 1}, {"rl": -1}]
+            assert [a["data"] for a in card["content"]["actions"]] == [{"rl": 1}, {"rl": -1}, {"rl": "stars"}]
+            (menu,) = card["content"]["body"]
+            assert (menu["type"], menu["id"]) == ("Input.ChoiceSet", "stars")
+            assert [c["value"] for c in menu["choices"]] == ["5", "4", "3", "2", "1"]
             (cap,) = r.base.captures()
             assert (cap.source, cap.conversation, cap.message_ref, cap.owner) == ("teams", CONV, answer, OWNER)
             assert cap.prompt[-1]["content"] == "what is a monad?"
@@ -116,27 +121,66 @@ def test_reactions_and_card_buttons_follow_the_owner_rules(queued_home):
             assert r.queued() == 0
             await r.react(OWNER, answer, "1f44e_thumbsdown_3")
             await r.drain()
+            # A 👎 reaction that counted is answered with the reasons, as the 👎 button is.
+            await r.base.until(lambda: r.replies()[1:] or None, "the reasons after a 👎 reaction")
+            offer = r.replies()[1]["attachments"][0]["content"]
+            assert [a["title"] for a in offer["actions"]] == list(REASONS)
+            assert {a["data"]["ref"] for a in offer["actions"]} == {answer}
+            r.send(r.activity(OWNER, type="message", value=offer["actions"][0]["data"], replyToId="reply-2"))
+            assert await r.said(3) == "noted why it is bad: too long"
             await r.react(OWNER, answer, "1f44e_thumbsdown_3", added=False)
             await r.drain()
-            assert r.ratings() == [(OWNER, -1, "undone")]
+            assert r.ratings() == [(OWNER, -1, "replaced"), (OWNER, -1, "undone")]
+            assert len(r.replies()) == 3  # removing a 👎 asks nothing
             r.send(r.activity(STRANGER, type="message", value={"rl": 1}, replyToId=answer))
-            assert "only the person the bot answered" in await r.said(2)
+            assert "only the person the bot answered" in await r.said(4)
             r.send(r.activity(RATER, type="message", value={"rl": 1}, replyToId=answer))
-            assert (await r.said(3)).startswith("rated good")
+            assert (await r.said(5)).startswith("rated good")
             assert r.ratings()[-1] == (RATER, 1, "active")
             r.send(r.activity(RATER, type="message", value={"rl": -1}, replyToId=answer))
-            await r.base.until(lambda: r.replies()[3:] or None, "the 👎's reply")
-            card = r.replies()[3]["attachments"][0]["content"]  # with the reasons under it
+            await r.base.until(lambda: r.replies()[5:] or None, "the 👎's reply")
+            card = r.replies()[5]["attachments"][0]["content"]  # with the reasons under it
             assert card["body"][0]["text"].startswith("re-rated bad")
             assert [a["title"] for a in card["actions"]] == list(REASONS)
             assert {a["data"]["ref"] for a in card["actions"]} == {answer}
-            r.send(r.activity(STRANGER, type="message", value=card["actions"][4]["data"], replyToId="reply-4"))
-            assert await r.said(5) == NOT_YOURS
-            r.send(r.activity(RATER, type="message", value=card["actions"][4]["data"], replyToId="reply-4"))
-            assert await r.said(6) == "noted why it is bad: tone"
-            r.send(r.activity(RATER, type="message", value={"rlwhy": "x", "ref": answer}, replyToId="reply-4"))
-            assert "not a reason of the menu" in await r.said(7)
+            r.send(r.activity(STRANGER, type="message", value=card["actions"][4]["data"], replyToId="reply-6"))
+            assert await r.said(7) == NOT_YOURS
+            r.send(r.activity(RATER, type="message", value=card["actions"][4]["data"], replyToId="reply-6"))
+            assert await r.said(8) == "noted why it is bad: tone"
+            r.send(r.activity(RATER, type="message", value={"rlwhy": "x", "ref": answer}, replyToId="reply-6"))
+            assert "not a reason of the menu" in await r.said(9)
             assert r.ratings()[-2:] == [(RATER, -1, "replaced"), (RATER, -1, "active")]
+    run(go())
+
+
+def test_the_stars_menu_on_the_card_rates_in_stars(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            answer = await r.ask(OWNER, "q1")
+
+            def submit(user: str, n: int, **value) -> None:
+                r.send(r.activity(user, type="message", value=value, replyToId=answer))
+
+            submit(OWNER, 2, rl="stars", stars="4")
+            assert (await r.said(2)).startswith("rated good (4★)")
+            submit(STRANGER, 3, rl="stars", stars="5")
+            assert await r.said(3) == NOT_YOURS
+            submit(OWNER, 4, rl="stars")  # ★ rate with nothing chosen
+            assert await r.said(4) == "choose 1-5 stars in the menu first"
+            submit(OWNER, 5, rl="stars", stars="9")  # not a choice the card offers
+            assert await r.said(5) == "not a star rating (1-5)"
+            submit(OWNER, 6, rl=True)
+            assert await r.said(6) == "unknown button"
+            submit(OWNER, 7, rl=1, stars="2")  # 👍 pressed with 2★ chosen: they disagree
+            assert "could not record that" in await r.said(7)
+            submit(OWNER, 8, rl=-1, stars="2")  # 👎 with 2★: both, and the reasons asked
+            await r.base.until(lambda: r.replies()[7:] or None, "the 👎's reply")
+            card = r.replies()[7]["attachments"][0]["content"]
+            assert card["body"][0]["text"].startswith("re-rated bad (2★)")
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            with r.base.store.session() as s:
+                assert [row.stars for row in s.scalars(select(RatingRow).order_by(RatingRow.id))] == [4, 2]
     run(go())
 
 

@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 import aiohttp
 from botfakes import FakeTelegram
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
+from sqlalchemy import select
 from telegram import Update
 
 from rlfleet.bots.telegram import ALLOWED_UPDATES, build_application, webhook_app
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.replies import NOT_YOURS
+from rlfleet.shared.schema import RatingRow
 from rlfleet.shared.webserver import listening
 
 GROUP = -100123
@@ -115,6 +117,7 @@ def test_a_mention_is_answered_as_a_reply_with_buttons_and_captured(queued_home)
             assert sent["text"] == "answer to: what is a monad?"
             markup = json.loads(sent["reply_markup"])
             assert [b["callback_data"] for b in markup["inline_keyboard"][0]] == ["rl:1", "rl:-1"]
+            assert [b["text"] for b in markup["inline_keyboard"][1]] == ["1★", "2★", "3★", "4★", "5★"]
             (cap,) = r.base.captures()
             assert (cap.source, cap.conversation, cap.owner) == ("telegram", str(GROUP), OWNER)
             assert cap.message_ref == f"{GROUP}:{answer['message_id']}"
@@ -158,8 +161,8 @@ def test_reactions_rate_change_and_undo_and_strangers_are_ignored(queued_home):
             (offer,) = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup"), "the reasons offered")
             rows = offer["reply_markup"]
             rows = (json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]
-            assert [b["text"] for row in rows[1:] for b in row] == list(REASONS)
-            assert (await r.press(OWNER_ID, answer, rows[1][0]["callback_data"])) == "noted why it is bad: too long"
+            assert [b["text"] for row in rows[2:] for b in row] == list(REASONS)
+            assert (await r.press(OWNER_ID, answer, rows[2][0]["callback_data"])) == "noted why it is bad: too long"
             await r.drain()
             await r.react(OWNER_ID, answer, ["👎"], [])
             await r.drain()
@@ -179,12 +182,12 @@ def test_buttons_admin_commands_and_help(queued_home):
             keyboard = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup"), "the reasons offered")
             rows = keyboard[0]["reply_markup"]
             rows = (json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]
-            assert [b["text"] for row in rows[1:] for b in row] == list(REASONS)
-            assert (await r.press(STRANGER_ID, answer, rows[1][0]["callback_data"])) == NOT_YOURS
-            assert (await r.press(OWNER_ID, answer, rows[1][2]["callback_data"])) == "noted why it is bad: wrong"
+            assert [b["text"] for row in rows[2:] for b in row] == list(REASONS)
+            assert (await r.press(STRANGER_ID, answer, rows[2][0]["callback_data"])) == NOT_YOURS
+            assert (await r.press(OWNER_ID, answer, rows[2][2]["callback_data"])) == "noted why it is bad: wrong"
             restored = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup")[1:], "the reasons gone")
             rows = restored[0]["reply_markup"]
-            assert len((json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]) == 1
+            assert len((json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]) == 2  # thumbs, stars
             assert (await r.press(OWNER_ID, answer, "rlwhy:9")).startswith("not a reason of the menu")
             assert (await r.press(OWNER_ID, answer, "rl:7")) == "unknown button"
             assert await r.rl(OWNER_ID, "reset") == "/rl reset is for admins only"
@@ -192,6 +195,26 @@ def test_buttons_admin_commands_and_help(queued_home):
             assert "one admin command per 30 s" in await r.rl(ADMIN_ID, "train")
             assert "/rl good [comment]" in await r.rl(OWNER_ID, "")
             assert r.ratings() == [(OWNER, -1, "replaced"), (OWNER, -1, "active")]
+    run(go())
+
+
+def test_the_stars_row_rates_in_stars_and_a_low_mark_asks_why(queued_home):
+    async def go():
+        async with rig(queued_home) as r:
+            answer = await r.ask(OWNER_ID, "q1")
+            assert (await r.press(OWNER_ID, answer, "rlstars:4")).startswith("rated good (4★)")
+            assert await r.press(STRANGER_ID, answer, "rlstars:5") == NOT_YOURS
+            assert await r.press(OWNER_ID, answer, "rlstars:7") == "unknown button"  # not one we sent
+            assert r.fake.of("editMessageReplyMarkup") == []  # a 4★ is a 👍: no reasons asked
+            assert (await r.press(OWNER_ID, answer, "rlstars:2")).startswith("re-rated bad (2★)")
+            (offer,) = await r.base.until(lambda: r.fake.of("editMessageReplyMarkup"), "the reasons offered")
+            rows = offer["reply_markup"]
+            rows = (json.loads(rows) if isinstance(rows, str) else rows)["inline_keyboard"]
+            assert [b["text"] for row in rows[2:] for b in row] == list(REASONS)
+            await r.drain()
+            assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "active")]
+            with r.base.store.session() as s:
+                assert [row.stars for row in s.scalars(select(RatingRow).order_by(RatingRow.id))] == [4, 2]
     run(go())
 
 
