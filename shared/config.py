@@ -241,6 +241,16 @@ class BridgeSettings(BaseModel):
     agent_admin: bool = False  # /rl train, rollback, reset typed in a coding agent
 
 
+class WebSettings(BaseModel):
+    """`rlfleet web`: the browser app for the data dir's owner (docs/web.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"  # anything but loopback: put TLS in front (the login travels in a cookie)
+    port: int = Field(8790, ge=0, le=65535)
+    token_file: Path | None = None  # default: <data dir>/web-token, made 0600 on first start
+    session_hours: float = Field(12.0, gt=0, le=24 * 30)  # how long a login lasts
+
+
 class PushTarget(BaseModel):
     """An inference server that gets every newly served adapter (worker/push.py)."""
 
@@ -274,6 +284,7 @@ class Config(BaseModel):
     responder: ResponderSettings = Field(default_factory=ResponderSettings)
     push: list[PushTarget] = Field(default_factory=list)
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
+    web: WebSettings = Field(default_factory=WebSettings)
     allow_remote_push: bool = False  # push targets must be on this machine (loopback) unless this is set
 
     def allowlists(self, source: str) -> Allowlists:
@@ -292,6 +303,10 @@ class Config(BaseModel):
     @property
     def secret_path(self) -> Path:
         return self.home / "secret"
+
+    @property
+    def web_token_path(self) -> Path:
+        return self.web.token_file or self.home / "web-token"
 
     @property
     def db_url(self) -> str:

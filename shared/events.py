@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from .errors import BadInput
 from .ingress.grammar import thumb_of
 
-Source = Literal["slack", "discord", "telegram", "teams", "cli", "claude-code", "codex", "bridge"]
+Source = Literal["slack", "discord", "telegram", "teams", "cli", "web", "claude-code", "codex", "bridge"]
 Platform = Literal["slack", "discord", "telegram", "teams"]
 PLATFORMS: tuple[str, ...] = ("slack", "discord", "telegram", "teams")  # the chat platforms with bots
 

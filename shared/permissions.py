@@ -95,7 +95,7 @@ class PermissionTable:
         for platform in PLATFORMS:
             lists = cfg.allowlists(platform)
             grants[platform] = Grants(raters=lists.raters | lists.admins, admins=lists.admins)
-        grants["cli"] = Grants(admins=frozenset({LOCAL_ACTOR}))
+        grants["cli"] = grants["web"] = Grants(admins=frozenset({LOCAL_ACTOR}))  # the data dir's owner
         if admin_keys is None:
             admin_keys = [k.id for k in cfg.bridge.keys if k.admin]
         bridge = Grants(admins=frozenset({LOCAL_ACTOR, *admin_keys}))

@@ -14,7 +14,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,9 +244,11 @@ class LocalResponder:
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version;
-        the sampling settings default to the responder's own."""
+        the sampling settings default to the responder's own. ``on_text`` is called, from this thread,
+        with each piece of decoded text as it is generated (whole words where the tokenizer can tell)."""
         import torch
 
         with self._lock:
@@ -267,7 +269,8 @@ class LocalResponder:
                     self.temperature if temperature is None else temperature,
                     self.top_p if top_p is None else top_p,
                 )
-                out = model.generate(input_ids=prompt, attention_mask=mask, generation_config=gc)
+                streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
+                out = model.generate(input_ids=prompt, attention_mask=mask, generation_config=gc, streamer=streamer)
                 new = self._cut_at_end(out[0, prompt.shape[1]:])
                 logprobs = token_logprobs(model, prompt[0], new)
             ids = new.tolist()
@@ -350,6 +353,36 @@ class LocalResponder:
             first = int(is_end.nonzero()[0, 0])
             return new[: first + 1]  # keep the end token: it carries the length signal
         return new
+
+
+class _TextPieces:
+    """A ``generate()`` streamer that hands each newly decoded piece of the answer to ``on_text`` as each
+    token comes (the prompt, passed first, skipped); text that ends in half a UTF-8 character waits for
+    the rest. transformers' TextStreamer holds whole words back for a console; a page wants tokens."""
+
+    def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded answer handed over so far
+        self.prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        self._flush(final=False)
+
+    def end(self) -> None:
+        self._flush(final=True)
+
+    def _flush(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not final and text.endswith("\ufffd"):
+            return
+        if len(text) > self.sent:
+            piece, self.sent = text[self.sent:], len(text)
+            self.on_text(piece)
 
 
 def token_logprobs(model: Any, prompt_ids: Any, new_ids: Any) -> list[float]:

@@ -204,7 +204,7 @@ def test_reset_needs_yes_without_a_terminal(queued_home):
 
 
 @pytest.mark.parametrize("cmd", ["init", "chat", "capture", "good", "bad", "undo", "status", "train", "rollback",
-                                 "reset", "up", "worker", "promote", "history"])
+                                 "reset", "up", "worker", "promote", "history", "web"])
 def test_every_command_has_help(cmd):
     res = rl(cmd, "--help")
     assert res.exit_code == 0 and "Usage" in res.output
@@ -237,11 +237,14 @@ def test_up_on_a_data_dir_made_by_chat_starts_the_bridge_and_lists_every_child(h
     import socket
 
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    port, web_port = ports
     cfg = load_config()
-    cfg.bridge.port = port
+    cfg.bridge.port, cfg.web.port = port, web_port
     cfg.save()  # no secret file: what `chat` leaves (only `init` wrote one)
     proc = subprocess.Popen(MAIN + ["up"], env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -249,8 +252,9 @@ def test_up_on_a_data_dir_made_by_chat_starts_the_bridge_and_lists_every_child(h
         deadline = time.monotonic() + 90
         while True:
             assert time.monotonic() < deadline and proc.poll() is None, "rlfleet up did not start the bridge"
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0 and status_json()["workers"] == 2:
+            with socket.socket() as s, socket.socket() as w:
+                if s.connect_ex(("127.0.0.1", port)) == 0 and w.connect_ex(("127.0.0.1", web_port)) == 0 \
+                        and status_json()["workers"] == 2:
                     break
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
@@ -260,7 +264,11 @@ def test_up_on_a_data_dir_made_by_chat_starts_the_bridge_and_lists_every_child(h
             proc.kill()
     assert f"made secret file {cfg.secret_path} (mode 0600)" in said
     assert stat.S_IMODE(cfg.secret_path.stat().st_mode) == 0o600
-    for child in ("events", "train", "bridge"):
+    assert f"rlfleet web on http://127.0.0.1:{web_port}/" in " ".join(said.split())
+    token = cfg.web_token_path.read_text().strip()
+    assert stat.S_IMODE(cfg.web_token_path.stat().st_mode) == 0o600 and token not in said + panel
+    assert token not in "".join(p.read_text() for p in (home / "logs").glob("*"))  # nor in the children's logs
+    for child in ("events", "train", "bridge", "web"):
         assert re.search(rf"^{child} +running \(log: ", panel, re.M), panel
     assert re.search(r"^bots +not started: none enabled: `rlfleet init --bot slack`", panel, re.M), panel
     assert re.search(r"^serve +not started: only for the bots", panel, re.M), panel

@@ -297,7 +297,7 @@ bad_values = st.one_of(
         lambda t: [t[0], "--target", t[1], "--comment", t[2], "--conversation", t[3]]),
     st.tuples(st.sampled_from(["rollback", "promote"]), values.filter(lambda s: s != "base")).map(list),
     st.tuples(values, blank).map(lambda t: ["capture", "--prompt", t[0], "--response", t[1]]),
-    st.tuples(values, values, _not({"slack", "discord", "telegram", "teams", "cli", "claude-code", "codex",
+    st.tuples(values, values, _not({"slack", "discord", "telegram", "teams", "cli", "web", "claude-code", "codex",
                                     "bridge"})).map(
         lambda t: ["capture", "--prompt", t[0] or "p", "--response", t[1] or "r", "--source", t[2]]),
     st.tuples(st.just("uninstall"), st.just("--agent"), _not({"claude-code", "codex"})).map(list),

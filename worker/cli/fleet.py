@@ -67,13 +67,14 @@ class BackgroundWorkers:
 
     def __init__(
         self, cfg: Config, which: tuple[str, ...] = ("events", "train"), bots: tuple[str, ...] = (),
-        serve: bool = False, bridge: bool = False, policy: RestartPolicy | None = None,
+        serve: bool = False, bridge: bool = False, web: bool = False, policy: RestartPolicy | None = None,
     ) -> None:
         self.cfg = cfg
         self.which = which
         self.bots = bots  # platforms whose bots run beside the workers (`rlfleet bot NAME`)
         self.serve = serve  # `rlfleet serve`, the bots' responder
         self.bridge = bridge  # `rlfleet bridge`, the agents' and gateways' HTTP ingress
+        self.web = web  # `rlfleet web`, the browser app (its own model, these workers)
         self.policy = policy or RestartPolicy()
         self.children: dict[str, _Child] = {}
         self.log_dir = cfg.home / "logs"
@@ -93,6 +94,8 @@ class BackgroundWorkers:
             commands["serve"] = ["rlfleet.cli", "serve"]
         if self.bridge:
             commands["bridge"] = ["rlfleet.cli", "bridge"]
+        if self.web:
+            commands["web"] = ["rlfleet.cli", "web", "--no-worker"]
         commands.update({f"bot-{name}": ["rlfleet.cli", "bot", name] for name in self.bots})
         with self._lock:
             for name, argv in commands.items():

@@ -167,10 +167,14 @@ def up(
     cfg = command_config(threshold=threshold)
     if write_secret(cfg.secret_path):  # a data dir made by `chat` has none yet, and the bridge needs it
         err.print(f"made secret file {escape(str(cfg.secret_path))} (mode 0600) for the bridge")
+    from rlfleet.bots.web.login import ensure_token
+    from rlfleet.bots.web.run import announce
+
     bots = tuple(enabled_bots(cfg))
     serve = bool(bots) and _serves_locally(cfg)
     with queue_for(cfg) as q:
-        workers = BackgroundWorkers(cfg, bots=bots, serve=serve, bridge=True)
+        workers = BackgroundWorkers(cfg, bots=bots, serve=serve, bridge=True, web=True)
+        announce(cfg, cfg.web.host, cfg.web.port, made=ensure_token(cfg.web_token_path)[1])
         workers.start()
         try:
             with Live(console=out, refresh_per_second=2, transient=False) as live:
@@ -186,6 +190,31 @@ def up(
         finally:
             err.print("stopping workers…")
             workers.stop()
+
+
+@app.command()
+def web(
+    host: Annotated[str | None, typer.Option(help="Address to listen on (default web.host: 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default web.port: 8790).")] = None,
+    no_worker: Annotated[bool, typer.Option("--no-worker", help="Do not start background workers.")] = False,
+) -> None:
+    """Chat and rate in a browser: a local web app for the data dir's owner, behind a login token.
+
+    The token is made on first start (0600, in the data dir as web-token) and printed here. It listens
+    on 127.0.0.1 unless told otherwise; elsewhere, put TLS in front."""
+    from rlfleet.bots.web.run import run_web
+
+    cfg = command_config()
+    workers = None if no_worker else BackgroundWorkers(cfg)
+    with queue_for(cfg) as q:
+        if workers:
+            workers.start()
+        try:
+            run_web(cfg, q, dispatch, host, port)
+        finally:
+            if workers:
+                err.print("stopping workers…")
+                workers.stop()
 
 
 @app.command()

@@ -1,0 +1,303 @@
+"""The web app's HTTP side (aiohttp): the login, the chat page and its JSON API.
+
+Every route but ``POST /login`` answers 401 without a valid session cookie or bearer token (a page
+route with the login form as the 401's body), and changes nothing. An answer is streamed as NDJSON
+lines while the model generates it; ratings, reasons and undo are the ingress use cases' events
+(source ``web``, the data dir's owner), handed to the worker like the terminal chat's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from html import escape
+from importlib import resources
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlfleet.shared.config import Config
+from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_ID_CHARS, MAX_TEXT_CHARS, describe_validation_error
+from rlfleet.shared.ingress.grammar import thumb_of
+from rlfleet.shared.ingress.reasons import REASONS
+from rlfleet.shared.ingress.usecases import Completion, Reply, Send, UseCases
+from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
+from rlfleet.shared.queue import QueueHandle
+
+from .login import COOKIE, session_cookie, valid_bearer, valid_session
+
+log = logging.getLogger(__name__)
+
+ME = Actor("web", LOCAL_ACTOR)  # the browser's user: whoever holds the data dir's login token
+HISTORY_TURNS = 4  # earlier turns sent with a question, as in the terminal chat
+MAX_BODY_BYTES = 1 << 20
+STATIC = ("index.html", "app.js", "style.css")
+HEADERS = {  # no inline script, no framing, no sniffing: chat text is only ever text
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+# Sends an event and returns the worker's answer (`rlfleet web` passes the CLI's).
+Dispatch = Callable[[QueueHandle, Config, Any], dict]
+
+
+class Turn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class Ask(BaseModel):
+    """``POST /api/chat``: a message, the conversation it belongs to and its earlier turns."""
+
+    model_config = ConfigDict(extra="forbid")
+    conversation: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    history: list[Turn] = Field(default_factory=list, max_length=200)
+
+
+class Rate(BaseModel):
+    """``POST /api/rate``: a thumb, stars, or both (they must agree), with an optional comment."""
+
+    model_config = ConfigDict(extra="forbid")
+    conversation: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    capture: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    value: Literal[1, -1] | None = None
+    stars: int | None = Field(None, ge=1, le=5)
+    comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
+
+
+class Why(BaseModel):
+    """``POST /api/why``: the reason (a chip's words or your own) for the rating of ``capture``."""
+
+    model_config = ConfigDict(extra="forbid")
+    conversation: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    capture: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    reason: str = Field(min_length=1, max_length=MAX_COMMENT_CHARS)
+
+
+class Undo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    conversation: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    capture: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+
+
+@dataclass
+class WebApp:
+    """What the routes need: the config, the queue, the answering model and how to send an event."""
+
+    cfg: Config
+    handle: QueueHandle
+    responder: Any  # shared.responder.LocalResponder, or anything with its answer() and active_version
+    dispatch: Dispatch
+    token: str
+    clock: Callable[[], float] = time.time
+    cases: UseCases = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cases = UseCases(PermissionTable.for_config(self.cfg), self.cfg.model, self.handle)
+
+    # ---- who is asking -------------------------------------------------------------------------------
+
+    def authenticated(self, request: web.Request) -> bool:
+        return valid_bearer(self.token, request.headers.get("Authorization")) or \
+            valid_session(self.token, request.cookies.get(COOKIE), self.clock())
+
+    # ---- events --------------------------------------------------------------------------------------
+
+    def handed(self, event: Any) -> dict:
+        """Hand an event to the worker and return its answer. On the loop's own thread: with no events
+        worker alive the CLI's dispatch works the queue right here, which RQ does only on the main thread
+        (with workers running, the answer takes milliseconds)."""
+        return self.dispatch(self.handle, self.cfg, event)
+
+    async def send(self, outcome: Any) -> dict:
+        """The worker's answer to the event a use case made, or the use case's refusal."""
+        if isinstance(outcome, Send):
+            return self.handed(outcome.event)
+        if isinstance(outcome, Reply):
+            return {"ok": False, "message": outcome.text}
+        return {"ok": False, "message": "not allowed"}
+
+
+def _page(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static").joinpath(name).read_bytes()
+
+
+def _login_page(message: str = "") -> str:
+    note = f'<p class="error">{escape(message)}</p>' if message else ""
+    return ("<!doctype html><html><head><meta charset=utf-8><title>rlfleet · log in</title>"
+            '<link rel="stylesheet" href="/login.css"></head><body class="login">'
+            "<h1>rlfleet</h1><p>Paste the login token <code>rlfleet web</code> printed "
+            "(also in the data dir's <code>web-token</code> file).</p>"
+            f'{note}<form method="post" action="/login"><input name="token" type="password" '
+            'autocomplete="current-password" placeholder="login token" autofocus required>'
+            '<button type="submit">Log in</button></form></body></html>')
+
+
+LOGIN_CSS = b"""body.login{font:16px system-ui,sans-serif;max-width:28rem;margin:4rem auto;padding:0 1rem}
+body.login input{width:100%;padding:.5rem;margin:.5rem 0}.error{color:#b00}"""
+
+
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"ok": False, "message": message}, status=status, headers=HEADERS)
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    """The request's JSON as ``model``, or an HTTPException with a clear message (nothing done)."""
+    if "application/json" not in request.headers.get("Content-Type", ""):
+        raise web.HTTPUnsupportedMediaType(text=json.dumps({"ok": False, "message": "send application/json"}),
+                                           content_type="application/json")
+    try:
+        return model.model_validate(await request.json())
+    except ValidationError as exc:
+        raise web.HTTPBadRequest(text=json.dumps({"ok": False, "message": describe_validation_error(
+            exc, "malformed request")}), content_type="application/json") from None
+    except ValueError:
+        raise web.HTTPBadRequest(text=json.dumps({"ok": False, "message": "the body is not JSON"}),
+                                 content_type="application/json") from None
+
+
+def build_app(state: WebApp) -> web.Application:
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        public = (request.method, request.path) in {("POST", "/login"), ("GET", "/login.css")}
+        if not public and not state.authenticated(request):
+            if request.path.startswith("/api/") or request.method != "GET":
+                return _json_error(401, "log in first: the token `rlfleet web` printed, as a Bearer header")
+            return web.Response(status=401, text=_login_page(), content_type="text/html", headers=HEADERS)
+        response = await handler(request)
+        for k, v in HEADERS.items():
+            response.headers.setdefault(k, v)
+        return response
+
+    async def login(request: web.Request) -> web.Response:
+        form = await request.post()
+        given = str(form.get("token") or "")
+        if not valid_bearer(state.token, f"Bearer {given}"):
+            await asyncio.sleep(0.5)  # a guesser gets two tries a second, not thousands
+            return web.Response(status=401, text=_login_page("That is not the login token."),
+                                content_type="text/html", headers=HEADERS)
+        response = web.Response(status=303, headers={"Location": "/"})
+        response.set_cookie(COOKIE, session_cookie(state.token, state.clock(), state.cfg.web.session_hours),
+                            httponly=True, samesite="Strict", path="/",
+                            secure=request.secure, max_age=int(state.cfg.web.session_hours * 3600))
+        return response
+
+    async def logout(request: web.Request) -> web.Response:
+        response = web.Response(status=303, headers={"Location": "/"})
+        response.del_cookie(COOKIE, path="/")
+        return response
+
+    async def static(request: web.Request) -> web.Response:
+        name = request.match_info.get("name") or "index.html"
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        kind = {"html": "text/html", "js": "text/javascript", "css": "text/css"}[name.rsplit(".", 1)[1]]
+        return web.Response(body=_page(name), content_type=kind, charset="utf-8")
+
+    async def login_css(request: web.Request) -> web.Response:
+        return web.Response(body=LOGIN_CSS, content_type="text/css", headers=HEADERS)
+
+    async def about(request: web.Request) -> web.Response:
+        return web.json_response({"model": state.cfg.model, "version": state.responder.active_version,
+                                  "reasons": list(REASONS), "conversation": f"web-{uuid.uuid4().hex[:8]}"})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        ask = await _body(request, Ask)
+        messages = [t.model_dump() for t in ask.history[-2 * HISTORY_TURNS:]] + \
+            [{"role": "user", "content": ask.text}]
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", **HEADERS})
+        await response.prepare(request)
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def generate() -> Any:
+            try:
+                return state.responder.answer(messages, on_text=lambda t: loop.call_soon_threadsafe(
+                    pieces.put_nowait, t))
+            finally:
+                loop.call_soon_threadsafe(pieces.put_nowait, None)
+
+        async def line(obj: dict) -> None:
+            await response.write((json.dumps(obj) + "\n").encode())
+
+        job = asyncio.create_task(asyncio.to_thread(generate))
+        while (piece := await pieces.get()) is not None:
+            await line({"type": "text", "text": piece})
+        try:
+            answer = await job
+        except Exception as exc:  # noqa: BLE001 - the model failed: said on the page, the app goes on
+            log.exception("web chat: the model failed")
+            await line({"type": "error", "message": f"the model failed: {exc.__class__.__name__}"})
+            return response
+        done: dict[str, Any] = {"type": "done", "text": answer.text, "version": answer.adapter_version,
+                                "capture": None}
+        if answer.text.strip():
+            try:
+                cap = state.cases.capture_event(ME, ask.conversation, messages, Completion(
+                    text=answer.text, model=state.cfg.model, adapter_version=answer.adapter_version,
+                    token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True,
+                    finish_reason=answer.finish_reason))
+                result = state.handed(cap)
+                if result.get("ok"):
+                    done["capture"] = cap.capture_id
+                else:
+                    done["note"] = f"not captured: {result.get('message')}"
+            except ValueError as exc:  # an answer the event contract refuses: shown, not rateable
+                done["note"] = (describe_validation_error(exc, "not captured") if isinstance(exc, ValidationError)
+                                else f"not captured: {exc}")
+        else:
+            done["note"] = "empty answer: nothing to rate"
+        await line(done)
+        return response
+
+    async def respond(result: dict) -> web.Response:
+        return web.json_response({"ok": bool(result.get("ok")), "message": str(result.get("message", "")),
+                                  "training": result.get("training")}, status=200 if result.get("ok") else 409)
+
+    async def rate(request: web.Request) -> web.Response:
+        r = await _body(request, Rate)
+        if r.value is None and r.stars is None:
+            return _json_error(400, "give a value (1 or -1), stars (1-5), or both")
+        value = r.value if r.value is not None else thumb_of(r.stars)
+        try:
+            outcome = state.cases.rate(ME, r.conversation, value, r.comment, target=r.capture, stars=r.stars)
+        except ValidationError as exc:  # stars that disagree with the thumb
+            return _json_error(400, describe_validation_error(exc, "could not record that"))
+        return await respond(await state.send(outcome))
+
+    async def why(request: web.Request) -> web.Response:
+        w = await _body(request, Why)
+        try:
+            outcome = state.cases.why(ME, w.conversation, w.reason, target=w.capture)
+        except ValidationError as exc:
+            return _json_error(400, describe_validation_error(exc, "could not record that"))
+        return await respond(await state.send(outcome))
+
+    async def undo(request: web.Request) -> web.Response:
+        u = await _body(request, Undo)
+        return await respond(await state.send(state.cases.undo(ME, u.conversation, u.capture)))
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/login", login)
+    app.router.add_get("/login.css", login_css)
+    app.router.add_post("/logout", logout)
+    app.router.add_get("/", static)
+    app.router.add_get("/static/{name}", static)
+    app.router.add_get("/api/about", about)
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/rate", rate)
+    app.router.add_post("/api/why", why)
+    app.router.add_post("/api/undo", undo)
+    return app

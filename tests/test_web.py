@@ -1,0 +1,210 @@
+"""`rlfleet web` as its owner meets it: a real Chromium (Debian's package, driven by Playwright through
+its executable_path: nothing downloads a browser) against the real aiohttp app on 127.0.0.1, a tiny local
+model answering, a real Redis queue worked in-process and the real store. And from outside: every route
+refuses a request without a valid login and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from sqlalchemy import select
+
+from rlfleet.bots.web.app import WebApp, build_app
+from rlfleet.bots.web.login import COOKIE, ensure_token, session_cookie
+from rlfleet.bots.web.run import local_responder
+from rlfleet.cli.app import dispatch
+from rlfleet.shared.config import load_config
+from rlfleet.shared.queue import open_queue
+from rlfleet.shared.schema import CaptureRow, RatingRow
+from rlfleet.shared.store import Store
+from rlfleet.shared.webserver import listening
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html"), ("GET", "/api/about"),
+          ("POST", "/api/chat"), ("POST", "/api/rate"), ("POST", "/api/why"), ("POST", "/api/undo"),
+          ("POST", "/logout")]
+
+
+@asynccontextmanager
+async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.chat.max_new_tokens = max_new_tokens
+    token, _ = ensure_token(cfg.web_token_path)
+    handle = open_queue(cfg)
+    state = WebApp(cfg, handle, local_responder(cfg), dispatch, token)
+    try:
+        async with listening(build_app(state), "127.0.0.1", 0) as port:
+            yield state, f"http://127.0.0.1:{port}"
+    finally:
+        handle.close()
+
+
+def ratings(cfg) -> list[tuple[int, int | None, str | None, str]]:
+    with Store(cfg.db_url).session() as s:
+        return [(r.value, r.stars, r.comment, r.state)
+                for r in s.scalars(select(RatingRow).order_by(RatingRow.id))]
+
+
+def captures(cfg) -> int:
+    with Store(cfg.db_url).session() as s:
+        return len(s.scalars(select(CaptureRow)).all())
+
+
+def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_home, tiny_model_dir, monkeypatch,
+                                                                       rconn):
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch) as (state, url), aiohttp.ClientSession() as http:
+            expired = session_cookie(state.token, time.time() - 3600, hours=0.5)
+            forged = session_cookie("not-the-token", time.time(), hours=1)
+            body = json.dumps({"conversation": "c", "text": "hi", "capture": "x", "value": 1, "reason": "r"})
+            keys_before = set(rconn.keys())
+            for headers, cookies in [({}, {}), ({"Authorization": "Bearer wrong"}, {}),
+                                     ({"Authorization": f"Basic {state.token}"}, {}),
+                                     ({}, {COOKIE: expired}), ({}, {COOKIE: forged}), ({}, {COOKIE: "9" * 40}),
+                                     ({}, {COOKIE: f"{int(time.time()) + 99}.{'0' * 64}"})]:
+                for method, path in ROUTES:
+                    async with http.request(method, url + path, data=body, cookies=cookies,
+                                            headers={"Content-Type": "application/json", **headers}) as r:
+                        assert r.status == 401, (method, path, headers, cookies)
+                        text = await r.text()
+                        assert state.token not in text
+            assert set(rconn.keys()) == keys_before  # nothing queued, nothing stored
+            assert captures(state.cfg) == 0
+            async with http.post(url + "/login", data={"token": "guess"}) as r:
+                assert r.status == 401 and "not the login token" in await r.text()
+            # the real token as a bearer header: the API answers
+            async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {state.token}"}) as r:
+                assert r.status == 200 and (await r.json())["model"] == str(tiny_model_dir)
+    asyncio.run(go())
+
+
+def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, tiny_model_dir, monkeypatch):
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=40) as (state, url), \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
+            async with http.post(url + "/api/chat", json={"conversation": "web-t", "text": "tell me a story"}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
+                lines = [json.loads(line) async for line in r.content if line.strip()]
+            pieces = [m["text"] for m in lines if m["type"] == "text"]
+            done = lines[-1]
+            assert done["type"] == "done" and done["capture"] and done["version"] is None
+            assert len(pieces) >= 2  # sent as generated, not in one go at the end
+            assert "".join(pieces).strip() == done["text"]
+            for payload, status in [({"conversation": "c"}, 400), ({"conversation": "c", "capture": "x"}, 400),
+                                    ({"conversation": "c", "capture": done["capture"], "value": 1, "stars": 2}, 400),
+                                    ({"conversation": "c", "capture": done["capture"], "value": 3}, 400),
+                                    ({"conversation": "c", "capture": "no-such", "value": 1}, 409)]:
+                async with http.post(url + "/api/rate", json=payload) as r:
+                    assert r.status == status, (payload, await r.text())
+            async with http.post(url + "/api/rate", data="value=1") as r:
+                assert r.status == 415
+            async with http.post(url + "/api/rate", data="{nope", headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400 and "not JSON" in (await r.json())["message"]
+            assert ratings(state.cfg) == []
+    asyncio.run(go())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_reason(queued_home, tiny_model_dir,
+                                                                                     monkeypatch):
+    from playwright.async_api import async_playwright, expect
+
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch) as (state, url), async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                response = await page.goto(url + "/")
+                assert response is not None and response.status == 401
+                await page.fill("input[name=token]", "a guess")
+                await page.click("button[type=submit]")
+                await expect(page.locator(".error")).to_contain_text("not the login token")
+                await page.fill("input[name=token]", state.token)
+                await page.click("button[type=submit]")
+                await expect(page.locator("#version")).to_have_text("base model")
+
+                # Hostile text is shown as text: no element made, no script run.
+                await page.fill("#text", HOSTILE)
+                await page.press("#text", "Enter")
+                first = page.locator("article.ai").nth(0)
+                await expect(first.locator(".rate .good")).to_be_visible(timeout=60_000)
+                assert await page.locator("article.you .text").first.text_content() == HOSTILE
+                assert await page.locator("main img, main script").count() == 0
+                assert await page.evaluate("window.__pwned") is None
+                await expect(first.locator(".ver")).to_have_text("· base model")
+
+                # A comment, then 👎: one rating with the words; then 4 stars re-rate it good.
+                await first.locator(".comment-text").fill("too <b>long</b>")
+                await first.locator(".bad").click()
+                await expect(first.locator(".said")).to_contain_text("rated bad")
+                await expect(first.locator(".reasons")).to_be_hidden()  # the words are the reason
+                await first.locator(".stars button[data-stars='4']").click()
+                await expect(first.locator(".said")).to_contain_text("re-rated good (4★)")
+
+                # A second answer, 👎 without words: the reasons are offered; a chip gives one.
+                await page.fill("#text", "and another")
+                await page.click("#send")
+                second = page.locator("article.ai").nth(1)
+                await expect(second.locator(".rate .bad")).to_be_visible(timeout=60_000)
+                await second.locator(".bad").click()
+                await expect(second.locator(".reasons")).to_be_visible()
+                await second.locator(".reasons .chip", has_text="too long").click()
+                await expect(second.locator(".said")).to_have_text("noted why it is bad: too long")
+
+                if os.environ.get("RLFLEET_WEB_SCREENSHOT"):  # the README's picture: docs/img/web-chat.png
+                    await page.screenshot(path=os.environ["RLFLEET_WEB_SCREENSHOT"])
+                # History is kept across a reload; /new starts over.
+                await page.reload()
+                await expect(page.locator("article.ai")).to_have_count(2)
+                await page.fill("#text", "/new")
+                await page.press("#text", "Enter")
+                await expect(page.locator("article")).to_have_count(0)
+                assert errors == []
+            finally:
+                await browser.close()
+            assert ratings(state.cfg) == [(-1, None, "too <b>long</b>", "replaced"), (1, 4, None, "active"),
+                                          (-1, None, None, "replaced"), (-1, None, "too long", "active")]
+    asyncio.run(go())
+
+
+def test_rlfleet_web_makes_a_private_token_and_serves_behind_it(queued_home, tiny_model_dir, tmp_path):
+    env = {**os.environ, "RLFLEET_MODEL": str(tiny_model_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "web", "--no-worker", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "login token:" not in seen and time.monotonic() < deadline:
+            seen += proc.stdout.readline()  # type: ignore[union-attr]
+        assert "login token:" in seen, seen
+        token_file = queued_home / "web-token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert "made now" in seen and token not in seen  # the token goes to a terminal only, never a log
+        port = int(seen.split("http://127.0.0.1:")[1].split("/")[0])
+
+        async def probe():
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{port}/api/about") as r:
+                    assert r.status == 401
+                async with http.get(f"http://127.0.0.1:{port}/api/about",
+                                    headers={"Authorization": f"Bearer {token}"}) as r:
+                    assert r.status == 200
+        asyncio.run(probe())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
