@@ -41,7 +41,8 @@ except ImportError:  # not on every platform: lines are then printed as they com
 HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
 HELP = escape(
     "type a message and press enter · after each answer: [1] good  [2] bad  [c] comment  [enter] skip\n"
-    "commands: /rl good|bad [comment] · /rl undo · /rl status · /rl train · /rl rollback [v] · /new · /quit"
+    "commands: /rl good|bad [comment] · /rl undo · /rl status · /rl train · /rl rollback [v] · /rl pause|resume"
+    " · /new · /quit"
 )
 console = Console(highlight=False, soft_wrap=True)
 ME = Actor("cli", LOCAL_ACTOR)  # the terminal's user: the owner of the data dir
@@ -292,7 +293,7 @@ def _run_command(text: str, state: ChatState, cfg: Config, handle: QueueHandle) 
         from rlfleet.shared.status_view import render_status
 
         console.print(render_status(status_dict(cfg, handle)))
-    elif verb == "train" or verb == "rollback" or verb == "reset":  # the admin verbs
+    elif cmd.admin:
         args = {"version": cmd.arg} if verb == "rollback" and cmd.arg else {}
         _carry_out(state, cfg, handle, state.cases.command(ME, verb, args))
     else:

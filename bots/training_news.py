@@ -77,6 +77,8 @@ class TrainingNews:
         latest = self.store.latest_run(self.slug)
         if latest is not None and latest.state in ("queued", "running"):
             return "a new run is on its way"
+        if self.store.training_paused(self.slug):
+            return "ratings stay pending; automatic training is paused (/rl resume, or /rl train for a run now)"
         more = ratings_until_run(self.store, self.slug, self.threshold)
         if more == 0:
             return "ratings stay pending; it runs again when the training worker is back"

@@ -49,7 +49,7 @@ class UndoIn(_Body):
 
 
 class CommandIn(_Body):
-    name: Literal["train", "rollback", "promote", "reset"]
+    name: Literal["train", "rollback", "promote", "reset", "pause", "resume"]
     args: dict[str, str | int | bool | None] = Field(default_factory=dict, max_length=16)
 
 
@@ -70,7 +70,7 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("post", "/v1/ratings", RatingIn, "Rate an answer by message ref, capture id or `last`", False),
     ("post", "/v1/undo", UndoIn, "Take back your latest rating (or your rating of `target`)", False),
     ("get", "/v1/status", None, "Model, ratings, adapter versions, training", False),
-    ("post", "/v1/commands", CommandIn, "train, rollback, promote, reset (admin keys only)", True),
+    ("post", "/v1/commands", CommandIn, "train, rollback, promote, reset, pause, resume (admin keys only)", True),
 ]
 MAX_PROMPT_MESSAGES = MAX_MESSAGES
 

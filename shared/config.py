@@ -147,7 +147,8 @@ class BotSettings(BaseModel):
     token_env: str
     token_file: Path | None = None
     raters: list[str] = Field(default_factory=list, description="may rate answers given to others")
-    admins: list[str] = Field(default_factory=list, description="may /rl train, rollback, reset (off when empty)")
+    admins: list[str] = Field(default_factory=list,
+                              description="may /rl train, rollback, reset, pause, resume (off when empty)")
     buttons: bool = True  # good/bad buttons under each answer
     # Where it answers: these channel / chat ids only; empty = DMs and any channel it is added to.
     channels: list[str] = Field(default_factory=list)
@@ -238,7 +239,7 @@ class BridgeSettings(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     rate_limit: int = Field(50, ge=1, description="requests per second per key")
     keys: list[BridgeKey] = Field(default_factory=list)
-    agent_admin: bool = False  # /rl train, rollback, reset typed in a coding agent
+    agent_admin: bool = False  # /rl train, rollback, reset, pause, resume typed in a coding agent
 
 
 class WebSettings(BaseModel):

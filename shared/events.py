@@ -192,7 +192,7 @@ class Undo(_Event):
     value: Literal[1, -1] | None = None
 
 
-CommandName = Literal["status", "train", "rollback", "promote", "reset"]
+CommandName = Literal["status", "train", "rollback", "promote", "reset", "pause", "resume"]
 
 
 class Command(_Event):

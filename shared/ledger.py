@@ -189,6 +189,20 @@ class RunLedger:
             b = self._baseline(s, model)
             return b.ema, b.lineage
 
+    def training_paused(self, model: str) -> bool:
+        """Whether an admin paused automatic training of ``model`` (explicit runs still start)."""
+        with self.session() as s:
+            return bool(s.scalar(select(Baseline.paused).where(Baseline.model == model)))
+
+    def pause_training(self, model: str, paused: bool) -> bool:
+        """Pause (``paused``) or resume automatic training of ``model``; whether that changed anything.
+        Kept in the database, so a pause outlives the worker and an embedded Redis that starts empty."""
+        with self.session() as s:
+            base = self._baseline(s, model)
+            changed = base.paused != paused
+            base.paused = paused
+            return changed
+
     def versions(self, model: str) -> list[AdapterVersion]:
         with self.session() as s:
             return list(

@@ -7,7 +7,8 @@ user of the data dir), and where the answer must come at once: a stranger's 👍
 trace, a non-admin's ``/rl train`` is refused before it could start a cooldown.
 
 =================  ==========================================  ==============================
-source             rate (``scope``: whose answers)              train, rollback, promote, reset
+source             rate (``scope``: whose answers)              train, rollback, promote, reset,
+                                                                pause, resume
 =================  ==========================================  ==============================
 a chat platform    everyone their own; its ``raters`` and       its ``admins``
                    ``admins`` anyone's (``any``)
@@ -35,8 +36,8 @@ from .events import PLATFORMS
 
 log = logging.getLogger(__name__)
 
-Action = Literal["help", "status", "rate", "undo", "train", "rollback", "promote", "reset"]
-ADMIN_ACTIONS: frozenset[str] = frozenset({"train", "rollback", "promote", "reset"})
+Action = Literal["help", "status", "rate", "undo", "train", "rollback", "promote", "reset", "pause", "resume"]
+ADMIN_ACTIONS: frozenset[str] = frozenset({"train", "rollback", "promote", "reset", "pause", "resume"})
 Scope = Literal["own", "any"]  # whose answers a rating may address: the actor's own, or anyone's
 Refusal = Literal["nobody", "admins-only"]
 LOCAL_ACTOR = "local"  # the terminal user, and the bridge key of the data dir's secret file

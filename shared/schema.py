@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import cast
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -122,10 +122,12 @@ class AdapterVersion(Base):
 
 
 class Baseline(Base):
-    """Per model: the reward EMA, how many ratings moved it, and the lineage counter bumped by reset."""
+    """Per model: the reward EMA, how many ratings moved it, the lineage counter bumped by reset, and
+    whether an admin paused automatic training (``rlfleet pause``)."""
 
     __tablename__ = "baselines"
     model: Mapped[str] = mapped_column(String(256), primary_key=True)
     ema: Mapped[float | None] = mapped_column(Float)
     count: Mapped[int] = mapped_column(Integer, default=0)
     lineage: Mapped[int] = mapped_column(Integer, default=0)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -59,16 +59,18 @@ class TrainingState:
     error: str | None = None
     run_id: int | None = None
     progress: TrainingProgress | None = None
+    paused: bool = False  # an admin paused automatic training: no run starts by itself (`train` still does)
 
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "error": self.error, "run_id": self.run_id,
-                "progress": self.progress.to_dict() if self.progress else None}
+                "progress": self.progress.to_dict() if self.progress else None, "paused": self.paused}
 
 
 def read_training(store: Store, conn: redis.Redis | None, slug: str) -> TrainingState:
+    paused = store.training_paused(slug)
     run = store.latest_run(slug)
     if run is None:
-        return TrainingState()
+        return TrainingState(paused=paused)
     state, error = "idle", None
     if run.state in ("queued", "running"):
         alive = conn is None or conn.exists(train_lock_key(slug))
@@ -86,7 +88,7 @@ def read_training(store: Store, conn: redis.Redis | None, slug: str) -> Training
     if conn is not None and state == "running":
         raw = conn.hgetall(progress_key(slug))
         progress = TrainingProgress.from_hash(raw) if raw else None
-    return TrainingState(state, error, run.id, progress)
+    return TrainingState(state, error, run.id, progress, paused)
 
 
 def training_state(store: Store, conn: redis.Redis | None, slug: str) -> dict:

@@ -26,6 +26,8 @@ def render_status(st: dict) -> Group:
         line += f" · {p['phase']} step {p['step']}/{p['total']} · {p['tokens_per_s']:.0f} tok/s"
     if tr.get("error"):
         line += f" · [red]{escape(tr['error'])}[/]"
+    if tr.get("paused"):
+        line += " · [yellow]paused[/]: no run starts by itself (`rlfleet resume`; `rlfleet train` still runs one)"
     t.add_row("training", line)
     t.add_row("queue", f"{st['queue']['events']} events, {st['queue']['train']} training jobs waiting")
     if st["queue"].get("dead_letters"):

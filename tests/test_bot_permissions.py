@@ -1,5 +1,5 @@
 """The permission matrix, DESIGN.md §4: (capture owner, allowlisted rater, admin, stranger, bot) x
-(good, bad, undo, status, train, rollback, reset, reaction add / change / remove), on each of the four
+(good, bad, undo, status, train, rollback, reset, pause, resume, reaction add / change / remove), on each of the four
 platforms' configurations, through the BotCore every adapter calls and the real worker."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 from botrig import ADMIN, OWNER, RATER, STRANGER, LiveWorker, bot_rig, run
 
 from rlfleet.bots.completions import Completion
+from rlfleet.shared.models import model_slug
 
 BOT_USER = "1999"
 ROLES = {"owner": OWNER, "rater": RATER, "admin": ADMIN, "stranger": STRANGER, "bot": BOT_USER}
@@ -74,8 +75,10 @@ async def _matrix(r, platform: str, role: str) -> None:
     # status for every person, admin commands for admins only
     reply = await say("status")
     assert (reply is None) if is_bot else reply.text.startswith("serving the base model")
+    slug = model_slug(r.cfg.model)
     for cmd, done in (("train", "training run"), ("rollback", "already on the base model"),
-                      ("reset", "reset to the base model")):
+                      ("reset", "reset to the base model"), ("pause", "automatic training paused"),
+                      ("resume", "automatic training resumed")):
         reply = await say(cmd)
         if is_bot:
             assert reply is None
@@ -83,7 +86,9 @@ async def _matrix(r, platform: str, role: str) -> None:
             assert done in reply.text, (cmd, reply)
         else:
             assert reply.text == f"/rl {cmd} is for admins only"
-    assert r.queued() == 0
+        if cmd == "pause":
+            assert r.store.training_paused(slug) is MAY_ADMIN[role]
+    assert r.queued() == 0 and not r.store.training_paused(slug)
 
 
 @pytest.mark.parametrize("role", list(ROLES))

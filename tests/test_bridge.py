@@ -22,6 +22,7 @@ from rlfleet.bridge.client import BridgeClient, BridgeError
 from rlfleet.shared import inbox
 from rlfleet.shared.config import BridgeKey, load_config
 from rlfleet.shared.events import parse_event
+from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import EVENTS_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
@@ -243,6 +244,25 @@ def test_admin_commands_need_an_admin_key(bridge):
     assert handle.waiting_events() == 0
     answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("rollback", wait=5))
     assert answer["result"]["message"] == "already on the base model: nothing to roll back"
+
+
+def test_an_admin_key_pauses_and_resumes_training_and_no_other_key_or_name_does(bridge):
+    cfg, handle, url = bridge
+    store, slug = Store(cfg.db_url), model_slug(cfg.model)
+    with pytest.raises(BridgeError) as exc:
+        BridgeClient(url, GATEWAY_SECRET, key="gateway").command("pause")
+    assert exc.value.status == 403 and handle.waiting_events() == 0
+    with pytest.raises(BridgeError) as exc:
+        BridgeClient(url, SECRET).command("hold")  # not a command: refused at the edge
+    assert exc.value.status == 422 and handle.waiting_events() == 0
+    assert store.training_paused(slug) is False
+    answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("pause", wait=5))
+    assert answer["result"]["message"].startswith("automatic training paused") and answer["result"]["paused"]
+    assert store.training_paused(slug) is True
+    assert BridgeClient(url, SECRET).status()["training"]["paused"] is True
+    answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("resume", wait=5))
+    assert answer["result"]["message"] == "automatic training resumed; the next run starts after 32 more ratings"
+    assert store.training_paused(slug) is False
 
 
 def test_a_command_acts_as_its_key_not_as_the_actor_it_names(queued_home):

@@ -179,6 +179,18 @@ def test_a_rejected_run_says_why_and_when_the_next_one_comes(home):
     assert TrainingNews(store, None, slug, 8).poll().ended == []  # a chat started later: old news
 
 
+def test_a_run_that_ends_while_training_is_paused_does_not_promise_the_next(home):
+    store, slug = Store(load_config().db_url), "m"
+    news = TrainingNews(store, None, slug, 8)
+    run_id = store.create_run(slug)
+    store.start_run(run_id, None)
+    store.pause_training(slug, True)
+    _finish(store, slug, run_id, promote=False, reason="held-out margin fell")
+    (said,) = news.poll().ended
+    assert said == ("✗ v0001 rejected: held-out margin fell; ratings stay pending; automatic training is paused "
+                    "(/rl resume, or /rl train for a run now)")
+
+
 def test_already_running_is_said_once_per_run(home):
     store, slug = Store(load_config().db_url), "m"
     news = TrainingNews(store, None, slug, 8)
@@ -235,3 +247,26 @@ def test_words_no_event_takes_are_said_in_the_chat_and_nothing_is_sent(capsys):
     terminal._command("/rl why far too long", state, cfg, None)
     terminal._command("/rl 2 still too long", state, cfg, None)  # stars, from the chat as anywhere
     assert [(e.value, e.stars, e.comment) for e in sent] == [(None, None, "far too long"), (-1, 2, "still too long")]
+
+
+def test_pause_and_resume_typed_in_the_chat_reach_the_worker_as_the_local_admin(queued_home, capsys):
+    from rlfleet.bots import terminal
+    from rlfleet.cli import dispatch
+    from rlfleet.shared.ingress.usecases import UseCases
+    from rlfleet.shared.permissions import PermissionTable
+    from rlfleet.shared.queue import open_queue
+
+    cfg = load_config()
+    store, slug = Store(cfg.db_url), model_slug(cfg.model)
+    handle = open_queue(cfg)
+    try:
+        state = terminal.ChatState(conversation="chat-t", history=[], screen=terminal.Screen(live=False),
+                                   news=TrainingNews(store, handle.redis, slug, cfg.train.threshold),
+                                   cases=UseCases(PermissionTable.for_config(cfg), cfg.model, handle),
+                                   dispatch=dispatch)
+        terminal._command("/rl pause", state, cfg, handle)
+        assert "automatic training paused" in capsys.readouterr().out and store.training_paused(slug)
+        terminal._command("/rl resume", state, cfg, handle)
+        assert "automatic training resumed" in capsys.readouterr().out and not store.training_paused(slug)
+    finally:
+        handle.close()

@@ -198,13 +198,89 @@ def test_train_with_nothing_pending_says_so(queued_home):
     assert res.exit_code == 2 and "nothing to train on" in res.output
 
 
+def _rate_answers(n: int) -> str:
+    """Capture and rate ``n`` answers good; the last rating's output (where the trigger's word shows)."""
+    for i in range(n):
+        assert rl("capture", "--prompt", f"question {i}", "--response", f"answer {i}").exit_code == 0
+        res = rl("good")
+        assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_while_paused_ratings_are_kept_but_start_no_run_and_train_still_does(queued_home, monkeypatch):
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "3")
+    res = rl("pause")
+    assert res.exit_code == 0 and "automatic training paused" in res.output
+    assert "training run" not in _rate_answers(4)  # one over the threshold
+    st = status_json()
+    assert st["ratings"]["pending"] == 4 and st["queue"]["train"] == 0
+    assert st["training"] == {"state": "idle", "error": None, "run_id": None, "progress": None, "paused": True}
+    assert "paused" in rl("status").output
+    res = rl("train")  # an explicit run is not held back
+    assert res.exit_code == 0 and "training run 1 queued on 4 ratings" in res.output
+    st = status_json()
+    assert st["training"]["state"] == "queued" and st["training"]["paused"] is True and st["queue"]["train"] == 1
+
+
+def test_a_pause_outlives_a_restart_with_an_empty_redis_and_resume_starts_the_run_at_once(queued_home, rconn,
+                                                                                          monkeypatch):
+    import rlfleet.worker.context as worker_context
+    from rlfleet.shared.queue import open_queue
+    from rlfleet.worker.runner import recover
+
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "3")
+    assert rl("pause", "--json").exit_code == 0
+    _rate_answers(3)
+    assert "training run 1 queued" in rl("train").output
+    rconn.flushdb()  # an embedded Redis starts empty: the queued run's job is gone with it
+    monkeypatch.setattr(worker_context, "_CTX", None)  # and so is the worker
+    handle = open_queue(load_config())
+    try:
+        notes = recover(load_config(), handle)  # what a worker runs when it starts
+    finally:
+        handle.close()
+    assert any("automatic training is paused" in n for n in notes) and not any("queued on" in n for n in notes)
+    assert "training run" not in _rate_answers(1)
+    st = status_json()
+    assert st["training"]["paused"] is True and st["queue"]["train"] == 0 and st["ratings"]["pending"] == 4
+
+    res = rl("resume", "--json")
+    assert res.exit_code == 0, res.output
+    said = json.loads(res.output)
+    assert said["message"] == "automatic training resumed" and said["paused"] is False
+    assert said["training"] == "training run 2 queued on 4 ratings"  # the interrupted run, retried at once
+    st = status_json()
+    assert st["training"]["paused"] is False and st["training"]["state"] == "queued" and st["queue"]["train"] == 1
+    assert "was not paused" in rl("resume").output  # again: nothing to resume, and never a second run
+    assert status_json()["queue"]["train"] == 1
+
+
+def test_resume_below_the_threshold_says_how_many_more_ratings_start_the_next_run(queued_home, monkeypatch):
+    monkeypatch.setenv("RLFLEET_THRESHOLD", "3")
+    rl("pause")
+    _rate_answers(1)
+    res = rl("resume")
+    assert res.exit_code == 0 and "the next run starts after 2 more ratings" in res.output
+    assert "training run 1 queued" in _rate_answers(2)  # training by itself again
+
+
+def test_pause_and_resume_take_no_arguments_and_bad_input_changes_nothing(queued_home):
+    for args in (["pause", "now"], ["pause", "--for", "1h"], ["paws"], ["resume", "--force"]):
+        res = rl(*args)
+        assert res.exit_code == 2, (args, res.output)
+    assert status_json()["training"]["paused"] is False
+    rl("pause")
+    assert rl("resume", "later").exit_code == 2
+    assert status_json()["training"]["paused"] is True
+
+
 def test_reset_needs_yes_without_a_terminal(queued_home):
     res = rl_main("reset")
     assert res.returncode == 2 and "--yes" in res.stderr
 
 
 @pytest.mark.parametrize("cmd", ["init", "chat", "capture", "good", "bad", "undo", "status", "train", "rollback",
-                                 "reset", "up", "worker", "promote", "history", "web"])
+                                 "reset", "up", "worker", "promote", "history", "web", "pause", "resume"])
 def test_every_command_has_help(cmd):
     res = rl(cmd, "--help")
     assert res.exit_code == 0 and "Usage" in res.output

@@ -52,7 +52,7 @@ def test_the_status_has_the_documented_shape_and_the_snapshot_is_the_same_object
     assert st["ratings"] == {"total": 0, "good": 0, "bad": 0, "pending": 0}
     assert st["ema"] == 0.0 and st["ema_seeded"] is False
     assert st["adapter"] == {"current": None, "versions": []}
-    assert st["training"] == {"state": "idle", "error": None, "run_id": None, "progress": None}
+    assert st["training"] == {"state": "idle", "error": None, "run_id": None, "progress": None, "paused": False}
     assert list(st["queue"]) == ["events", "train", "dead_letters"]
     assert st["durability"] is not None
     publish_snapshot(cfg, store, rconn, slug)

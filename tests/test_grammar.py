@@ -14,11 +14,13 @@ from rlfleet.shared.ingress.replies import NOT_YET_RECORDED, status_line, worker
     ("rl undo", "undo", None), ("+1", "good", None), ("rollback v0003", "rollback", "v0003"),
     ("STATUS", "status", None), ("", "help", None), ("dance", "help", None), ("x" * 5000, "help", None),
     ("/rl why too long", "why", "too long"), ("because", "why", None),
+    ("/rl pause", "pause", None), ("PAUSE for a while", "pause", None), ("rl resume", "resume", None),
+    ("pauses", "help", None), ("unpause", "help", None),
 ])
 def test_parse_rl(text, verb, arg):
     cmd = parse_rl(text)
     assert (cmd.verb, cmd.arg) == (verb, arg)
-    assert cmd.admin == (verb in ("train", "rollback", "reset"))
+    assert cmd.admin == (verb in ("train", "rollback", "reset", "pause", "resume"))
 
 
 @pytest.mark.parametrize("name,value", [
@@ -43,7 +45,8 @@ def test_is_rl_tells_commands_from_messages_for_the_model(text, plain, slash_opt
 
 
 def test_every_rl_text_parses_the_same_with_and_without_its_prefix():
-    for text in ("good nice one", "bad", "undo", "status", "rollback v0002", "train", "reset", "dance"):
+    for text in ("good nice one", "bad", "undo", "status", "rollback v0002", "train", "reset", "pause", "resume",
+                 "dance"):
         assert parse_rl("/rl " + text) == parse_rl(text) == parse_rl("rl " + text) == parse_rl("/rl@bot " + text)
 
 
@@ -64,6 +67,9 @@ def test_status_line():
     assert status_line(st) == ("serving v0002 of m · 5 ratings (3 good, 2 bad), 4/32 toward the next training "
                                "run · training training 2/8")
     assert status_line({**st, "training": {"state": "failed", "error": "boom"}}).endswith(" · last run: boom")
+    paused = status_line({**st, "training": {"state": "idle", "paused": True}})
+    assert paused.endswith(" · training paused: no run starts by itself until an admin's /rl resume")
+    assert "paused" not in status_line({**st, "training": {"state": "idle", "paused": False}})
 
 
 def test_a_one_click_reason_is_its_number_or_its_words():

@@ -116,6 +116,19 @@ def test_a_rating_carries_its_scope_and_an_admin_command_its_actor(cfg):
                                                             ts=sent.event.ts)
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_pause_and_resume_are_a_platforms_admins_only(cfg, platform):
+    cases = UseCases(PermissionTable.for_config(cfg), cfg.model)
+    for verb in ("pause", "resume"):
+        for user in (OWNER, RATER, STRANGER):
+            assert cases.rl(Actor(platform, f"{platform}-{user}"), "c", f"/rl {verb}") == \
+                Reply(f"/rl {verb} is for admins only")
+        assert cases.rl(Actor(platform, f"{platform}-{ADMIN}", is_bot=True), "c", f"/rl {verb}") is None
+        out = cases.rl(Actor(platform, f"{platform}-{ADMIN}"), "c", f"/rl {verb} please")
+        assert isinstance(out, Send) and (out.event.name, out.event.args, out.event.actor) == (
+            verb, {}, f"{platform}-{ADMIN}")
+
+
 def test_rl_text_goes_through_the_same_decisions(cfg):
     cases = UseCases(PermissionTable.for_config(cfg), cfg.model)
     stranger = Actor("slack", "slack-" + STRANGER)

@@ -274,3 +274,23 @@ def test_a_database_from_before_stars_keeps_its_ratings_as_bare_thumbs(db_url):
     store.apply_capture(new)
     assert store.apply_rating(Rating(target=new.capture_id, stars=1), MODEL).ok
     assert sorted((r.capture_id == "old", r.stars) for r, _ in store.rated_pairs()) == [(False, 1), (True, None)]
+
+
+def test_a_pause_is_kept_in_the_database_per_model_and_outlives_a_reset(db_url):
+    store = Store(db_url)
+    assert store.training_paused(MODEL) is False  # a model nothing was said of trains by itself
+    assert store.pause_training(MODEL, True) is True
+    assert store.pause_training(MODEL, True) is False  # already paused: nothing changed
+    restarted = Store(db_url)  # another process, or the same worker after a restart
+    assert restarted.training_paused(MODEL) is True and restarted.training_paused("other") is False
+    store.reset(MODEL, purge_ratings=False)  # a fresh lineage does not undo an admin's pause
+    assert restarted.training_paused(MODEL) is True
+    assert restarted.pause_training(MODEL, False) is True and store.training_paused(MODEL) is False
+
+
+def test_a_database_from_before_pause_trains_by_itself_and_keeps_its_baseline(db_url):
+    database_at(db_url, "0004", "INSERT INTO baselines (model, ema, count, lineage) VALUES ('tiny', 0.5, 3, 1)")
+    store = Store(db_url)
+    assert store.training_paused(MODEL) is False and store.baseline(MODEL) == (0.5, 1)
+    store.pause_training(MODEL, True)
+    assert store.training_paused(MODEL) is True and store.baseline(MODEL) == (0.5, 1)

@@ -38,7 +38,8 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
 
     - half-written adapter folders are removed and CURRENT agrees with the store;
     - a training run whose job is gone, failed or abandoned is marked failed and its lock released,
-      and training is queued again if the ratings are still there (so it resumes by itself);
+      and training is queued again if the ratings are still there (so it resumes by itself), unless
+      an admin paused automatic training;
     - a training lock that names an abandoned job is released.
     """
     from rlfleet.worker.context import context
@@ -69,7 +70,9 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
         conn.delete(lock)
         notes.append("released the training lock of a dead worker")
         released = True
-    if released:
+    if released and store.training_paused(slug):
+        notes.append("automatic training is paused: nothing queued again (`rlfleet resume` or `rlfleet train`)")
+    elif released:
         # a run the user stopped runs again as it was asked for, even one started below the threshold
         msg = maybe_trigger(context(), conn, force=run is not None and was_stopped(run))
         if msg:

@@ -34,8 +34,10 @@ def is_claim(holder: bytes | str) -> bool:
 
 
 def maybe_trigger(ctx: Context, conn: redis.Redis, force: bool = False) -> str | None:
-    """Queue one training run when pending ratings reach the threshold; never two for one model."""
-    if not force and ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold):
+    """Queue one training run when pending ratings reach the threshold, unless an admin paused automatic
+    training; never two for one model. ``force``: an explicit ``train``, held back by neither."""
+    if not force and (ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold)
+                      or ctx.store.training_paused(ctx.slug)):
         return None
     pending = ctx.store.pending_count(ctx.slug)
     if force and not ctx.store.pending_ratings(ctx.slug, 1):

@@ -1,5 +1,5 @@
-"""The admin commands (``/rl status|train|rollback|promote|reset``) and keeping the served version in
-step with the store. Each command answers with a :class:`JobResult`; a refusal is an answer too."""
+"""The admin commands (``/rl status|train|rollback|promote|reset|pause|resume``) and keeping the served
+version in step with the store. Each command answers with a :class:`JobResult`; a refusal is an answer too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rlfleet.shared.events import Command
 from rlfleet.shared.job_result import JobResult
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.runs import ratings_until_run
 from rlfleet.shared.status import build_status
 from rlfleet.shared.store import Store
 
@@ -36,7 +37,36 @@ def run_command(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
         schedule_push(ctx, conn)
         extra = f"; {purged} ratings purged" if purged else "; ratings kept"
         return JobResult.done(f"reset to the base model{extra}")
+    if cmd.name == "pause":
+        return pause(ctx)
+    if cmd.name == "resume":
+        return resume(ctx, conn)
     return JobResult.failed(f"unknown command {cmd.name!r}")
+
+
+def pause(ctx: Context) -> JobResult:
+    """Stop training runs from starting by themselves; an explicit ``train`` still starts one."""
+    if not ctx.store.pause_training(ctx.slug, True):
+        return JobResult.done("automatic training was already paused", paused=True)
+    msg = ("automatic training paused: ratings are still recorded, but no run starts by itself until resume "
+           "(an explicit train still runs)")
+    run = ctx.store.latest_run(ctx.slug)
+    if run is not None and run.state in ("queued", "running"):
+        msg += f"; run {run.id}, already {run.state}, goes on"  # a pause holds back new runs only
+    return JobResult.done(msg, paused=True)
+
+
+def resume(ctx: Context, conn: redis.Redis) -> JobResult:
+    """Let training runs start by themselves again, at once if the ratings already reach the threshold:
+    the ratings that came in while paused would otherwise wait for one more."""
+    was_paused = ctx.store.pause_training(ctx.slug, False)
+    msg = "automatic training resumed" if was_paused else "automatic training was not paused"
+    started = maybe_trigger(ctx, conn)
+    if started is None:
+        more = ratings_until_run(ctx.store, ctx.slug, ctx.cfg.train.threshold)
+        if more:
+            msg += f"; the next run starts after {more} more ratings"
+    return JobResult.done(msg, paused=False, training=started)
 
 
 def rollback(ctx: Context, conn: redis.Redis, target: object) -> JobResult:

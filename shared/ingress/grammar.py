@@ -10,12 +10,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Verb = Literal["good", "bad", "why", "undo", "status", "train", "rollback", "reset", "help"]
-ADMIN_VERBS: frozenset[str] = frozenset({"train", "rollback", "reset"})
+Verb = Literal["good", "bad", "why", "undo", "status", "train", "rollback", "reset", "pause", "resume", "help"]
+ADMIN_VERBS: frozenset[str] = frozenset({"train", "rollback", "reset", "pause", "resume"})
 _VERBS: dict[str, Verb] = {
     "good": "good", "+": "good", "+1": "good", "up": "good",
     "bad": "bad", "-": "bad", "-1": "bad", "down": "bad", "why": "why", "because": "why",
     "undo": "undo", "status": "status", "train": "train", "rollback": "rollback", "reset": "reset",
+    "pause": "pause", "resume": "resume",
     "help": "help", "?": "help",
 }
 MAX_COMMAND_CHARS = 2_000
@@ -26,6 +27,8 @@ HELP = (
     "/rl why <reason>: say (or change) why, on your last rating here\n"
     "/rl undo: take back your last rating · /rl status: the model, ratings, training\n"
     "admins: /rl train · /rl rollback [version] · /rl reset\n"
+    "admins: /rl pause · /rl resume: no training run starts by itself while paused (ratings are still kept, "
+    "/rl train still runs)\n"
     "or react to an answer with 👍 / 👎 (remove the reaction to undo)"
 )
 

@@ -42,4 +42,6 @@ def status_line(st: dict | None) -> str:
         line += f" · training {state}"
     elif state == "failed" and t.get("error"):
         line += f" · last run: {t['error']}"
+    if t.get("paused"):
+        line += " · training paused: no run starts by itself until an admin's /rl resume"
     return line

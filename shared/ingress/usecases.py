@@ -262,7 +262,7 @@ class UseCases:
 
     def command(self, who: Actor, name: Action, args: dict[str, Any] | None = None,
                 event_id: str | None = None) -> Outcome:
-        """An admin command (train, rollback, promote, reset)."""
+        """An admin command (train, rollback, promote, reset, pause, resume)."""
         decision = self.decide(who, name)
         if decision.refusal == "nobody":
             return None

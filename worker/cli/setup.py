@@ -41,7 +41,7 @@ def init(
     bot: Annotated[list[str] | None, typer.Option(
         help="Enable a chat platform's bot: slack, discord, telegram or teams (repeatable).")] = None,
     admin: Annotated[list[str] | None, typer.Option(
-        help="PLATFORM:USER_ID allowed /rl train, rollback, reset (repeatable).")] = None,
+        help="PLATFORM:USER_ID allowed /rl train, rollback, reset, pause, resume (repeatable).")] = None,
     rater: Annotated[list[str] | None, typer.Option(
         help="PLATFORM:USER_ID allowed to rate answers given to others (repeatable).")] = None,
     agent: Annotated[list[str] | None, typer.Option(
@@ -157,7 +157,7 @@ def _init_bots(data: dict, interactive: bool, bots: list[str], admins: list[str]
     for name in chosen:
         section = data["bots"][name]
         section["token_env"] = typer.prompt(f"{name}: env var that holds the token", default=section["token_env"])
-        for key, what in (("admins", "user ids allowed /rl train, rollback, reset"),
+        for key, what in (("admins", "user ids allowed /rl train, rollback, reset, pause, resume"),
                           ("raters", "user ids allowed to rate answers given to others")):
             answer = typer.prompt(f"{name}: {what} (comma-separated, '-' for none)",
                                   default=",".join(section[key]) or "-")

@@ -1,4 +1,5 @@
-"""``rlfleet train``, ``rollback``, ``promote`` and ``push``: training runs and the version served."""
+"""``rlfleet train``, ``pause``, ``resume``, ``rollback``, ``promote`` and ``push``: training runs and the
+version served."""
 
 from __future__ import annotations
 
@@ -106,6 +107,23 @@ def rollback(
     cfg = command_config()
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="rollback", args={"version": version})), as_json)
+
+
+@app.command()
+def pause(as_json: JsonOpt = False) -> None:
+    """Pause automatic training: ratings are still recorded, but no run starts by itself when they reach
+    the threshold (`rlfleet train` still starts one). Lasts across restarts, until `rlfleet resume`."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, Command(name="pause")), as_json)
+
+
+@app.command()
+def resume(as_json: JsonOpt = False) -> None:
+    """Resume automatic training; a run starts at once if the pending ratings already reach the threshold."""
+    cfg = command_config()
+    with queue_for(cfg) as q:
+        emit(dispatch(q, cfg, Command(name="resume")), as_json)
 
 
 @app.command()
