@@ -485,12 +485,43 @@ class Store(RunLedger):
             ).all()
             return [(r, c) for r, c in rows]
 
+    def rating_marks(self, model: str, since: datetime) -> list[RatingMark]:
+        """The active ratings of ``model`` made since ``since``, oldest first, as the dashboard plots
+        them: when, which way, from where."""
+        with self.session() as s:
+            rows = s.execute(select(RatingRow.created, RatingRow.value, RatingRow.source).where(
+                RatingRow.train_model == model, RatingRow.state == "active", RatingRow.created >= since,
+            ).order_by(RatingRow.id))
+            return [RatingMark(as_utc(created), int(value), source) for created, value, source in rows]
+
+    def counts_by_source(self, model: str) -> list[tuple[str, int, bool, int]]:
+        """(source, value, pending, how many) over the active ratings of ``model``."""
+        with self.session() as s:
+            pending = RatingRow.run_id.is_(None)
+            rows = s.execute(select(RatingRow.source, RatingRow.value, pending, func.count()).where(
+                RatingRow.train_model == model, RatingRow.state == "active",
+            ).group_by(RatingRow.source, RatingRow.value, pending))
+            return [(source, int(value), bool(p), int(n)) for source, value, p, n in rows]
+
+    def applied_events(self) -> dict[str, int]:
+        """How many events of each kind have been applied, ever (the idempotency records)."""
+        with self.session() as s:
+            rows = s.execute(select(ProcessedEvent.kind, func.count()).group_by(ProcessedEvent.kind))
+            return {kind: int(n) for kind, n in rows}
+
     def counts(self, model: str) -> Counts:
         with self.session() as s:
             active = (RatingRow.train_model == model) & (RatingRow.state == "active")
             good = s.scalar(select(func.count()).where(active & (RatingRow.value > 0))) or 0
             bad = s.scalar(select(func.count()).where(active & (RatingRow.value < 0))) or 0
         return Counts(total=good + bad, good=good, bad=bad, pending=self.pending_count(model))
+
+@dataclass(frozen=True)
+class RatingMark:
+    created: datetime
+    value: int  # 1 or -1
+    source: str
+
 
 class _Skip(Exception):
     """Roll back one import line and say why."""

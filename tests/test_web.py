@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -29,18 +31,22 @@ from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
 
+ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
 ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html"), ("GET", "/api/about"),
           ("POST", "/api/chat"), ("POST", "/api/rate"), ("POST", "/api/why"), ("POST", "/api/undo"),
-          ("POST", "/logout")]
+          ("POST", "/logout"), ("GET", "/dashboard"), ("GET", "/static/dashboard.js"),
+          ("GET", "/static/vendor/chart.umd.min.js"), ("GET", "/api/dashboard"), ("POST", "/api/command"),
+          ("GET", "/api/export"), ("GET", "/metrics")]
 
 
 @asynccontextmanager
-async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24):
+async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24, threshold: int = 32):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
-    cfg.chat.max_new_tokens = max_new_tokens
+    cfg.chat.max_new_tokens, cfg.train.threshold = max_new_tokens, threshold
+    cfg.save()  # the worker reads its own config
     token, _ = ensure_token(cfg.web_token_path)
     handle = open_queue(cfg)
     state = WebApp(cfg, handle, local_responder(cfg), dispatch, token)
@@ -113,6 +119,110 @@ def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, tin
             async with http.post(url + "/api/rate", data="{nope", headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 400 and "not JSON" in (await r.json())["message"]
             assert ratings(state.cfg) == []
+    asyncio.run(go())
+
+
+async def log_in(page, url: str, token: str) -> None:
+    response = await page.goto(url + "/")
+    assert response is not None and response.status == 401
+    await page.fill("input[name=token]", token)
+    await page.click("button[type=submit]")
+
+
+async def rate_by_api(http, url: str, text: str, **rating) -> str:
+    """Ask and rate through the API (as a script with the token would): the capture id."""
+    async with http.post(url + "/api/chat", json={"conversation": "web-api", "text": text}) as r:
+        done = [json.loads(line) async for line in r.content if line.strip()][-1]
+    async with http.post(url + "/api/rate", json={"conversation": "web-api", "capture": done["capture"],
+                                                  **rating}) as r:
+        assert r.status == 200, await r.text()
+    return done["capture"]
+
+
+def test_metrics_and_commands_for_a_script_with_the_token(queued_home, tiny_model_dir, monkeypatch):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
+            await rate_by_api(http, url, "one", value=1)
+            await rate_by_api(http, url, "two", stars=2, comment="wrong")
+            async with http.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+            got = {(s.labels["source"], s.labels["value"], s.labels["state"]): s.value
+                   for s in families["rlfleet_ratings"].samples}
+            assert got == {("web", "good", "pending"): 1.0, ("web", "bad", "pending"): 1.0}
+            applied = {s.labels["kind"]: s.value for s in families["rlfleet_events_applied"].samples
+                       if s.name == "rlfleet_events_applied_total"}
+            assert applied["capture"] == 2 and applied["rating"] == 2
+            assert families["rlfleet_pending_ratings"].samples[0].value == 2
+            assert families["rlfleet_adapter_info"].samples[0].labels["version"] == "base"
+            # The sample Grafana dashboard asks only for names this endpoint serves.
+            served = set(families) | {s.name for f in families.values() for s in f.samples}
+            wanted = set(re.findall(r"rlfleet_[a-z_]+", (ROOT / "deploy/grafana/rlfleet.json").read_text()))
+            assert wanted and wanted <= served, wanted - served
+            async with http.get(url + "/api/export") as r:
+                lines = [json.loads(line) for line in (await r.text()).splitlines()]
+            assert [(x["label"], x.get("stars"), x.get("comment")) for x in lines] == [(True, None, None),
+                                                                                      (False, 2, "wrong")]
+            for body, status, said in [({"name": "rollback"}, 409, "already on the base model"),
+                                       ({"name": "dance"}, 400, "unknown action"),
+                                       ({"name": "promote", "version": "v0042"}, 409, "v0042")]:
+                async with http.post(url + "/api/command", json=body) as r:
+                    assert r.status == status and said in (await r.json())["message"], (body, await r.text())
+            async with http.post(url + "/api/command", json={"name": "train"}) as r:
+                assert r.status == 200 and "queued on 2 ratings" in (await r.json())["message"]
+    asyncio.run(go())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(queued_home, tiny_model_dir,
+                                                                              monkeypatch):
+    from playwright.async_api import async_playwright, expect
+
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8, threshold=4) as (state, url), \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http, \
+                async_playwright() as pw:
+            await rate_by_api(http, url, "one", value=1)
+            await rate_by_api(http, url, "two", value=-1, comment="<script>window.__pwned=1</script>")
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                await log_in(page, url, state.token)
+                await page.goto(url + "/dashboard")
+                await expect(page.locator("#total")).to_have_text("2")
+                assert await page.locator("#threshold").evaluate("e => [e.value, e.max]") == [2, 4]
+                await expect(page.locator("#threshold-text")).to_have_text("2 of 4 pending: 2 more start a run")
+                drawn = "id => Chart.getChart(document.querySelector(id)).data.datasets.map(" \
+                        "d => d.data.reduce((a, b) => a + b, 0))"
+                assert await page.evaluate(drawn, "#timeline-chart") == [1, 1]
+                assert await page.evaluate(drawn, "#sources-chart") == [1, 1, 2]
+                # A rating made elsewhere shows up without a reload: the bar and the chart move.
+                await rate_by_api(http, url, "three", stars=5)
+                await expect(page.locator("#total")).to_have_text("3", timeout=30_000)
+                assert await page.locator("#threshold").evaluate("e => e.value") == 3
+                assert await page.evaluate(drawn, "#timeline-chart") == [2, 1]  # drawn in the same refresh
+                # Paused, the rating that reaches the threshold starts no run; resuming starts it.
+                await page.click("#pause")
+                await expect(page.locator("#training-state")).to_have_text("idle · automatic training paused")
+                await expect(page.locator("#pause")).to_have_text("Resume automatic training")
+                await rate_by_api(http, url, "four", value=-1)
+                await expect(page.locator("#threshold-text")).to_have_text("4 pending: a run is due", timeout=30_000)
+                await page.wait_for_timeout(2500)  # a dashboard refresh later: still no run
+                await expect(page.locator("#training-state")).to_have_text("idle · automatic training paused")
+                await page.click("#pause")
+                await expect(page.locator("#action-said")).to_contain_text("resumed")
+                await expect(page.locator("#training-state")).to_have_text("queued", timeout=30_000)
+                if os.environ.get("RLFLEET_WEB_DASHBOARD_SCREENSHOT"):  # docs/img/web-dashboard.png
+                    await page.screenshot(path=os.environ["RLFLEET_WEB_DASHBOARD_SCREENSHOT"], full_page=True)
+                assert await page.evaluate("window.__pwned") is None
+                assert errors == []
+            finally:
+                await browser.close()
     asyncio.run(go())
 
 

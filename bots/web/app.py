@@ -27,17 +27,25 @@ from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_ID_CHARS, MAX_TEXT_CHAR
 from rlfleet.shared.ingress.grammar import thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.usecases import Completion, Reply, Send, UseCases
-from rlfleet.shared.permissions import LOCAL_ACTOR, Actor, PermissionTable
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.permissions import LOCAL_ACTOR, Action, Actor, PermissionTable
 from rlfleet.shared.queue import QueueHandle
+from rlfleet.shared.ratings_io import to_example
+from rlfleet.shared.status import build_status
+from rlfleet.shared.store import Store
 
+from .dashboard import dashboard
 from .login import COOKIE, session_cookie, valid_bearer, valid_session
+from .metrics import CONTENT_TYPE, FleetCollector, exposition
 
 log = logging.getLogger(__name__)
 
 ME = Actor("web", LOCAL_ACTOR)  # the browser's user: whoever holds the data dir's login token
 HISTORY_TURNS = 4  # earlier turns sent with a question, as in the terminal chat
 MAX_BODY_BYTES = 1 << 20
-STATIC = ("index.html", "app.js", "style.css")
+STATIC = ("index.html", "app.js", "style.css", "dashboard.html", "dashboard.js", "vendor/chart.umd.min.js")
+# The admin actions the page offers (the owner is an admin of their own data dir).
+ACTIONS: tuple[Action, ...] = ("train", "rollback", "promote", "pause", "resume")
 HEADERS = {  # no inline script, no framing, no sniffing: chat text is only ever text
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                "frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
@@ -86,6 +94,15 @@ class Why(BaseModel):
     reason: str = Field(min_length=1, max_length=MAX_COMMENT_CHARS)
 
 
+class Act(BaseModel):
+    """``POST /api/command``: an admin action (train, rollback, promote, pause, resume); ``version`` for
+    rollback (default: the parent) and promote."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=32)
+    version: str | None = Field(None, min_length=1, max_length=64)
+
+
 class Undo(BaseModel):
     model_config = ConfigDict(extra="forbid")
     conversation: str = Field(min_length=1, max_length=MAX_ID_CHARS)
@@ -103,9 +120,14 @@ class WebApp:
     token: str
     clock: Callable[[], float] = time.time
     cases: UseCases = field(init=False)
+    store: Store = field(init=False)
 
     def __post_init__(self) -> None:
         self.cases = UseCases(PermissionTable.for_config(self.cfg), self.cfg.model, self.handle)
+        self.store = Store(self.cfg.db_url)
+
+    def status(self) -> dict:
+        return build_status(self.cfg, self.store, self.handle.redis, model_slug(self.cfg.model))
 
     # ---- who is asking -------------------------------------------------------------------------------
 
@@ -131,7 +153,10 @@ class WebApp:
 
 
 def _page(name: str) -> bytes:
-    return resources.files(__package__).joinpath("static").joinpath(name).read_bytes()
+    path = resources.files(__package__).joinpath("static")
+    for part in name.split("/"):
+        path = path.joinpath(part)
+    return path.read_bytes()
 
 
 def _login_page(message: str = "") -> str:
@@ -200,7 +225,7 @@ def build_app(state: WebApp) -> web.Application:
         return response
 
     async def static(request: web.Request) -> web.Response:
-        name = request.match_info.get("name") or "index.html"
+        name = request.match_info.get("name") or {"/dashboard": "dashboard.html"}.get(request.path, "index.html")
         if name not in STATIC:
             raise web.HTTPNotFound()
         kind = {"html": "text/html", "js": "text/javascript", "css": "text/css"}[name.rsplit(".", 1)[1]]
@@ -289,12 +314,40 @@ def build_app(state: WebApp) -> web.Application:
         u = await _body(request, Undo)
         return await respond(await state.send(state.cases.undo(ME, u.conversation, u.capture)))
 
+    async def board(request: web.Request) -> web.Response:
+        data = await asyncio.to_thread(dashboard, state.cfg, state.store, state.handle)
+        return web.json_response(data, dumps=lambda d: json.dumps(d, default=str))
+
+    async def command(request: web.Request) -> web.Response:
+        a = await _body(request, Act)
+        if a.name not in ACTIONS:
+            return _json_error(400, f"unknown action {a.name[:32]!r}: one of {', '.join(ACTIONS)}")
+        args = {"version": a.version} if a.version else {}
+        name = next(n for n in ACTIONS if n == a.name)  # the Action literal the use case takes
+        return await respond(await state.send(state.cases.command(ME, name, args)))
+
+    async def export(request: web.Request) -> web.Response:
+        pairs = await asyncio.to_thread(state.store.rated_pairs, model_slug(state.cfg.model))
+        body = "".join(to_example(r, c).model_dump_json(exclude_none=True) + "\n" for r, c in pairs)
+        return web.Response(body=body.encode(), content_type="application/x-ndjson", headers={
+            "Content-Disposition": 'attachment; filename="rlfleet-ratings.jsonl"'})
+
+    async def metrics(request: web.Request) -> web.Response:
+        collector = FleetCollector(state.store, model_slug(state.cfg.model), state.status)
+        body = await asyncio.to_thread(exposition, collector)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/login", login)
     app.router.add_get("/login.css", login_css)
     app.router.add_post("/logout", logout)
     app.router.add_get("/", static)
-    app.router.add_get("/static/{name}", static)
+    app.router.add_get("/dashboard", static)
+    app.router.add_get("/static/{name:.+}", static)
+    app.router.add_get("/api/dashboard", board)
+    app.router.add_post("/api/command", command)
+    app.router.add_get("/api/export", export)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/about", about)
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/rate", rate)
