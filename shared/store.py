@@ -503,6 +503,40 @@ class Store(RunLedger):
             ).group_by(RatingRow.source, RatingRow.value, pending))
             return [(source, int(value), bool(p), int(n)) for source, value, p, n in rows]
 
+    def browse_ratings(self, model: str, f: RatingFilter) -> tuple[int, list[BrowsedRating]]:
+        """The ratings of ``model`` that ``f`` selects, newest first, one page of them, and how many match
+        in all (the web app's ratings browser)."""
+        where = [RatingRow.train_model == model]
+        if f.state != "all":
+            where.append(RatingRow.state == f.state)
+        if f.source:
+            where.append(RatingRow.source == f.source)
+        if f.actor:
+            where.append(RatingRow.actor == f.actor)
+        if f.value:
+            where.append(RatingRow.value == f.value)
+        if f.version == "pending":
+            where.append(RatingRow.run_id.is_(None))
+        elif f.version:
+            where.append(TrainRun.version == f.version)
+        if f.text:  # the words of the rating or of the answer it rates (LIKE's wildcards taken literally)
+            like = "%" + f.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append(or_(RatingRow.comment.ilike(like, escape="\\"),
+                             CaptureRow.response.ilike(like, escape="\\")))
+        joined = (select(RatingRow, CaptureRow, TrainRun.version)
+                  .join(CaptureRow, CaptureRow.id == RatingRow.capture_id)
+                  .outerjoin(TrainRun, TrainRun.id == RatingRow.run_id).where(*where))
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(joined.subquery())) or 0
+            rows = s.execute(joined.order_by(RatingRow.id.desc()).limit(f.limit).offset(f.offset)).all()
+            return total, [BrowsedRating.of(r, c, v) for r, c, v in rows]
+
+    def rating_ref(self, rating_id: int) -> tuple[str, str, str, str] | None:
+        """``(source, actor, capture_id, state)`` of the stored rating ``rating_id``, or None."""
+        with self.session() as s:
+            row = s.get(RatingRow, rating_id)
+            return None if row is None else (row.source, row.actor, row.capture_id, row.state)
+
     def applied_events(self) -> dict[str, int]:
         """How many events of each kind have been applied, ever (the idempotency records)."""
         with self.session() as s:
@@ -521,6 +555,43 @@ class RatingMark:
     created: datetime
     value: int  # 1 or -1
     source: str
+
+
+@dataclass(frozen=True)
+class RatingFilter:
+    """What the ratings browser asks for; empty fields select everything."""
+
+    text: str = ""  # in the comment or the rated answer
+    source: str = ""
+    actor: str = ""
+    value: int = 0  # 1, -1, or 0 for both
+    version: str = ""  # the version whose run trained on it, or "pending"
+    state: str = "active"  # active | replaced | undone | all
+    limit: int = 50
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class BrowsedRating:
+    id: int
+    capture_id: str
+    conversation: str
+    created: datetime
+    source: str
+    actor: str
+    value: int
+    stars: int | None
+    comment: str | None
+    state: str
+    trained_by: str | None  # the version whose run trained on it; None while pending
+    prompt: str  # the last user message the answer replied to
+    answer: str
+
+    @classmethod
+    def of(cls, r: RatingRow, c: CaptureRow, version: str | None) -> BrowsedRating:
+        asked = next((m.get("content", "") for m in reversed(c.prompt or []) if m.get("role") == "user"), "")
+        return cls(r.id, c.id, c.conversation, as_utc(r.created), r.source, r.actor, r.value, r.stars, r.comment,
+                   r.state, version, str(asked), c.response)
 
 
 class _Skip(Exception):

@@ -26,6 +26,7 @@ from rlfleet.bots.web.login import COOKIE, ensure_token, session_cookie
 from rlfleet.bots.web.run import local_responder
 from rlfleet.cli.app import dispatch
 from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Rating
 from rlfleet.shared.queue import open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
@@ -38,7 +39,8 @@ ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html")
           ("POST", "/api/chat"), ("POST", "/api/rate"), ("POST", "/api/why"), ("POST", "/api/undo"),
           ("POST", "/logout"), ("GET", "/dashboard"), ("GET", "/static/dashboard.js"),
           ("GET", "/static/vendor/chart.umd.min.js"), ("GET", "/api/dashboard"), ("POST", "/api/command"),
-          ("GET", "/api/export"), ("GET", "/metrics")]
+          ("GET", "/api/export"), ("GET", "/metrics"), ("GET", "/ratings"), ("GET", "/static/ratings.js"),
+          ("GET", "/api/ratings"), ("POST", "/api/ratings/undo"), ("POST", "/api/ratings/comment")]
 
 
 @asynccontextmanager
@@ -61,6 +63,11 @@ def ratings(cfg) -> list[tuple[int, int | None, str | None, str]]:
     with Store(cfg.db_url).session() as s:
         return [(r.value, r.stars, r.comment, r.state)
                 for r in s.scalars(select(RatingRow).order_by(RatingRow.id))]
+
+
+def ratings_of(cfg) -> list[tuple[str, int, str | None, str]]:
+    with Store(cfg.db_url).session() as s:
+        return [(r.actor, r.value, r.comment, r.state) for r in s.scalars(select(RatingRow).order_by(RatingRow.id))]
 
 
 def captures(cfg) -> int:
@@ -223,6 +230,68 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 assert errors == []
             finally:
                 await browser.close()
+    asyncio.run(go())
+
+
+def slack_rating(state, text: str, value: int, comment: str | None = None) -> str:
+    """A Slack user's rated answer, as the Slack bot's events would store it."""
+    cap = Capture(source="slack", actor="U1", owner="U1", conversation="C1", prompt=[{"role": "user", "content": text}],
+                  response=f"answer to {text}", model=state.cfg.model)
+    assert state.handed(cap)["ok"]
+    assert state.handed(Rating(source="slack", actor="U1", conversation="C1", target=cap.capture_id, value=value,
+                               comment=comment))["ok"]
+    return cap.capture_id
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_the_ratings_browser_filters_undoes_and_edits_comments(queued_home, tiny_model_dir, monkeypatch):
+    from playwright.async_api import async_playwright, expect
+
+    async def go():
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http, \
+                async_playwright() as pw:
+            await rate_by_api(http, url, "mine", value=1)
+            slack_rating(state, "their first", -1, comment="50% too long")
+            slack_rating(state, "their <b>second</b>", 1)
+            async with http.get(url + "/api/ratings", params={"limit": "0"}) as r:
+                assert r.status == 400  # a page of nothing is not a request
+            async with http.get(url + "/api/ratings", params={"text": "%"}) as r:
+                assert [x["comment"] for x in (await r.json())["ratings"]] == ["50% too long"]  # % is literal
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                page.on("dialog", lambda d: asyncio.ensure_future(
+                    d.accept("far too long") if d.type == "prompt" else d.accept()))
+                await log_in(page, url, state.token)
+                await page.goto(url + "/ratings")
+                await expect(page.locator("#count")).to_have_text("3 ratings")
+                await page.fill("input[name=source]", "slack")
+                await page.select_option("select[name=value]", "-1")
+                await page.click("#filter button[type=submit]")
+                await expect(page.locator("#count")).to_have_text("1 rating")
+                row = page.locator("#ratings tbody tr").first
+                await expect(row.locator("td.comment")).to_have_text("50% too long")
+                await row.locator("button.edit").click()
+                await expect(page.locator("#said")).to_have_text("noted why it is bad: far too long")
+                await expect(page.locator("#ratings tbody tr").first.locator("td.comment")).to_have_text("far too long")
+                await page.locator("#ratings tbody tr").first.locator("button.undo").click()
+                await expect(page.locator("#said")).to_contain_text("undid")
+                await expect(page.locator("#count")).to_have_text("0 ratings")
+                await page.fill("input[name=source]", "")
+                await page.select_option("select[name=value]", "0")
+                await page.fill("input[name=text]", "<b>second</b>")
+                await page.click("#filter button[type=submit]")
+                await expect(page.locator("#count")).to_have_text("1 rating")
+                await expect(page.locator("#ratings td.qa").first).to_contain_text("their <b>second</b>")
+                assert await page.locator("#ratings b").count() == 0
+            finally:
+                await browser.close()
+            async with http.post(url + "/api/ratings/undo", json={"id": 999}) as r:
+                assert r.status == 404
+            by_actor = [(a, v, c, st) for a, v, c, st in ratings_of(state.cfg)]
+            assert by_actor == [("local", 1, None, "active"), ("U1", -1, "50% too long", "replaced"),
+                                ("U1", 1, None, "active"), ("U1", -1, "far too long", "undone")]
     asyncio.run(go())
 
 

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from html import escape
 from importlib import resources
 from typing import Any, Literal
@@ -32,7 +32,7 @@ from rlfleet.shared.permissions import LOCAL_ACTOR, Action, Actor, PermissionTab
 from rlfleet.shared.queue import QueueHandle
 from rlfleet.shared.ratings_io import to_example
 from rlfleet.shared.status import build_status
-from rlfleet.shared.store import Store
+from rlfleet.shared.store import RatingFilter, Store
 
 from .dashboard import dashboard
 from .login import COOKIE, session_cookie, valid_bearer, valid_session
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 ME = Actor("web", LOCAL_ACTOR)  # the browser's user: whoever holds the data dir's login token
 HISTORY_TURNS = 4  # earlier turns sent with a question, as in the terminal chat
 MAX_BODY_BYTES = 1 << 20
-STATIC = ("index.html", "app.js", "style.css", "dashboard.html", "dashboard.js", "vendor/chart.umd.min.js")
+STATIC = ("index.html", "app.js", "style.css", "dashboard.html", "dashboard.js", "ratings.html", "ratings.js",
+          "vendor/chart.umd.min.js")
+PAGES = {"/dashboard": "dashboard.html", "/ratings": "ratings.html"}
 # The admin actions the page offers (the owner is an admin of their own data dir).
 ACTIONS: tuple[Action, ...] = ("train", "rollback", "promote", "pause", "resume")
 HEADERS = {  # no inline script, no framing, no sniffing: chat text is only ever text
@@ -101,6 +103,28 @@ class Act(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=32)
     version: str | None = Field(None, min_length=1, max_length=64)
+
+
+class Browse(BaseModel):
+    """``GET /api/ratings``'s query: filters of the ratings browser (store.RatingFilter)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field("", max_length=200)
+    source: str = Field("", max_length=32)
+    actor: str = Field("", max_length=MAX_ID_CHARS)
+    value: int = Field(0, ge=-1, le=1)  # 1, -1, or 0 for both (a query string's "-1" is a str: no Literal)
+    version: str = Field("", max_length=64)
+    state: Literal["active", "replaced", "undone", "all"] = "active"
+    limit: int = Field(50, ge=1, le=200)
+    offset: int = Field(0, ge=0)
+
+
+class Amend(BaseModel):
+    """``POST /api/ratings/undo`` and ``/api/ratings/comment``: one stored rating, by id."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: int = Field(ge=1)
+    comment: str | None = Field(None, min_length=1, max_length=MAX_COMMENT_CHARS)
 
 
 class Undo(BaseModel):
@@ -225,7 +249,7 @@ def build_app(state: WebApp) -> web.Application:
         return response
 
     async def static(request: web.Request) -> web.Response:
-        name = request.match_info.get("name") or {"/dashboard": "dashboard.html"}.get(request.path, "index.html")
+        name = request.match_info.get("name") or PAGES.get(request.path, "index.html")
         if name not in STATIC:
             raise web.HTTPNotFound()
         kind = {"html": "text/html", "js": "text/javascript", "css": "text/css"}[name.rsplit(".", 1)[1]]
@@ -332,6 +356,35 @@ def build_app(state: WebApp) -> web.Application:
         return web.Response(body=body.encode(), content_type="application/x-ndjson", headers={
             "Content-Disposition": 'attachment; filename="rlfleet-ratings.jsonl"'})
 
+    async def browse(request: web.Request) -> web.Response:
+        try:
+            q = Browse.model_validate(dict(request.query))
+        except ValidationError as exc:
+            return _json_error(400, describe_validation_error(exc, "malformed filter"))
+        total, rows = await asyncio.to_thread(state.store.browse_ratings, model_slug(state.cfg.model),
+                                              RatingFilter(**q.model_dump()))
+        return web.json_response({"total": total, "ratings": [asdict(r) for r in rows]},
+                                 dumps=lambda d: json.dumps(d, default=str))
+
+    async def amend(request: web.Request) -> web.Response:
+        """Undo a stored rating, or give it new words, as the person who made it: the owner of the data
+        dir stands in for them (the event still names them, so their other ratings are untouched)."""
+        a = await _body(request, Amend)
+        found = state.store.rating_ref(a.id)
+        if found is None:
+            return _json_error(404, f"no rating {a.id}")
+        source, actor, capture, row_state = found
+        if row_state != "active":
+            return _json_error(409, f"rating {a.id} is {row_state}: only the active rating of an answer changes")
+        who = Actor(source, actor)
+        if request.path.endswith("/undo"):
+            outcome = state.cases.undo(who, None, capture)
+        elif a.comment is None:
+            return _json_error(400, "give the new comment")
+        else:
+            outcome = state.cases.why(who, None, a.comment, target=capture)
+        return await respond(await state.send(outcome))
+
     async def metrics(request: web.Request) -> web.Response:
         collector = FleetCollector(state.store, model_slug(state.cfg.model), state.status)
         body = await asyncio.to_thread(exposition, collector)
@@ -343,6 +396,10 @@ def build_app(state: WebApp) -> web.Application:
     app.router.add_post("/logout", logout)
     app.router.add_get("/", static)
     app.router.add_get("/dashboard", static)
+    app.router.add_get("/ratings", static)
+    app.router.add_get("/api/ratings", browse)
+    app.router.add_post("/api/ratings/undo", amend)
+    app.router.add_post("/api/ratings/comment", amend)
     app.router.add_get("/static/{name:.+}", static)
     app.router.add_get("/api/dashboard", board)
     app.router.add_post("/api/command", command)
