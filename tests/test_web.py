@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from rq import Queue, SimpleWorker
 from sqlalchemy import select
 
 from rlfleet.bots.web.app import WebApp, build_app
@@ -27,7 +28,7 @@ from rlfleet.bots.web.run import local_responder
 from rlfleet.cli.app import dispatch
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
-from rlfleet.shared.queue import open_queue
+from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
@@ -44,10 +45,12 @@ ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html")
 
 
 @asynccontextmanager
-async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24, threshold: int = 32):
+async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24, threshold: int = 32, **train):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
     cfg.chat.max_new_tokens, cfg.train.threshold = max_new_tokens, threshold
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
     cfg.save()  # the worker reads its own config
     token, _ = ensure_token(cfg.web_token_path)
     handle = open_queue(cfg)
@@ -189,7 +192,9 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
     from playwright.async_api import async_playwright, expect
 
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8, threshold=4) as (state, url), \
+        # A tiny random model: the gate would refuse what it learns, and exploring is slow on a CPU.
+        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8, threshold=4, gate=False,
+                           explore=0, preload=False) as (state, url), \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http, \
                 async_playwright() as pw:
             await rate_by_api(http, url, "one", value=1)
@@ -213,6 +218,9 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 await expect(page.locator("#total")).to_have_text("3", timeout=30_000)
                 assert await page.locator("#threshold").evaluate("e => e.value") == 3
                 assert await page.evaluate(drawn, "#timeline-chart") == [2, 1]  # drawn in the same refresh
+                def accept(dialog) -> None:
+                    asyncio.ensure_future(dialog.accept())
+                page.on("dialog", accept)
                 # Paused, the rating that reaches the threshold starts no run; resuming starts it.
                 await page.click("#pause")
                 await expect(page.locator("#training-state")).to_have_text("idle · automatic training paused")
@@ -224,6 +232,24 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 await page.click("#pause")
                 await expect(page.locator("#action-said")).to_contain_text("resumed")
                 await expect(page.locator("#training-state")).to_have_text("queued", timeout=30_000)
+                # The run, by a training worker right here; its version is served and can be rolled back.
+                SimpleWorker([Queue(TRAIN_QUEUE, connection=state.handle.redis)],
+                             connection=state.handle.redis).work(burst=True)
+                await expect(page.locator("#serving")).to_have_text("adapter v0001", timeout=30_000)
+                v1 = page.locator("#versions tbody tr", has_text="v0001")
+                await expect(v1).to_contain_text("active")
+                asked: list[str] = []
+                page.remove_listener("dialog", accept)
+                page.on("dialog", lambda d: (asked.append(d.message), asyncio.ensure_future(d.accept())))
+                await v1.locator("button", has_text="roll back").click()
+                await expect(page.locator("#action-said")).to_contain_text("base model")
+                await expect(page.locator("#serving")).to_have_text("base model")
+                assert asked and asked[0].startswith("Roll back from v0001 to the base model?")
+                await v1.locator("button", has_text="serve this").click()
+                await expect(page.locator("#serving")).to_have_text("adapter v0001")
+                await v1.locator("td a").click()  # what v0001 trained on, in the ratings browser
+                await expect(page.locator("#count")).to_have_text("4 ratings")
+                await page.go_back()
                 if os.environ.get("RLFLEET_WEB_DASHBOARD_SCREENSHOT"):  # docs/img/web-dashboard.png
                     await page.screenshot(path=os.environ["RLFLEET_WEB_DASHBOARD_SCREENSHOT"], full_page=True)
                 assert await page.evaluate("window.__pwned") is None

@@ -104,6 +104,12 @@ function versions(history, current) {
                         fmt(v.entropy_ratio, 2), verdict]) {
       const td = document.createElement("td"); td.textContent = cell; tr.append(td);
     }
+    const used = tr.children[3];  // what it trained on: those ratings in the browser
+    if (used.textContent) {
+      const a = document.createElement("a");
+      a.href = `/ratings?state=all&version=${encodeURIComponent(v.version)}`;
+      a.textContent = used.textContent; used.textContent = ""; used.append(a);
+    }
     const td = document.createElement("td");
     if (v.version !== current && v.status !== "stale") {
       const b = document.createElement("button");

@@ -81,6 +81,11 @@ async function search(fresh) {
   $("#more").hidden = offset >= d.total;
 }
 
+// Filters from the address (the dashboard links a version's ratings as /ratings?version=v0002&state=all).
+for (const [k, v] of new URLSearchParams(location.search)) {
+  const field = $("#filter").elements.namedItem(k);
+  if (field) field.value = v;
+}
 $("#filter").addEventListener("submit", (ev) => { ev.preventDefault(); search(true); });
 $("#more").addEventListener("click", () => search(false));
 search(true);
