@@ -388,19 +388,21 @@ def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_re
 
 def test_rlfleet_web_makes_a_private_token_and_serves_behind_it(queued_home, tiny_model_dir, tmp_path):
     env = {**os.environ, "RLFLEET_MODEL": str(tiny_model_dir)}
-    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "web", "--no-worker", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Every address: allowed, with a warning to put TLS in front (no traffic leaves this machine here).
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "web", "--no-worker", "--host", "0.0.0.0",
+                             "--port", "0"], env={**env, "COLUMNS": "300"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         seen = ""
         deadline = time.monotonic() + 120
-        while "login token:" not in seen and time.monotonic() < deadline:
+        while "put TLS in front" not in seen and time.monotonic() < deadline:
             seen += proc.stdout.readline()  # type: ignore[union-attr]
-        assert "login token:" in seen, seen
+        assert "login token:" in seen and "warning: listening on 0.0.0.0" in seen, seen
         token_file = queued_home / "web-token"
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         token = token_file.read_text().strip()
         assert "made now" in seen and token not in seen  # the token goes to a terminal only, never a log
-        port = int(seen.split("http://127.0.0.1:")[1].split("/")[0])
+        port = int(seen.split("http://0.0.0.0:")[1].split("/")[0])
 
         async def probe():
             async with aiohttp.ClientSession() as http:
