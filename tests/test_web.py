@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 from rq import Queue, SimpleWorker
 from sqlalchemy import select
 
@@ -28,10 +29,11 @@ from rlfleet.bots.web.run import local_responder
 from rlfleet.cli.app import dispatch
 from rlfleet.shared.config import load_config
 from rlfleet.shared.events import Capture, Rating
-from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
+from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, open_queue
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 from rlfleet.shared.webserver import listening
+from rlfleet.shared.workers import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -44,9 +46,27 @@ ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html")
           ("GET", "/api/ratings"), ("POST", "/api/ratings/undo"), ("POST", "/api/ratings/comment")]
 
 
+@pytest.fixture(scope="module")
+def web_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model, never answering with a NUL byte (no capture takes one: about one sampled answer in
+    ten of a byte-level random model had one, and its test failed) nor with nothing at all."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = tmp_path_factory.mktemp("web-model") / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    gc = GenerationConfig.from_pretrained(folder)
+    nul = tok.convert_tokens_to_ids("\u0100")  # the byte-level alphabet's name for byte 0
+    assert tok.decode([nul]) == "\x00"
+    gc.suppress_tokens = [nul, *(i for i in tok.all_special_ids if i != tok.eos_token_id)]
+    gc.begin_suppress_tokens = [tok.eos_token_id]
+    gc.save_pretrained(folder)
+    return folder
+
+
 @asynccontextmanager
-async def web_rig(home, tiny_model_dir, monkeypatch, max_new_tokens: int = 24, threshold: int = 32, **train):
-    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+async def web_rig(home, model_dir, monkeypatch, max_new_tokens: int = 24, threshold: int = 32, **train):
+    monkeypatch.setenv("RLFLEET_MODEL", str(model_dir))
     cfg = load_config()
     cfg.chat.max_new_tokens, cfg.train.threshold = max_new_tokens, threshold
     for key, value in train.items():
@@ -78,10 +98,10 @@ def captures(cfg) -> int:
         return len(s.scalars(select(CaptureRow)).all())
 
 
-def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_home, tiny_model_dir, monkeypatch,
+def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_home, web_model_dir, monkeypatch,
                                                                        rconn):
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch) as (state, url), aiohttp.ClientSession() as http:
+        async with web_rig(queued_home, web_model_dir, monkeypatch) as (state, url), aiohttp.ClientSession() as http:
             expired = session_cookie(state.token, time.time() - 3600, hours=0.5)
             forged = session_cookie("not-the-token", time.time(), hours=1)
             body = json.dumps({"conversation": "c", "text": "hi", "capture": "x", "value": 1, "reason": "r"})
@@ -102,20 +122,20 @@ def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_ho
                 assert r.status == 401 and "not the login token" in await r.text()
             # the real token as a bearer header: the API answers
             async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {state.token}"}) as r:
-                assert r.status == 200 and (await r.json())["model"] == str(tiny_model_dir)
+                assert r.status == 200 and (await r.json())["model"] == str(web_model_dir)
     asyncio.run(go())
 
 
-def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, tiny_model_dir, monkeypatch):
+def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, web_model_dir, monkeypatch):
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=40) as (state, url), \
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=40) as (state, url), \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
             async with http.post(url + "/api/chat", json={"conversation": "web-t", "text": "tell me a story"}) as r:
                 assert r.status == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
                 lines = [json.loads(line) async for line in r.content if line.strip()]
             pieces = [m["text"] for m in lines if m["type"] == "text"]
             done = lines[-1]
-            assert done["type"] == "done" and done["capture"] and done["version"] is None
+            assert done["type"] == "done" and done["capture"] and done["version"] is None, done
             assert len(pieces) >= 2  # sent as generated, not in one go at the end
             assert "".join(pieces).strip() == done["text"]
             for payload, status in [({"conversation": "c"}, 400), ({"conversation": "c", "capture": "x"}, 400),
@@ -143,17 +163,18 @@ async def rate_by_api(http, url: str, text: str, **rating) -> str:
     """Ask and rate through the API (as a script with the token would): the capture id."""
     async with http.post(url + "/api/chat", json={"conversation": "web-api", "text": text}) as r:
         done = [json.loads(line) async for line in r.content if line.strip()][-1]
+    assert done.get("capture"), done
     async with http.post(url + "/api/rate", json={"conversation": "web-api", "capture": done["capture"],
                                                   **rating}) as r:
         assert r.status == 200, await r.text()
     return done["capture"]
 
 
-def test_metrics_and_commands_for_a_script_with_the_token(queued_home, tiny_model_dir, monkeypatch):
+def test_metrics_and_commands_for_a_script_with_the_token(queued_home, web_model_dir, monkeypatch):
     from prometheus_client.parser import text_string_to_metric_families
 
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
             await rate_by_api(http, url, "one", value=1)
             await rate_by_api(http, url, "two", stars=2, comment="wrong")
@@ -187,13 +208,13 @@ def test_metrics_and_commands_for_a_script_with_the_token(queued_home, tiny_mode
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
-def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(queued_home, tiny_model_dir,
+def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(queued_home, web_model_dir,
                                                                               monkeypatch):
     from playwright.async_api import async_playwright, expect
 
     async def go():
         # A tiny random model: the gate would refuse what it learns, and exploring is slow on a CPU.
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8, threshold=4, gate=False,
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=8, threshold=4, gate=False,
                            explore=0, preload=False) as (state, url), \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http, \
                 async_playwright() as pw:
@@ -259,27 +280,27 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
     asyncio.run(go())
 
 
-def slack_rating(state, text: str, value: int, comment: str | None = None) -> str:
+async def slack_rating(state, text: str, value: int, comment: str | None = None) -> str:
     """A Slack user's rated answer, as the Slack bot's events would store it."""
     cap = Capture(source="slack", actor="U1", owner="U1", conversation="C1", prompt=[{"role": "user", "content": text}],
                   response=f"answer to {text}", model=state.cfg.model)
-    assert state.handed(cap)["ok"]
-    assert state.handed(Rating(source="slack", actor="U1", conversation="C1", target=cap.capture_id, value=value,
-                               comment=comment))["ok"]
+    assert (await state.handed(cap))["ok"]
+    assert (await state.handed(Rating(source="slack", actor="U1", conversation="C1", target=cap.capture_id,
+                                      value=value, comment=comment)))["ok"]
     return cap.capture_id
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
-def test_the_ratings_browser_filters_undoes_and_edits_comments(queued_home, tiny_model_dir, monkeypatch):
+def test_the_ratings_browser_filters_undoes_and_edits_comments(queued_home, web_model_dir, monkeypatch):
     from playwright.async_api import async_playwright, expect
 
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
                 aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http, \
                 async_playwright() as pw:
             await rate_by_api(http, url, "mine", value=1)
-            slack_rating(state, "their first", -1, comment="50% too long")
-            slack_rating(state, "their <b>second</b>", 1)
+            await slack_rating(state, "their first", -1, comment="50% too long")
+            await slack_rating(state, "their <b>second</b>", 1)
             async with http.get(url + "/api/ratings", params={"limit": "0"}) as r:
                 assert r.status == 400  # a page of nothing is not a request
             async with http.get(url + "/api/ratings", params={"text": "%"}) as r:
@@ -322,12 +343,12 @@ def test_the_ratings_browser_filters_undoes_and_edits_comments(queued_home, tiny
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
-def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_reason(queued_home, tiny_model_dir,
+def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_reason(queued_home, web_model_dir,
                                                                                      monkeypatch):
     from playwright.async_api import async_playwright, expect
 
     async def go():
-        async with web_rig(queued_home, tiny_model_dir, monkeypatch) as (state, url), async_playwright() as pw:
+        async with web_rig(queued_home, web_model_dir, monkeypatch) as (state, url), async_playwright() as pw:
             browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             try:
                 page = await browser.new_page()
@@ -386,10 +407,10 @@ def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_re
     asyncio.run(go())
 
 
-def test_rlfleet_web_makes_a_private_token_and_serves_behind_it(queued_home, tiny_model_dir, tmp_path):
-    env = {**os.environ, "RLFLEET_MODEL": str(tiny_model_dir)}
+def test_rlfleet_web_makes_a_private_token_and_serves_behind_it_with_its_workers(queued_home, web_model_dir):
+    env = {**os.environ, "RLFLEET_MODEL": str(web_model_dir)}
     # Every address: allowed, with a warning to put TLS in front (no traffic leaves this machine here).
-    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "web", "--no-worker", "--host", "0.0.0.0",
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "web", "--host", "0.0.0.0",
                              "--port", "0"], env={**env, "COLUMNS": "300"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -408,10 +429,18 @@ def test_rlfleet_web_makes_a_private_token_and_serves_behind_it(queued_home, tin
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"http://127.0.0.1:{port}/api/about") as r:
                     assert r.status == 401
-                async with http.get(f"http://127.0.0.1:{port}/api/about",
-                                    headers={"Authorization": f"Bearer {token}"}) as r:
-                    assert r.status == 200
+            # With its events worker running: the answer is captured and rated through it.
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+                await rate_by_api(http, f"http://127.0.0.1:{port}", "hello", stars=5)
+        conn = redis.Redis.from_url(os.environ["REDIS_URL"])
+        while not serving(conn, EVENTS_QUEUE):  # the events worker it started
+            assert time.monotonic() < deadline and proc.poll() is None, "rlfleet web started no events worker"
+            time.sleep(0.5)
         asyncio.run(probe())
-    finally:
+        assert ratings(load_config()) == [(1, 5, None, "active")]
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=60) == 0
+        assert "stopping workers" in proc.stdout.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -29,10 +29,11 @@ from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.usecases import Completion, Reply, Send, UseCases
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import LOCAL_ACTOR, Action, Actor, PermissionTable
-from rlfleet.shared.queue import QueueHandle
+from rlfleet.shared.queue import EVENTS_QUEUE, QueueHandle
 from rlfleet.shared.ratings_io import to_example
 from rlfleet.shared.status import build_status
 from rlfleet.shared.store import RatingFilter, Store
+from rlfleet.shared.workers import serving
 
 from .dashboard import dashboard
 from .login import COOKIE, session_cookie, valid_bearer, valid_session
@@ -161,16 +162,18 @@ class WebApp:
 
     # ---- events --------------------------------------------------------------------------------------
 
-    def handed(self, event: Any) -> dict:
-        """Hand an event to the worker and return its answer. On the loop's own thread: with no events
-        worker alive the CLI's dispatch works the queue right here, which RQ does only on the main thread
-        (with workers running, the answer takes milliseconds)."""
+    async def handed(self, event: Any) -> dict:
+        """Hand an event to the worker and return its answer. With an events worker alive, the wait for
+        its answer runs in a thread, so other pages keep streaming; with none, the CLI's dispatch works
+        the queue right here, which RQ does only on the main thread: the loop's own."""
+        if serving(self.handle.redis, EVENTS_QUEUE):
+            return await asyncio.to_thread(self.dispatch, self.handle, self.cfg, event)
         return self.dispatch(self.handle, self.cfg, event)
 
     async def send(self, outcome: Any) -> dict:
         """The worker's answer to the event a use case made, or the use case's refusal."""
         if isinstance(outcome, Send):
-            return self.handed(outcome.event)
+            return await self.handed(outcome.event)
         if isinstance(outcome, Reply):
             return {"ok": False, "message": outcome.text}
         return {"ok": False, "message": "not allowed"}
@@ -298,7 +301,7 @@ def build_app(state: WebApp) -> web.Application:
                     text=answer.text, model=state.cfg.model, adapter_version=answer.adapter_version,
                     token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True,
                     finish_reason=answer.finish_reason))
-                result = state.handed(cap)
+                result = await state.handed(cap)
                 if result.get("ok"):
                     done["capture"] = cap.capture_id
                 else:
