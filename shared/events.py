@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from .errors import BadInput
 from .ingress.grammar import thumb_of
 
-Source = Literal["slack", "discord", "telegram", "teams", "cli", "web", "claude-code", "codex", "bridge"]
+# "gym": an agent's steps in an environment (rlfleet.gym), each rated by the environment's reward
+Source = Literal["slack", "discord", "telegram", "teams", "cli", "web", "claude-code", "codex", "bridge", "gym"]
 Platform = Literal["slack", "discord", "telegram", "teams"]
 PLATFORMS: tuple[str, ...] = ("slack", "discord", "telegram", "teams")  # the chat platforms with bots
 

@@ -18,19 +18,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_DIR = ROOT / "worker" / "cli"
+GYM_DIR = ROOT / "worker" / "gym"  # rlfleet.gym: the environment agent, on top of the worker
 FOLDERS = {"shared": ROOT / "shared", "bots": ROOT / "bots", "bridge": ROOT / "bridge", "worker": ROOT / "worker",
-           "cli": CLI_DIR}
+           "cli": CLI_DIR, "gym": GYM_DIR}
 ALLOWED = {
     "shared": {"shared"},
     "bots": {"bots", "shared"},
     "bridge": {"bridge", "shared"},
     "worker": {"worker", "shared"},
     "cli": {"cli", "shared", "bots", "bridge", "worker"},
+    "gym": {"gym", "shared", "worker"},
 }
 
 
 def layer_of_file(path: Path) -> str:
-    return "cli" if path.is_relative_to(CLI_DIR) else path.relative_to(ROOT).parts[0]
+    if path.is_relative_to(CLI_DIR):
+        return "cli"
+    return "gym" if path.is_relative_to(GYM_DIR) else path.relative_to(ROOT).parts[0]
 
 
 def module_name(path: Path) -> str:
@@ -59,7 +63,9 @@ def imports_in(source: str, module: str, is_package: bool) -> list[tuple[int, st
 
 
 def allowed(layer: str, module: str) -> bool:
-    if module == "rlfleet.worker.cli" or module.startswith("rlfleet.worker.cli."):
+    # worker/cli/ and worker/gym/ are installed as rlfleet.cli and rlfleet.gym: under a second name a file
+    # would be a second module
+    if any(module == inner or module.startswith(inner + ".") for inner in ("rlfleet.worker.cli", "rlfleet.worker.gym")):
         return False
     parts = module.split(".")
     if parts[0] != "rlfleet" or len(parts) < 2 or parts[1] not in ALLOWED:

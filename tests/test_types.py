@@ -96,6 +96,6 @@ def test_the_packages_type_check():
 
 def test_the_check_reads_each_file_under_its_installed_name_only():
     packages = package_dirs()
-    assert nested_packages(packages) == ["src/rlfleet/worker/cli/"]
+    assert nested_packages(packages) == ["src/rlfleet/worker/cli/", "src/rlfleet/worker/gym/"]
     line = str(SHIM.relative_to(ROOT) / "rlfleet" / "cli" / "app.py") + ":3: error: x"
     assert real_path(line, packages) == str(Path("worker", "cli", "app.py")) + ":3: error: x"

@@ -12,7 +12,7 @@ class TrainSample:
     rating_id: int | None
     prompt: list[dict]  # chat messages [{"role": ..., "content": ...}]
     response: str
-    reward: float  # +1 good, -1 bad
+    reward: float  # +1 good, -1 bad; an environment's step: its discounted return (rlfleet.gym)
     behaviour_logprobs: list[float] | None = None  # per response token, recorded when our model answered
     behaviour_token_ids: list[int] | None = None  # the tokens those log-probs belong to
     # Set for a retraction: an already-trained rating that was undone or replaced. The run applies
@@ -28,6 +28,10 @@ class TrainSample:
     # The user's words with the rating (`/rl bad too long`, a one-click reason): the hint the hindsight
     # teacher reads (training/hindsight.py). None: a bare thumb.
     comment: str | None = None
+    # The baseline this sample's reward is measured against, when it has its own: an environment's
+    # step gets the batch's mean return at the same step (rlfleet.gym). None: the run's rule decides
+    # (the EMA, or the run's mean reward: training/advantages.py).
+    baseline: float | None = None
 
 
 @dataclass(frozen=True)

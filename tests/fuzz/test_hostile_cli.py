@@ -298,7 +298,7 @@ bad_values = st.one_of(
     st.tuples(st.sampled_from(["rollback", "promote"]), values.filter(lambda s: s != "base")).map(list),
     st.tuples(values, blank).map(lambda t: ["capture", "--prompt", t[0], "--response", t[1]]),
     st.tuples(values, values, _not({"slack", "discord", "telegram", "teams", "cli", "web", "claude-code", "codex",
-                                    "bridge"})).map(
+                                    "bridge", "gym"})).map(
         lambda t: ["capture", "--prompt", t[0] or "p", "--response", t[1] or "r", "--source", t[2]]),
     st.tuples(st.just("uninstall"), st.just("--agent"), _not({"claude-code", "codex"})).map(list),
     st.sampled_from([["reset"], ["reset", "--purge-ratings"], ["push"]]),

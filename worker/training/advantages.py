@@ -18,8 +18,10 @@ An answer the run sampled itself to explore gets a group-relative advantage inst
 (:func:`group_advantages`): its reward model score against the other answers to the same prompt.
 
 A retraction (an undone or replaced rating that an earlier run trained on) brings a fixed advantage
-under either rule. The arithmetic is float32, step by step, as the training tensors hold it: every
-backend trains on the same advantages, bit for bit.
+under either rule. A sample with its own baseline (an environment's step, rlfleet.gym: its discounted
+return against the batch's mean return at that step) gets :func:`return_advantage` under either rule.
+The arithmetic is float32, step by step, as the training tensors hold it: every backend trains on the
+same advantages, bit for bit.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Rated(Protocol):
 
     @property
     def fixed_advantage(self) -> float | None: ...
+
+    @property
+    def baseline(self) -> float | None: ...
 
 
 def update_ema(ema: float | None, rewards: Sequence[float], decay: float = 0.99) -> float:
@@ -92,13 +97,26 @@ def asymmetric_advantage(reward: float, mean_reward: float, pos_weight: float, c
     return min(max(adv, -bound), bound)
 
 
+def return_advantage(ret: float, baseline: float, pos_weight: float, clip: float = 2.0) -> float:
+    """``A = clip((G - b) * (pos_weight if G > b else 1), -clip, clip)`` in float32: the ``ema`` rule with
+    the sample's own baseline ``b``, its better-than-expected side weighted as a liked rating's is (for
+    a rating, ``r > 0`` and ``r > ema`` are the same side)."""
+    g, b = f32(ret), f32(baseline)
+    adv = f32(g - b)
+    if adv > 0:
+        adv = f32(adv * f32(pos_weight))
+    bound = f32(clip)
+    return min(max(adv, -bound), bound)
+
+
 def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: float, clip: float, *,
                    rule: Rule = "ema", delta: float = 0.1, neg_bound: float = 0.5) -> list[float]:
     """Each sample's advantage in a run: a retraction keeps its fixed one, the rest get ``rule``
     (``ema`` without an EMA yet: against the neutral :data:`EMA_SEED`, as :func:`update_ema` seeds
-    it; ``asymmetric``: against the mean reward of the run's rated samples)."""
+    it; ``asymmetric``: against the mean reward of the run's rated samples); one with its own baseline
+    gets :func:`return_advantage` against it, and stays out of the asymmetric rule's mean."""
     if rule == "asymmetric":
-        rated = [float(s.reward) for s in samples if s.fixed_advantage is None]
+        rated = [float(s.reward) for s in samples if s.fixed_advantage is None and s.baseline is None]
         mean = f32(sum(rated) / len(rated)) if rated else 0.0
 
         def rated_advantage(r: float) -> float:
@@ -109,8 +127,14 @@ def run_advantages(samples: Sequence[Rated], ema: float | None, pos_weight: floa
         def rated_advantage(r: float) -> float:
             return advantage(r, baseline, pos_weight, clip)
 
-    return [rated_advantage(s.reward) if s.fixed_advantage is None else f32(float(s.fixed_advantage))
-            for s in samples]
+    def one(s: Rated) -> float:
+        if s.fixed_advantage is not None:
+            return f32(float(s.fixed_advantage))
+        if s.baseline is not None:
+            return return_advantage(s.reward, s.baseline, pos_weight, clip)
+        return rated_advantage(s.reward)
+
+    return [one(s) for s in samples]
 
 
 def balance_classes(advantages: Sequence[float], rated: Sequence[bool], cap: float) -> tuple[list[float], float]:

@@ -1,0 +1,347 @@
+"""The environment agent: LlamaGym's ``Agent`` loop (act, assign_reward, terminate_episode) on the
+served version of a local model, training inline on rlfleet's own run path.
+
+Every step is answered by the version ``CURRENT`` names, with its behaviour log-probs recorded as
+`rlfleet chat` records them. A closed episode is stored like chat answers are: each step a capture
+(source ``gym``, the environment's name as its actor and owner, the episode as its conversation) and a
+rating of it, a 👍 when the step's discounted return is positive and a 👎 otherwise, whose comment
+holds the reward and return exactly, so episodes show in `rlfleet status`, `history` and the export. When
+``episodes_per_update`` episodes are closed, one training run goes through the worker's own
+(:func:`rlfleet.worker.orchestrate.train_candidate` and ``conclude``: the trainer, the objective, a
+committed version, the ledger): each step trains with its discounted return against a baseline,
+the batch's mean return at the same step (``baseline="batch"``) or the model's reward EMA
+(``baseline="ema"``), through the same advantage clip, class balance and loss as a rating.
+
+Not built yet (issue 21): training in the background worker, and a gate on held-out episodes; the
+rating gate is off for gym runs (a run is promoted when its own checks pass: finite loss, KL bound).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from rlfleet.shared.config import Config, TrainSettings, data_dir, load_config
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.events import Capture, Message, Rating, well_formed
+from rlfleet.shared.models import model_slug, pick_device, resolve_model
+from rlfleet.shared.queue import QueueHandle, open_queue, progress_key
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.status import publish_snapshot
+from rlfleet.shared.store import Store
+from rlfleet.worker.context import Context
+from rlfleet.worker.orchestrate import ProgressBoard, RunInputs, conclude, gate_config, train_candidate
+from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.training.loop import NothingToLearn
+
+Baseline = Literal["batch", "ema"]
+SOURCE = "gym"
+
+# What an environment agent trains with unless told otherwise: no rating gate (it judges held-out
+# ratings, which an environment has none of), nothing explored by a reward model of ratings, no
+# hindsight teacher (it reads a rating's words), no replay of earlier ratings.
+GYM_TRAIN_DEFAULTS: dict[str, Any] = {"gate": False, "explore": 0, "hindsight": 0.0, "rewrite": False,
+                                      "replay": 0.0}
+
+
+class GymError(RlfleetError):
+    """A misuse of the agent loop, or a method of the agent that failed; nothing recorded is lost."""
+
+
+@dataclass
+class Step:
+    """One turn: the conversation it answered, the answer with its behaviour log-probs, its reward."""
+
+    prompt: list[dict]
+    response: str
+    token_ids: list[int]
+    logprobs: list[float]
+    adapter_version: str | None
+    finish_reason: str
+    reward: float = 0.0
+    error: str | None = None  # why extract_action failed on this answer (the step is kept)
+
+
+@dataclass
+class Episode:
+    id: str
+    steps: list[Step] = field(default_factory=list)
+    # per step, filled when the episode is closed
+    returns: list[float] = field(default_factory=list)
+    rating_ids: list[int | None] = field(default_factory=list)
+
+    @property
+    def total_reward(self) -> float:
+        return sum(s.reward for s in self.steps)
+
+
+def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """``G_t = r_t + gamma * G_{t+1}``, the return from each step to the episode's end."""
+    out = [0.0] * len(rewards)
+    g = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        g = float(rewards[t]) + gamma * g
+        out[t] = g
+    return out
+
+
+def step_baselines(episodes: Sequence[Episode]) -> list[float]:
+    """The batch's mean return at each step index, over the episodes that reached it."""
+    depth = max((len(e.returns) for e in episodes), default=0)
+    means = []
+    for t in range(depth):
+        at = [e.returns[t] for e in episodes if len(e.returns) > t]
+        means.append(sum(at) / len(at))
+    return means
+
+
+class Agent:
+    """Subclass with :meth:`get_system_prompt`, :meth:`format_observation` and :meth:`extract_action`,
+    then loop ``act`` / ``assign_reward`` / ``terminate_episode`` over an environment's episodes.
+
+    ``model``: an alias, a local folder or a hub id; ``home``: the data dir the episodes, runs and
+    versions live in (default: a fresh one under the user's data dir, ``gym/<class>-<time>``);
+    ``episodes_per_update``: closed episodes per training run; ``gamma``: the discount over turns;
+    ``baseline``: ``"batch"`` (the batch's mean return per step) or ``"ema"`` (the model's reward EMA);
+    ``env``: the environment's name, stored with every step (default: the class's name).
+    ``max_new_tokens``, ``temperature``, ``top_p``: how each step is answered (temperature 1 and top-p
+    1 by default: the recorded log-probs then describe the policy that sampled); every other keyword
+    is a training setting (``preset``, ``device``, ``lr``, ``steps``, ``seed``, ... as in config.toml's
+    ``[train]``).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", home: str | Path | None = None, episodes_per_update: int = 16,
+                 *, gamma: float = 1.0, baseline: Baseline = "batch", env: str | None = None,
+                 max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
+                 **settings: Any) -> None:
+        if episodes_per_update < 1:
+            raise GymError("episodes_per_update must be at least 1")
+        if not 0.0 <= gamma <= 1.0:
+            raise GymError("gamma must be in [0, 1]")
+        if baseline not in ("batch", "ema"):
+            raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
+        self.episodes_per_update = episodes_per_update
+        self.gamma, self.baseline = float(gamma), baseline
+        self.env = env or type(self).__name__
+        self.home = Path(home) if home is not None else _fresh_home(type(self).__name__)
+        self.cfg = _config(self.home, model, settings)
+        self.slug = model_slug(self.cfg.model)
+        self.store = Store(self.cfg.db_url)
+        self.registry = AdapterRegistry(self.cfg.adapters_root, self.slug)
+        self._queue: QueueHandle | None = None
+
+        from rlfleet.shared.responder import LocalResponder  # imports torch: after the cheap checks
+
+        self.responder = LocalResponder(resolve_model(self.cfg.model), self.registry.dir,
+                                        device=pick_device(self.cfg.train.device), max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p)
+        self._episode = self._new_episode()
+        self._messages: list[dict] = []
+        self._batch: list[Episode] = []
+        self._answers = 0  # seeds the steps' sampling: a run repeats with the same settings
+
+    # ------------------------------------------------------------------ the three methods to write
+
+    def get_system_prompt(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must define get_system_prompt()")
+
+    def format_observation(self, observation: Any) -> str:
+        raise NotImplementedError(f"{type(self).__name__} must define format_observation(observation)")
+
+    def extract_action(self, response: str) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define extract_action(response)")
+
+    # ------------------------------------------------------------------ the loop
+
+    def prompt_for(self, observation: Any) -> list[dict]:
+        """The conversation the next :meth:`act` would answer: the system prompt, the episode so far,
+        and ``observation`` as the user's turn."""
+        text = self._call("format_observation", observation)
+        if not isinstance(text, str) or not text.strip():
+            raise GymError(f"{type(self).__name__}.format_observation returned {text!r}: it must return "
+                           "non-empty text (the user's turn the model answers)")
+        messages = self._messages or [{"role": "system", "content": self._system_prompt()}]
+        return [*messages, {"role": "user", "content": text}]
+
+    def act(self, observation: Any) -> Any:
+        """Answer ``observation`` in the episode's conversation with the served version; the action
+        :meth:`extract_action` reads from the answer."""
+        messages = self.prompt_for(observation)
+        answer = self.responder.answer(messages, seed=self.cfg.train.seed * 1_000_003 + self._answers)
+        self._answers += 1
+        step = Step(prompt=messages, response=answer.text, token_ids=list(answer.token_ids),
+                    logprobs=list(answer.logprobs), adapter_version=answer.adapter_version,
+                    finish_reason=answer.finish_reason)
+        self._episode.steps.append(step)
+        self._messages = [*messages, {"role": "assistant", "content": answer.text}]
+        try:
+            return self.extract_action(answer.text)
+        except Exception as exc:
+            step.error = f"{type(exc).__name__}: {exc}"
+            raise GymError(f"{type(self).__name__}.extract_action failed on the answer {answer.text[:80]!r} "
+                           f"({step.error}); the step is kept: assign_reward and terminate_episode as usual"
+                           ) from exc
+
+    def assign_reward(self, reward: float) -> None:
+        """Add ``reward`` to the episode's last step (called more than once, the rewards add up)."""
+        if not self._episode.steps:
+            raise GymError(f"assign_reward({reward!r}) before any act() in this episode: nothing to reward "
+                           "yet (call act(observation) first); nothing was recorded")
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            raise GymError(f"a reward is a number, not {reward!r}; nothing was recorded") from None
+        if not math.isfinite(value):
+            raise GymError(f"a reward must be finite, not {value}; nothing was recorded")
+        self._episode.steps[-1].reward += value
+
+    def terminate_episode(self) -> dict | None:
+        """Close the episode and store it; when ``episodes_per_update`` are closed, train and return
+        the run's statistics (else None)."""
+        episode = self._episode
+        if not episode.steps:
+            raise GymError("terminate_episode() with no act() in this episode: there is nothing to close "
+                           "(the previous episode was closed already)")
+        episode.returns = discounted_returns([s.reward for s in episode.steps], self.gamma)
+        episode.rating_ids = self._store(episode)
+        self._batch.append(episode)
+        self._episode, self._messages = self._new_episode(), []
+        if len(self._batch) < self.episodes_per_update:
+            return None
+        batch, self._batch = self._batch, []
+        return self.train(batch)
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, episodes: Sequence[Episode]) -> dict:
+        """One training run over ``episodes`` on the worker's run path; its statistics."""
+        baselines = step_baselines(episodes) if self.baseline == "batch" else []
+        samples = [
+            TrainSample(rating_id=rid, prompt=s.prompt, response=s.response, reward=g,
+                        behaviour_logprobs=s.logprobs or None, behaviour_token_ids=s.token_ids or None,
+                        complete=s.finish_reason != "length", baseline=baselines[t] if baselines else None)
+            for e in episodes for t, (s, g, rid) in enumerate(zip(e.steps, e.returns, e.rating_ids, strict=True))
+        ]
+        stats: dict[str, Any] = {
+            "episodes": len(episodes), "turns": len(samples),
+            "mean_return": sum(e.total_reward for e in episodes) / len(episodes),
+            "served_before": self.registry.current(),
+        }
+        ctx = Context(self.cfg, self.store, self.slug, self.registry, 0.0)
+        conn = self._redis()
+        parent = self.registry.current()
+        run_id = self.store.create_run(self.slug)
+        self.store.start_run(run_id, parent)
+        board = ProgressBoard.start(conn, self.slug, run_id)
+        inputs = RunInputs(train=samples, held=[], retracted=[])
+        stats["run_id"] = run_id
+        started = time.perf_counter()
+        try:
+            candidate = train_candidate(ctx, run_id, inputs, parent, gate_config(self.cfg), board)
+            result = conclude(ctx, conn, run_id, inputs, candidate)
+        except NothingToLearn as exc:  # every step's advantage is 0: the batch's returns were all equal
+            self.store.fail_run(run_id, str(exc), state="skipped")
+            return {**stats, "version": None, "promoted": False, "skipped": str(exc),
+                    "seconds": time.perf_counter() - started}
+        except BaseException as exc:
+            self.store.fail_run(run_id, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            conn.delete(progress_key(self.slug))
+            publish_snapshot(self.cfg, self.store, conn, self.slug)  # what status and the dashboard read
+        m = candidate.metrics
+        return {**stats, "version": candidate.version, "promoted": result.ok, "served": self.registry.current(),
+                "message": result.message, "steps": m.get("steps"), "loss": m.get("loss"),
+                "mean_kl": m.get("final_mean_kl"), "mean_advantage": m.get("mean_advantage"),
+                "accepted_seq_frac": m.get("accepted_seq_frac"), "reason": candidate.reason,
+                "seconds": time.perf_counter() - started}
+
+    def close(self) -> None:
+        """Let go of the Redis connection (and the embedded server it may have started)."""
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self, method)(*args)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise GymError(f"{type(self).__name__}.{method} failed ({type(exc).__name__}: {exc}); "
+                           "nothing was recorded for this step") from exc
+
+    def _system_prompt(self) -> str:
+        text = self._call("get_system_prompt")
+        if not isinstance(text, str):
+            raise GymError(f"{type(self).__name__}.get_system_prompt returned {text!r}, not text")
+        return text
+
+    def _new_episode(self) -> Episode:
+        return Episode(id=f"{self.env[:120]}/{uuid.uuid4().hex[:12]}")
+
+    def _redis(self) -> Any:
+        if self._queue is None:
+            self._queue = open_queue(self.cfg)
+        return self._queue.redis
+
+    def _store(self, episode: Episode) -> list[int | None]:
+        """Each step of ``episode`` as a capture and its rating; the rating ids (None: a step no capture
+        can hold, a blank answer: it still trains)."""
+        events: list[Capture | Rating] = []
+        stored: list[int] = []  # the steps stored, by index
+        for t, (s, g) in enumerate(zip(episode.steps, episode.returns, strict=True)):
+            try:
+                cap = Capture(source=SOURCE, actor=self.env[:256], owner=self.env[:256], conversation=episode.id,
+                              message_ref=f"{episode.id}:{t}",
+                              prompt=[Message(role=m["role"], content=storable(m["content"])) for m in s.prompt],
+                              response=storable(s.response), model=self.cfg.model, adapter_version=s.adapter_version,
+                              behaviour_logprobs=s.logprobs or None, behaviour_token_ids=s.token_ids or None,
+                              finish_reason="length" if s.finish_reason == "length" else "stop")
+            except ValidationError:  # a blank answer (or a prompt too long to keep): it trains, unstored
+                continue
+            said = f"{self.env}: reward {s.reward:g}, return {g:g} (step {t + 1} of {len(episode.steps)})"
+            if s.error:
+                said += f"; extract_action failed: {s.error}"
+            events += [cap, Rating(source=SOURCE, actor=self.env[:256], target=cap.capture_id,
+                                   value=1 if g > 0 else -1, comment=said[:2000])]
+            stored.append(t)
+        ids: list[int | None] = [None] * len(episode.steps)
+        if events:
+            applied = self.store.apply_many(events, self.slug)
+            for t, a in zip(stored, applied[1::2], strict=True):
+                if not a.ok:
+                    raise GymError(f"episode {episode.id} step {t + 1} was not stored: {a.message}")
+                ids[t] = a.rating_id
+        return ids
+
+
+def storable(text: str) -> str:
+    """``text`` as the store can hold it: a NUL byte (a small model may sample one) and lone surrogates
+    as U+FFFD. The step trains on the answer as generated; only its stored copy differs."""
+    return well_formed(text.replace("\x00", "\ufffd"))
+
+
+def _fresh_home(name: str) -> Path:
+    return data_dir() / "gym" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _config(home: Path, model: str, settings: dict[str, Any]) -> Config:
+    """The data dir's config: written on first use with the model and the training settings (the gym
+    defaults under them); ``settings`` given again later apply to this process only."""
+    train = TrainSettings(**{**GYM_TRAIN_DEFAULTS, **settings})
+    chosen = {k: v for k, v in train.model_dump().items() if k in GYM_TRAIN_DEFAULTS or k in settings}
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "config.toml").exists():
+        Config(home=home, model=model, train=train).save()
+    cfg = load_config(home)
+    return cfg.model_copy(update={"model": model, "train": cfg.train.model_copy(update=chosen)})
