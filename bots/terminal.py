@@ -195,10 +195,8 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
             console.print("[dim](empty answer: nothing to rate)[/]")
             continue
         try:
-            cap = state.cases.capture_event(ME, state.conversation, messages, Completion(
-                text=answer.text, model=cfg.model, adapter_version=answer.adapter_version,
-                token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True,
-                finish_reason=answer.finish_reason))
+            cap = state.cases.capture_event(ME, state.conversation, messages,
+                                            Completion.ours_from(answer, cfg.model))
         except ValueError as exc:  # an answer the event contract refuses (a NUL byte, say): not rateable
             reason = (describe_validation_error(exc, "not captured") if isinstance(exc, ValidationError)
                       else f"not captured: {exc}")

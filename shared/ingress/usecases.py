@@ -49,6 +49,12 @@ class Completion:
     ours: bool = False  # answered by the model we train (`rlfleet serve`, the terminal's own model)
     finish_reason: FinishReason | None = None  # "length": a length cap cut it off; None: not known
 
+    @classmethod
+    def ours_from(cls, answer: Any, model: str) -> Completion:
+        """What the local responder answered (``shared.responder.Answer``), with its behaviour log-probs."""
+        return cls(text=answer.text, model=model, adapter_version=answer.adapter_version, token_ids=answer.token_ids,
+                   logprobs=answer.logprobs, messages=answer.messages, ours=True, finish_reason=answer.finish_reason)
+
 
 @dataclass(frozen=True)
 class Reply:
