@@ -38,7 +38,8 @@ from rlfleet.shared.workers import serving
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
-ROUTES = [("GET", "/"), ("GET", "/static/app.js"), ("GET", "/static/index.html"), ("GET", "/api/about"),
+ROUTES = [("GET", "/"), ("GET", "/static/common.js"), ("GET", "/static/app.js"), ("GET", "/static/index.html"),
+          ("GET", "/api/about"),
           ("POST", "/api/chat"), ("POST", "/api/rate"), ("POST", "/api/why"), ("POST", "/api/undo"),
           ("POST", "/logout"), ("GET", "/dashboard"), ("GET", "/static/dashboard.js"),
           ("GET", "/static/vendor/chart.umd.min.js"), ("GET", "/api/dashboard"), ("POST", "/api/command"),

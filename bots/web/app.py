@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 ME = Actor("web", LOCAL_ACTOR)  # the browser's user: whoever holds the data dir's login token
 HISTORY_TURNS = 4  # earlier turns sent with a question, as in the terminal chat
 MAX_BODY_BYTES = 1 << 20
-STATIC = ("index.html", "app.js", "style.css", "dashboard.html", "dashboard.js", "ratings.html", "ratings.js",
-          "vendor/chart.umd.min.js")
+STATIC = ("index.html", "common.js", "app.js", "style.css", "dashboard.html", "dashboard.js", "ratings.html",
+          "ratings.js", "vendor/chart.umd.min.js")
 PAGES = {"/dashboard": "dashboard.html", "/ratings": "ratings.html"}
 # The admin actions the page offers (the owner is an admin of their own data dir).
 ACTIONS: tuple[Action, ...] = ("train", "rollback", "promote", "pause", "resume")
@@ -297,10 +297,8 @@ def build_app(state: WebApp) -> web.Application:
                                 "capture": None}
         if answer.text.strip():
             try:
-                cap = state.cases.capture_event(ME, ask.conversation, messages, Completion(
-                    text=answer.text, model=state.cfg.model, adapter_version=answer.adapter_version,
-                    token_ids=answer.token_ids, logprobs=answer.logprobs, messages=answer.messages, ours=True,
-                    finish_reason=answer.finish_reason))
+                cap = state.cases.capture_event(ME, ask.conversation, messages,
+                                                Completion.ours_from(answer, state.cfg.model))
                 result = await state.handed(cap)
                 if result.get("ok"):
                     done["capture"] = cap.capture_id

@@ -3,7 +3,6 @@
 "use strict";
 
 const STORE = "rlfleet.chat";
-const $ = (sel, root = document) => root.querySelector(sel);
 let state = { conversation: null, turns: [] };  // turns: {role, content, capture?, version?, rated?}
 let reasons = [];
 
@@ -13,15 +12,6 @@ function load(fresh) {
   try { const s = JSON.parse(localStorage.getItem(STORE) || "null"); if (s && s.conversation) return s; }
   catch (e) { /* a damaged copy: start over */ }
   return { conversation: fresh, turns: [] };
-}
-
-async function api(path, body) {
-  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                                 body: JSON.stringify(body), credentials: "same-origin" });
-  if (r.status === 401) { location.reload(); throw new Error("logged out"); }
-  let data = {};
-  try { data = await r.json(); } catch (e) { data = { ok: false, message: `HTTP ${r.status}` }; }
-  return data;
 }
 
 function userTurn(text) {
@@ -57,7 +47,7 @@ function showReasons(el, turn) {
     const chip = document.createElement("button");
     chip.type = "button"; chip.className = "chip"; chip.textContent = reason;
     chip.addEventListener("click", async () => {
-      const r = await api("/api/why", { conversation: state.conversation, capture: turn.capture, reason });
+      const r = await post("/api/why", { conversation: state.conversation, capture: turn.capture, reason });
       say(el, r.message, r.ok);
       if (r.ok) box.hidden = true;
     });
@@ -67,7 +57,7 @@ function showReasons(el, turn) {
 
 async function rate(el, turn, body) {
   const comment = $(".comment-text", el).value.trim();
-  const r = await api("/api/rate", { conversation: state.conversation, capture: turn.capture,
+  const r = await post("/api/rate", { conversation: state.conversation, capture: turn.capture,
                                      ...(comment ? { comment } : {}), ...body });
   say(el, r.ok && r.training ? `${r.message} · ${r.training}` : r.message, r.ok);
   if (!r.ok) return;
@@ -97,7 +87,7 @@ function wire(el, turn) {
     const words = $(".comment-text", el).value.trim();
     if (!words) return;
     if (!turn.rated) { say(el, "rate it (👍, 👎 or stars): your comment goes with the rating", false); return; }
-    const r = await api("/api/why", { conversation: state.conversation, capture: turn.capture, reason: words });
+    const r = await post("/api/why", { conversation: state.conversation, capture: turn.capture, reason: words });
     say(el, r.message, r.ok);
     if (r.ok) { $(".comment-text", el).value = ""; $(".reasons", el).hidden = true; }
   });

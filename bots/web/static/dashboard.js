@@ -2,7 +2,6 @@
 // (reasons, errors, bot names) goes in as text, never as HTML.
 "use strict";
 
-const $ = (sel) => document.querySelector(sel);
 const GOOD = "#2b9348", BAD = "#d62828", BEFORE = "#9aa5b1", AFTER = "#1d70b8";
 const charts = {};
 let started = null;  // {step, at} of the running run when first seen: the ETA's rate
@@ -20,13 +19,6 @@ function chart(id, type, data, options) {
     return;
   }
   charts[id] = new Chart($(id), { type, data, options: { animation: false, responsive: true, ...options } });
-}
-
-async function post(path, body) {
-  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                                body: JSON.stringify(body), credentials: "same-origin" });
-  if (r.status === 401) { location.reload(); return { ok: false, message: "logged out" }; }
-  return r.json().catch(() => ({ ok: false, message: `HTTP ${r.status}` }));
 }
 
 async function act(body, question) {

@@ -1,7 +1,6 @@
 // The ratings browser: filter, page, undo one, change its words. Every stored text goes in as text.
 "use strict";
 
-const $ = (sel, root = document) => root.querySelector(sel);
 const PAGE = 50;
 let offset = 0;
 
@@ -21,13 +20,6 @@ function cell(tr, text, cls) {
 }
 
 function say(text, ok) { const s = $("#said"); s.textContent = text; s.className = "said " + (ok ? "ok" : "err"); }
-
-async function post(path, body) {
-  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                                body: JSON.stringify(body), credentials: "same-origin" });
-  if (r.status === 401) { location.reload(); return { ok: false, message: "logged out" }; }
-  return r.json().catch(() => ({ ok: false, message: `HTTP ${r.status}` }));
-}
 
 function row(r) {
   const tr = document.createElement("tr");

@@ -1,0 +1,11 @@
+// What the three pages share: a query helper and a JSON POST that sends a logged-out page back to the login.
+"use strict";
+
+const $ = (sel, root = document) => root.querySelector(sel);
+
+async function post(path, body) {
+  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+                                body: JSON.stringify(body), credentials: "same-origin" });
+  if (r.status === 401) { location.reload(); return { ok: false, message: "logged out" }; }
+  return r.json().catch(() => ({ ok: false, message: `HTTP ${r.status}` }));
+}
