@@ -1,0 +1,265 @@
+"""LlamaGym's own Blackjack example (KhoomeiK/LlamaGym, examples/blackjack.py, llamagym 0.1.1), run on a
+local model folder on the CPU, for bench/gym.py to compare against. Run with the LlamaGym virtual
+environment's Python, not rlfleet's (bench/gym.py does, as a subprocess):
+
+    /work/llamagym-venv/bin/python bench/gym_llamagym.py --model-dir DIR --episodes 64 --threads 1
+
+Building that environment (its pins: trl<0.8, peft<0.8, accelerate 0.21, transformers<5,
+gymnasium<0.30), as done for issue 21; the versions LlamaGym's own pins admit and that import together:
+
+    python3 -m venv /work/llamagym-venv
+    /work/llamagym-venv/bin/pip install torch==2.13.0+cpu       # the CPU wheel rlfleet uses, not CUDA's
+    /work/llamagym-venv/bin/pip install -r bench/llamagym-requirements.txt
+
+(trl 0.7.11 imports ``transformers.top_k_top_p_filtering``, gone after transformers 4.38; transformers
+4.38 needs numpy<2, hence pandas, datasets and pyarrow of that time.) transformers 4.38 cannot read the
+default model's GGUF file, so bench/gym.py hands this script a safetensors copy of the same weights
+(dequantised by rlfleet's loader and saved once: see bench/gym.py's ``hf_copy``).
+
+What differs from the example, and why (everything else is the example's: the agent's three methods
+verbatim, its hyperparameters, LoRA, PPO batch of 8 turns, generation settings, the pad token it adds):
+
+* the model is a local folder and the device the CPU: ``load_in_8bit`` is False (bitsandbytes' 8-bit
+  layers need CUDA; its CPU build has none);
+* no wandb (the example logs each episode there; here the returns go to the JSON line on stdout);
+* ``env.reset(seed=seed + episode)`` instead of an unseeded reset, so both sides are dealt the same
+  hands;
+* LlamaGym hard-codes Llama-2's ``[/INST]`` marker in two places: ``Agent.llm`` splits the decoded
+  *whole sequence* on it to find the answer, and ``format_episode_for_ppo`` splits the chat template's
+  text on it into query and response. On a ChatML model (the default model), verbatim, ``llm`` returns
+  the whole conversation, system prompt included, whose "Action: 0" then always matches (the agent
+  always stays), and PPO trains on a query of just "[/INST] ". ``ChatML`` below changes only those two
+  splits to ChatML's assistant marker (``--verbatim`` runs the library untouched, to see that).
+
+Prints one JSON line: per-episode returns, the PPO statistics' means per batch, load and loop seconds,
+peak resident memory (VmHWM) of this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+HYPERPARAMS = {  # the example's, but for the model (a local folder here) and 8-bit loading (CPU)
+    "env": "Blackjack-v1",
+    "lora/r": 16,
+    "lora/lora_alpha": 32,
+    "lora/lora_dropout": 0.05,
+    "lora/bias": "none",
+    "lora/task_type": "CAUSAL_LM",
+    "load_in_8bit": False,
+    "batch_size": 8,
+    "seed": 42069,
+    "episodes": 5000,
+    "generate/max_new_tokens": 32,
+    "generate/do_sample": True,
+    "generate/top_p": 0.6,
+    "generate/top_k": 0,
+    "generate/temperature": 0.9,
+}
+
+
+class BlackjackPrompts:
+    """The example's ``BlackjackAgent`` methods, verbatim (bench/gym.py gives rlfleet's agent the same)."""
+
+    def get_system_prompt(self) -> str:
+        return """You are an expert blackjack player. Every turn, you'll see your current sum, the dealer's showing card value, and whether you have a usable ace. Win by exceeding the dealer's hand but not exceeding 21.
+Decide whether to stay with your current sum by writing "Action: 0" or accept another card by writing "Action: 1". Accept a card unless very close to 21."""  # noqa: E501
+
+    def format_observation(self, observation) -> str:
+        return f"You: {observation[0]}. Dealer: {observation[1]}. You have {'an' if bool(observation[2]) else 'no'} ace."  # noqa: E501
+
+    def extract_action(self, response: str):
+        match = re.compile(r"Action: (\d)").search(response)
+        if match:
+            return int(match.group(1))
+
+        digits = [char for char in response if char.isdigit()]
+        if len(digits) == 0 or digits[-1] not in ("0", "1"):
+            if "stick" in response.lower():
+                return 0
+            elif "hit" in response.lower():
+                return 1
+
+        return 0
+
+
+ASSISTANT = "<|im_start|>assistant\n"  # ChatML's marker where Llama-2's template has "[/INST] "
+
+
+class ChatML:
+    """LlamaGym's two Llama-2 ``[/INST]`` splits, with ChatML's assistant marker instead (nothing else
+    changed: the methods below are the library's, line for line, but for the marker)."""
+
+    def llm(self, messages):
+        prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = self.tokenizer(prompt, return_tensors="pt").to(self.device)
+        generate_ids = self.model.generate(
+            inputs=inputs.input_ids,
+            **{key.split("/")[-1]: value for key, value in self.generate_config_dict.items()},
+        )
+        # the library decodes the whole sequence and keeps what follows the last "[/INST]"; ChatML's
+        # marker is a special token that decoding drops, so keep the generated tokens instead
+        outputs = self.tokenizer.batch_decode(
+            generate_ids[:, inputs.input_ids.shape[1]:], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return outputs[0].strip()
+
+    def format_episode_for_ppo(self, messages, rewards):
+        import torch
+
+        queries, responses = [], []
+        for i in range(2, len(messages), 2):
+            prompt = self.tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, add_generation_prompt=False)
+            conversation_chunks = prompt.split(ASSISTANT)
+            query = ASSISTANT.join(conversation_chunks[:-1]) + ASSISTANT
+            response = conversation_chunks[-1]
+
+            query = self.tokenizer(query, return_tensors="pt").input_ids[0]
+            response = self.tokenizer(response, return_tensors="pt").input_ids[0]
+
+            queries.append(query)
+            responses.append(response)
+
+        if all(reward == 0 for reward in rewards[:-1]):
+            # if sparse rewards, give equal reward to all conversation turns
+            per_turn_reward = rewards[-1] / (len(messages) / 2)
+            rewards = [torch.tensor(per_turn_reward, dtype=torch.float16)] * len(queries)
+        else:
+            rewards = [torch.tensor(reward, dtype=torch.float16) for reward in rewards]
+
+        return queries, responses, rewards
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _mean_stats(stats: dict) -> dict:
+    """The scalar PPO statistics worth a curve (the rest are histograms)."""
+    keep = ("ppo/mean_scores", "ppo/loss/total", "ppo/policy/approxkl", "objective/kl", "ppo/val/error")
+    out = {}
+    for k in keep:
+        v = stats.get(k)
+        with contextlib.suppress(TypeError, ValueError):
+            out[k] = float(v.mean()) if hasattr(v, "mean") else float(v)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    import gymnasium as gym
+    from llamagym import Agent
+    from peft import LoraConfig
+    from tqdm import trange
+    from transformers import AutoTokenizer
+    from trl import AutoModelForCausalLMWithValueHead
+
+    if args.verbatim:
+        class BlackjackAgent(BlackjackPrompts, Agent):
+            pass
+    else:
+        class BlackjackAgent(ChatML, BlackjackPrompts, Agent):  # type: ignore[no-redef]
+            pass
+
+    hyperparams = {**HYPERPARAMS, "model_name": args.model_dir, "episodes": args.episodes,
+                   "generate/max_new_tokens": args.max_new_tokens}
+    device = "cpu"
+    torch.manual_seed(args.seed)
+
+    lora_config = LoraConfig(
+        **{key.split("/")[-1]: value for key, value in hyperparams.items() if key.startswith("lora/")}
+    )
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        pretrained_model_name_or_path=hyperparams["model_name"],
+        peft_config=lora_config,
+        load_in_8bit=hyperparams["load_in_8bit"],
+    ).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(hyperparams["model_name"])
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    model.pretrained_model.resize_token_embeddings(len(tokenizer))
+
+    agent = BlackjackAgent(
+        model,
+        tokenizer,
+        device,
+        {key: value for key, value in hyperparams.items() if key.startswith("generate/")},
+        {"batch_size": hyperparams["batch_size"], "mini_batch_size": hyperparams["batch_size"]},
+    )
+    env = gym.make(hyperparams["env"], natural=False, sab=False)
+    loaded = time.perf_counter()
+
+    returns, turns, actions, batches = [], [], [], []
+    act_s = close_s = 0.0
+    for episode in trange(hyperparams["episodes"], file=sys.stderr, disable=args.quiet):
+        observation, info = env.reset(seed=args.seed + episode)
+        done = False
+
+        while not done:
+            t = time.perf_counter()
+            action = agent.act(observation)
+            act_s += time.perf_counter() - t
+            actions.append(action)
+            observation, reward, terminated, truncated, info = env.step(action)
+            agent.assign_reward(reward)
+            done = terminated or truncated
+
+        returns.append(float(sum(agent.current_episode_rewards)))
+        turns.append(len(agent.current_episode_rewards))
+        t = time.perf_counter()
+        train_stats = agent.terminate_episode()
+        close_s += time.perf_counter() - t
+        if train_stats:
+            batches.append({"after_episode": episode + 1, **_mean_stats(train_stats)})
+    finished = time.perf_counter()
+    return {
+        "side": "llamagym", "verbatim": args.verbatim, "episodes": len(returns), "returns": returns,
+        "turns": turns, "hits": sum(1 for a in actions if a == 1), "actions": len(actions), "batches": batches,
+        "load_s": loaded - started, "loop_s": finished - loaded,
+        "act_s": act_s, "close_s": close_s, "peak_rss_bytes": peak_rss_bytes(),
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    out = {}
+    for name in ("llamagym", "trl", "transformers", "peft", "accelerate", "gymnasium", "torch"):
+        with contextlib.suppress(Exception):
+            out[name] = version(name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="gym_llamagym.py", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", required=True, help="a transformers model folder (safetensors + tokenizer)")
+    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0, help="episode i is dealt with env seed SEED + i")
+    ap.add_argument("--max-new-tokens", type=int, default=HYPERPARAMS["generate/max_new_tokens"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--verbatim", action="store_true", help="LlamaGym's Llama-2 [/INST] splits, untouched")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the one JSON line only
+        result = run(args)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
