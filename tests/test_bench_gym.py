@@ -1,0 +1,78 @@
+"""bench/gym.py's figures from hand-made episode returns: the learning curve's blocks and intervals, the
+held-out difference that decides "learns", the ratios and targets, and a LlamaGym failure reported
+beside ours. No model is loaded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import gym
+
+
+def test_a_win_is_a_positive_return_and_draws_are_not_wins():
+    assert gym.wins([1.0, 0.0, -1.0, 1.0, 0.5]) == 3
+
+
+def test_the_curve_cuts_the_episodes_into_blocks_with_a_shorter_last_one():
+    returns = [1.0, -1.0, 1.0, 1.0, 0.0, -1.0, -1.0, 1.0, 1.0, 1.0]
+    blocks = gym.curve(returns, 4)
+    assert [(b["first"], b["last"], b["n"]) for b in blocks] == [(1, 4, 4), (5, 8, 4), (9, 10, 2)]
+    assert [b["win_rate"] for b in blocks] == [0.75, 0.25, 1.0]
+    assert blocks[0]["mean_return"] == pytest.approx(0.5)
+    for b in blocks:
+        assert 0.0 <= b["win_lo"] <= b["win_rate"] <= b["win_hi"] <= 1.0
+        assert b["return_lo"] <= b["mean_return"] <= b["return_hi"]
+    assert blocks[2]["win_hi"] == 1.0 and blocks[2]["win_lo"] < 1.0  # Wilson: no zero width at all-wins
+
+
+def test_the_mean_interval_is_the_normal_one_and_narrows_with_more_episodes():
+    m, lo, hi = gym.mean_ci([1.0, -1.0] * 8)
+    assert m == 0.0 and hi == pytest.approx(1.96 * math.sqrt(16 / 15) / 4)
+    assert lo == -hi
+    assert gym.mean_ci([1.0, -1.0] * 32)[2] < hi
+    assert gym.mean_ci([0.5]) == (0.5, 0.5, 0.5)
+    assert all(math.isnan(v) for v in gym.mean_ci([]))
+
+
+def test_the_held_out_difference_learns_only_when_its_interval_clears_zero():
+    d, lo, hi = gym.diff_ci(60, 100, 40, 100)
+    assert d == pytest.approx(0.2) and lo == pytest.approx(0.2 - 1.96 * math.sqrt(0.0048)) and lo > 0
+    d, lo, hi = gym.diff_ci(45, 100, 40, 100)
+    assert d == pytest.approx(0.05) and lo < 0 < hi
+
+
+def raw(side: str, returns: list[float], loop_s: float, peak: int, **extra) -> dict:
+    return {"side": side, "episodes": len(returns), "returns": returns, "turns": [1] * len(returns),
+            "load_s": 10.0, "loop_s": loop_s, "act_s": 1.0, "close_s": 1.0, "peak_rss_bytes": peak, **extra}
+
+
+def test_ratios_targets_and_a_report_with_both_sides():
+    served = [1.0] * 60 + [-1.0] * 40
+    base = [1.0] * 30 + [-1.0] * 70
+    ours = gym.summarise(raw("ours", [1.0, -1.0] * 8, 8.0, 1 << 30, runs=[{"version": "v0001", "promoted": True}],
+                             heldout={"episodes": 100, "version": "v0001", "served": served, "base": base}), 8)
+    theirs = gym.summarise(raw("llamagym", [-1.0, 0.0] * 8, 64.0, 4 << 30, batches=[{"after_episode": 8}]), 8)
+    assert ours["episodes_per_s"] == 2.0 and theirs["episodes_per_s"] == 0.25
+    assert ours["episodes_per_s_with_load"] == pytest.approx(16 / 18)
+    assert ours["heldout"]["learns"] and "served" not in ours["heldout"]
+    assert ours["heldout"]["served_win_rate"] == 0.6 and ours["heldout"]["base_win_rate"] == 0.3
+    assert gym.targets(ours, theirs) == {"learns": True, "speed_3x": True, "half_memory": True}
+    fig = {"ours": ours, "llamagym": theirs, "speed_ratio": 8.0, "memory_ratio": 0.25,
+           "targets": gym.targets(ours, theirs)}
+    text = gym.report(fig)
+    assert "8.00× the episodes/s, 0.25× the peak memory" in text
+    assert "difference +0.300" in text and "learns (held-out difference above 0) met" in text
+    assert "| 1–8 |" in text and "| 9–16 |" in text
+
+
+def test_a_llamagym_failure_is_said_and_ours_still_reported():
+    ours = gym.summarise(raw("ours", [1.0, -1.0, 0.0], 3.0, 1 << 30), 2)
+    fig = {"ours": ours, "llamagym_error": "exit 1:\nImportError: cannot import name 'top_k_top_p_filtering'",
+           "targets": gym.targets(ours, None)}
+    text = gym.report(fig)
+    assert "LlamaGym could not run: exit 1:\nImportError: cannot import name 'top_k_top_p_filtering'" in text
+    assert "ours (rlfleet.gym)" in text and "LlamaGym 0.1.1" not in text.split("\n\n")[0]
+    assert fig["targets"] == {"learns": None, "speed_3x": None, "half_memory": None}
+    assert "≥ 3× LlamaGym's episodes/s not measured" in text
