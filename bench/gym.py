@@ -190,10 +190,13 @@ def ours_child(args: argparse.Namespace) -> dict:
             heldout = None
             if args.heldout:
                 seeds = [HELDOUT_SEED + i for i in range(args.heldout)]
-                heldout = {"episodes": args.heldout, "version": served,
-                           "served": play_heldout(agent, seeds, args.heldout_batch, args.seed)}
-                agent.registry.set_current(None)  # the bench's own data dir: back to the base, same seeds
-                heldout["base"] = play_heldout(agent, seeds, args.heldout_batch, args.seed)
+                heldout = {"episodes": args.heldout, "version": served}
+                for name in ("served", "base"):
+                    if name == "base":
+                        agent.registry.set_current(None)  # the bench's own data dir: back to the base
+                    played = play_heldout(agent, seeds, args.heldout_batch, args.seed)
+                    heldout[name] = played["returns"]
+                    heldout[f"{name}_hits"], heldout[f"{name}_turns"] = played["hits"], played["turns"]
         finally:
             agent.close()
     return {"side": "ours", "episodes": len(returns), "returns": returns, "turns": turns, "hits": hits,
@@ -202,14 +205,15 @@ def ours_child(args: argparse.Namespace) -> dict:
             "heldout": heldout, "versions": _versions()}
 
 
-def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> list[float]:
+def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dict:
     """Play one Blackjack episode per env seed with the agent's served version, ``batch`` episodes in
-    lockstep per ``generate`` call (each keeps its own conversation, as ``act`` does); the returns.
-    Nothing is stored or trained."""
+    lockstep per ``generate`` call (each keeps its own conversation, as ``act`` does); the returns, and
+    how many of the turns hit. Nothing is stored or trained."""
     import gymnasium as gym
 
     system = {"role": "system", "content": agent.get_system_prompt()}
     returns = [0.0] * len(seeds)
+    hits = turns = 0
     for start in range(0, len(seeds), batch):
         idx = list(range(start, min(start + batch, len(seeds))))
         envs = {i: gym.make(ENV, natural=False, sab=False) for i in idx}
@@ -222,12 +226,14 @@ def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> lis
             still = []
             for i, prompt, answer in zip(idx, prompts, answers, strict=True):
                 convs[i] = [*prompt, {"role": "assistant", "content": answer.text}]
-                obs[i], reward, terminated, truncated, _ = envs[i].step(agent.extract_action(answer.text))
+                action = agent.extract_action(answer.text)
+                hits, turns = hits + (action == 1), turns + 1
+                obs[i], reward, terminated, truncated, _ = envs[i].step(action)
                 returns[i] += float(reward)
                 if not (terminated or truncated):
                     still.append(i)
             idx, turn = still, turn + 1
-    return returns
+    return {"returns": returns, "hits": hits, "turns": turns}
 
 
 def _versions() -> dict:
@@ -336,13 +342,14 @@ def report(fig: dict) -> str:
     rows = []
     for name, s in (("ours (rlfleet.gym)", ours), ("LlamaGym 0.1.1", theirs)):
         if s:
-            rows.append([name, s["episodes"], f"{s['turns_per_episode']:.2f}", f"{s['load_s']:.0f} s",
+            rows.append([name, s["episodes"], f"{s['turns_per_episode']:.2f}", f"{s['hits']}/{s['actions']}",
+                         f"{s['load_s']:.0f} s",
                          f"{s['loop_s']:.0f} s", f"{s['act_s']:.0f} s", f"{s['close_s']:.0f} s",
                          f"{s['episodes_per_s']:.3f}", mib(s["peak_rss_bytes"]),
                          f"{s['win_rate']:.2f} [{s['win_lo']:.2f}, {s['win_hi']:.2f}]",
                          f"{s['mean_return']:+.2f} [{s['return_lo']:+.2f}, {s['return_hi']:+.2f}]"])
-    text = markdown_table(["side", "episodes", "turns/episode", "load", "loop", "in act", "in terminate_episode",
-                           "episodes/s", "peak RSS",
+    text = markdown_table(["side", "episodes", "turns/episode", "hits/turns", "load", "loop", "in act",
+                           "in terminate_episode", "episodes/s", "peak RSS",
                            "win rate [95 %]", "mean return [95 %]"], rows)
     if ours and theirs:
         text += (f"\n\nours / LlamaGym: {fig['speed_ratio']:.2f}× the episodes/s, "
@@ -380,7 +387,9 @@ def report(fig: dict) -> str:
                  f"[{held['served_win_lo']:.3f}, {held['served_win_hi']:.3f}] (mean return "
                  f"{held['served_mean_return']:+.3f}), base {held['base_win_rate']:.3f} "
                  f"[{held['base_win_lo']:.3f}, {held['base_win_hi']:.3f}] ({held['base_mean_return']:+.3f}); "
-                 f"difference {held['diff']:+.3f} [{held['diff_lo']:+.3f}, {held['diff_hi']:+.3f}].")
+                 f"difference {held['diff']:+.3f} [{held['diff_lo']:+.3f}, {held['diff_hi']:+.3f}]. Hits: "
+                 f"served {held.get('served_hits', '?')} of {held.get('served_turns', '?')} turns, base "
+                 f"{held.get('base_hits', '?')} of {held.get('base_turns', '?')}.")
     t = fig["targets"]
 
     def said(v: bool | None) -> str:

@@ -45,14 +45,16 @@ def test_the_held_out_difference_learns_only_when_its_interval_clears_zero():
 
 def raw(side: str, returns: list[float], loop_s: float, peak: int, **extra) -> dict:
     return {"side": side, "episodes": len(returns), "returns": returns, "turns": [1] * len(returns),
-            "load_s": 10.0, "loop_s": loop_s, "act_s": 1.0, "close_s": 1.0, "peak_rss_bytes": peak, **extra}
+            "load_s": 10.0, "loop_s": loop_s, "act_s": 1.0, "close_s": 1.0,
+            "hits": 0, "actions": len(returns), "peak_rss_bytes": peak, **extra}
 
 
 def test_ratios_targets_and_a_report_with_both_sides():
     served = [1.0] * 60 + [-1.0] * 40
     base = [1.0] * 30 + [-1.0] * 70
     ours = gym.summarise(raw("ours", [1.0, -1.0] * 8, 8.0, 1 << 30, runs=[{"version": "v0001", "promoted": True}],
-                             heldout={"episodes": 100, "version": "v0001", "served": served, "base": base}), 8)
+                             heldout={"episodes": 100, "version": "v0001", "served": served, "base": base,
+                                      "served_hits": 7, "served_turns": 120, "base_hits": 0, "base_turns": 100}), 8)
     theirs = gym.summarise(raw("llamagym", [-1.0, 0.0] * 8, 64.0, 4 << 30, batches=[{"after_episode": 8}]), 8)
     assert ours["episodes_per_s"] == 2.0 and theirs["episodes_per_s"] == 0.25
     assert ours["episodes_per_s_with_load"] == pytest.approx(16 / 18)
@@ -63,6 +65,7 @@ def test_ratios_targets_and_a_report_with_both_sides():
            "targets": gym.targets(ours, theirs)}
     text = gym.report(fig)
     assert "8.00× the episodes/s, 0.25× the peak memory" in text
+    assert "Hits: served 7 of 120 turns, base 0 of 100." in text
     assert "difference +0.300" in text and "learns (held-out difference above 0) met" in text
     assert "| 1–8 |" in text and "| 9–16 |" in text
 
