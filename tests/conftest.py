@@ -21,8 +21,17 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository root: bench
 
 PG_ADMIN_URL = os.environ.get("RLFLEET_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_BASE = os.environ.get("RLFLEET_TEST_REDIS", "redis://127.0.0.1:6379")
-# A DB number of our own on the shared server, flushed per test: two runs side by side need two numbers.
-TEST_DB = int(os.environ.get("RLFLEET_TEST_REDIS_DB", "13"))
+# A DB number of our own on the shared server, flushed per test. The suite runs in pytest-xdist workers
+# (pyproject's addopts): worker gwN takes the base number + N, so a run side by side with this one
+# needs a base number at least the worker count away.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+TEST_DB = int(os.environ.get("RLFLEET_TEST_REDIS_DB", "13")) + _WORKER
+
+# Two workers each using every core fight over them (torch's threads spin while they wait): each worker,
+# and each process a test starts, gets its share of the cores unless the caller chose a number.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def _redis_up(url: str) -> bool:
