@@ -102,6 +102,7 @@ class LocalResponder:
         self._key: tuple | None = None  # identity of what is loaded (version, weights stat)
         self._failed_key: object = _NEVER  # a state that failed to load: not retried until it changes
         self._warned: str | None = None  # last warning about CURRENT, so it is logged once, not per answer
+        self._pin: tuple[str | None] | None = None  # (version,) while pinned(): answers ignore CURRENT
         self._eos_ids = self._end_token_ids()
         self.refresh()
 
@@ -149,7 +150,7 @@ class LocalResponder:
         load is logged once; the previous one keeps answering until ``CURRENT`` or its files change.
         """
         with self._lock:
-            version = self.current_version()
+            version = self._pin[0] if self._pin is not None else self.current_version()
             key = self._state_key(version)
             if key == self._key or key == self._failed_key:
                 return None
@@ -167,6 +168,22 @@ class LocalResponder:
                 return None
             log.info("answering with adapter %s of %s", version, self.ref.spec)
             return version
+
+    @contextmanager
+    def pinned(self, version: str | None) -> Iterator[None]:
+        """Answer with ``version`` (None: the base) instead of the one ``CURRENT`` names inside the
+        block: a candidate judged before it is served (the gym's held-out episodes). The lock is held
+        throughout, so no other thread's answer sees the pin; a version that does not load raises."""
+        with self._lock:
+            self._pin = (version,)
+            try:
+                key = self._state_key(version)
+                if key != self._key:
+                    self._switch(version)
+                    self._key, self._failed_key = key, _NEVER
+                yield
+            finally:
+                self._pin = None
 
     def _state_key(self, version: str | None) -> tuple | None:
         if version is None:

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from rlfleet.cli.app import app
 from rlfleet.gym import Agent, GymError
 from rlfleet.gym.agent import Episode, discounted_returns, step_baselines
+from rlfleet.gym.heldout import judge_returns
 from rlfleet.shared.schema import CaptureRow
 from rlfleet.shared.store import Store
 
@@ -169,3 +170,60 @@ def test_a_return_is_measured_against_its_own_baseline_in_the_same_advantage_rul
     # the asymmetric rule's mean is over the ratings alone: the steps bring their own baseline
     assert run_advantages([rated, step_up], None, 1.2, 2.0, rule="asymmetric") == \
         run_advantages([rated], None, 1.2, 2.0, rule="asymmetric") + [pytest.approx(0.3)]
+
+
+class PickEnv:
+    """A one-step environment (Gymnasium's reset/step shapes) that pays 1 for the action ``pays``."""
+
+    def __init__(self, pays: str) -> None:
+        self.pays = pays
+
+    def reset(self, seed=None):
+        return (seed or 0) % 7, {}
+
+    def step(self, action):
+        return 0, float(action == self.pays), True, False, {}
+
+
+def test_the_returns_gate_refuses_only_a_candidate_worse_beyond_noise():
+    same = judge_returns([1, 0, 1, 0], [1, 0, 1, 0])
+    assert same.ok and same.diff == 0 and same.half_width == 0
+    worse = judge_returns([1.0] * 8, [0.0] * 8)  # worse on every episode: no noise to hide in
+    assert not worse.ok and "worse beyond noise" in worse.reason and worse.diff == -1
+    noisy = judge_returns([1, 0, 1, 0, 1, 0], [0, 1, 0, 0, 1, 0])  # a coin's worth worse
+    assert noisy.ok and noisy.diff < 0 < noisy.diff + noisy.half_width
+    assert judge_returns([0, 0], [1, 1]).ok
+    with pytest.raises(ValueError, match="paired"):
+        judge_returns([1.0], [0.0])
+
+
+def test_held_out_episodes_refuse_a_candidate_that_plays_worse_and_serve_one_that_plays_better(
+        queued_home, peaked_model_dir, single_thread):
+    """The training episodes pay B, the held-out environment pays A: the run learns B and is refused on
+    the held-out episodes; trained to A it is served. The base plays the held-out episodes once."""
+    agent = Pick(model=str(peaked_model_dir), home=queued_home, episodes_per_update=16, max_new_tokens=1,
+                 device="cpu", preset="aggressive", lr=1e-2, steps=40, heldout_env=lambda: PickEnv("A"),
+                 heldout_episodes=512)
+
+    def one_run(paying: str) -> dict:
+        stats = None
+        for episode in range(16):
+            agent.assign_reward(float(agent.act(episode % 7) == paying))
+            stats = agent.terminate_episode()
+        assert stats is not None
+        return stats
+
+    try:
+        base = list(agent.heldout_returns(None))
+        taught_b = one_run("B")
+        taught_a = one_run("A")
+    finally:
+        agent.close()
+    assert "heldout" in taught_b, {k: taught_b[k] for k in ("message", "reason", "promoted", "mean_kl")}
+    assert taught_b["heldout"]["parent_mean"] == pytest.approx(sum(base) / len(base))
+    assert taught_b["heldout"]["diff"] < 0 and not taught_b["promoted"], taught_b["heldout"]
+    assert "worse beyond noise" in taught_b["message"]
+    assert taught_a["promoted"] and taught_a["heldout"]["diff"] > 0, taught_a
+    assert agent.registry.current() == taught_a["version"] == "v0002"
+    served = Store(agent.cfg.db_url).get_run(taught_a["run_id"])
+    assert served.metrics["heldout_returns"]["candidate_mean"] == taught_a["heldout"]["candidate_mean"]

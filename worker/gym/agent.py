@@ -12,8 +12,13 @@ committed version, the ledger): each step trains with its discounted return agai
 the batch's mean return at the same step (``baseline="batch"``) or the model's reward EMA
 (``baseline="ema"``), through the same advantage clip, class balance and loss as a rating.
 
-Not built yet (issue 21): training in the background worker, and a gate on held-out episodes; the
-rating gate is off for gym runs (a run is promoted when its own checks pass: finite loss, KL bound).
+The rating gate is off for gym runs (it judges held-out ratings; an environment has none). Given
+``heldout_env``, a run's candidate plays ``heldout_episodes`` episodes of it on fixed seeds, as its
+parent did on the same seeds and sampling seeds, and is promoted unless its mean return is worse beyond
+noise (:mod:`rlfleet.gym.heldout`); without one, a run is promoted when its own checks pass (finite
+loss, KL bound).
+
+Not built yet (issue 21): training in the background worker while the agent keeps acting.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +45,8 @@ from rlfleet.worker.context import Context
 from rlfleet.worker.orchestrate import ProgressBoard, RunInputs, conclude, gate_config, train_candidate
 from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.training.loop import NothingToLearn
+
+from .heldout import ActionFailed, ReturnsVerdict, judge_returns, play_episode
 
 Baseline = Literal["batch", "ema"]
 SOURCE = "gym"
@@ -111,6 +118,10 @@ class Agent:
     ``episodes_per_update``: closed episodes per training run; ``gamma``: the discount over turns;
     ``baseline``: ``"batch"`` (the batch's mean return per step) or ``"ema"`` (the model's reward EMA);
     ``env``: the environment's name, stored with every step (default: the class's name).
+    ``heldout_env``: a Gymnasium environment (or a function making one) for the gate: each candidate
+    plays ``heldout_episodes`` episodes from seeds ``heldout_seed``, ``heldout_seed + 1``, ... (at most
+    ``heldout_max_steps`` steps each; an ``extract_action`` that raises ends the episode with what it
+    has) and is served only if its mean return is not worse than its parent's beyond noise.
     ``max_new_tokens``, ``temperature``, ``top_p``: how each step is answered (temperature 1 and top-p
     1 by default: the recorded log-probs then describe the policy that sampled); every other keyword
     is a training setting (``preset``, ``device``, ``lr``, ``steps``, ``seed``, ... as in config.toml's
@@ -120,13 +131,20 @@ class Agent:
     def __init__(self, model: str = "smollm2-135m", home: str | Path | None = None, episodes_per_update: int = 16,
                  *, gamma: float = 1.0, baseline: Baseline = "batch", env: str | None = None,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
-                 **settings: Any) -> None:
+                 heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
+                 heldout_max_steps: int = 64, **settings: Any) -> None:
         if episodes_per_update < 1:
             raise GymError("episodes_per_update must be at least 1")
         if not 0.0 <= gamma <= 1.0:
             raise GymError("gamma must be in [0, 1]")
         if baseline not in ("batch", "ema"):
             raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
+        if heldout_env is not None and (heldout_episodes < 2 or heldout_max_steps < 1):
+            raise GymError("heldout_episodes must be at least 2 (noise is measured between them) and "
+                           "heldout_max_steps at least 1")
+        self.heldout_env, self.heldout_episodes = heldout_env, heldout_episodes
+        self.heldout_seed, self.heldout_max_steps = heldout_seed, heldout_max_steps
+        self._heldout_returns: dict[str | None, list[float]] = {}  # per version (None: the base)
         self.episodes_per_update = episodes_per_update
         self.gamma, self.baseline = float(gamma), baseline
         self.env = env or type(self).__name__
@@ -163,11 +181,14 @@ class Agent:
     def prompt_for(self, observation: Any) -> list[dict]:
         """The conversation the next :meth:`act` would answer: the system prompt, the episode so far,
         and ``observation`` as the user's turn."""
+        return self._prompt(self._messages, observation)
+
+    def _prompt(self, so_far: list[dict], observation: Any) -> list[dict]:
         text = self._call("format_observation", observation)
         if not isinstance(text, str) or not text.strip():
             raise GymError(f"{type(self).__name__}.format_observation returned {text!r}: it must return "
                            "non-empty text (the user's turn the model answers)")
-        messages = self._messages or [{"role": "system", "content": self._system_prompt()}]
+        messages = so_far or [{"role": "system", "content": self._system_prompt()}]
         return [*messages, {"role": "user", "content": text}]
 
     def act(self, observation: Any) -> Any:
@@ -245,6 +266,12 @@ class Agent:
         started = time.perf_counter()
         try:
             candidate = train_candidate(ctx, run_id, inputs, parent, gate_config(self.cfg), board)
+            if self.heldout_env is not None and candidate.promote:
+                verdict = self.judge(candidate.version, parent)
+                candidate.metrics["heldout_returns"] = verdict.as_dict()
+                stats["heldout"] = verdict.as_dict()
+                if not verdict.ok:
+                    candidate = replace(candidate, promote=False, reason=verdict.reason)
             result = conclude(ctx, conn, run_id, inputs, candidate)
         except NothingToLearn as exc:  # every step's advantage is 0: the batch's returns were all equal
             self.store.fail_run(run_id, str(exc), state="skipped")
@@ -262,6 +289,50 @@ class Agent:
                 "mean_kl": m.get("final_mean_kl"), "mean_advantage": m.get("mean_advantage"),
                 "accepted_seq_frac": m.get("accepted_seq_frac"), "reason": candidate.reason,
                 "seconds": time.perf_counter() - started}
+
+    # ------------------------------------------------------------------ the environment's gate
+
+    def heldout_returns(self, version: str | None) -> list[float]:
+        """``version``'s total reward on each held-out episode (None: the base), played once per version:
+        a version's files never change, and the seeds are fixed."""
+        if self.heldout_env is None:
+            raise GymError("no heldout_env was given to this agent: there are no held-out episodes to play")
+        if version not in self._heldout_returns:
+            env = self._heldout_instance()
+            with self.responder.pinned(version):
+                self._heldout_returns[version] = [
+                    play_episode(env, self.heldout_seed + i, self._heldout_actor(i), self.heldout_max_steps)
+                    for i in range(self.heldout_episodes)
+                ]
+        return self._heldout_returns[version]
+
+    def judge(self, candidate: str, parent: str | None) -> ReturnsVerdict:
+        """The environment's gate: ``candidate`` against ``parent`` on the same held-out episodes."""
+        return judge_returns(self.heldout_returns(parent), self.heldout_returns(candidate))
+
+    def _heldout_instance(self) -> Any:
+        """The held-out environment: the one given, or made once by the function given."""
+        env = self.heldout_env
+        if isinstance(env, type) or not hasattr(env, "step"):
+            env = self.heldout_env = env()
+        return env
+
+    def _heldout_actor(self, episode: int) -> Callable[[Any, int], Any]:
+        """An ``act`` for one held-out episode: nothing recorded, sampling seeded by the episode and
+        step alone, so a candidate and its parent draw alike wherever they would act alike."""
+        messages: list[dict] = []
+
+        def act(observation: Any, t: int) -> Any:
+            nonlocal messages
+            prompt = self._prompt(messages, observation)
+            answer = self.responder.answer(prompt, seed=(self.heldout_seed + episode) * 1_009 + t)
+            messages = [*prompt, {"role": "assistant", "content": answer.text}]
+            try:
+                return self.extract_action(answer.text)
+            except Exception as exc:
+                raise ActionFailed(str(exc)) from exc
+
+        return act
 
     def close(self) -> None:
         """Let go of the Redis connection (and the embedded server it may have started)."""
