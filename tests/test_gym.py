@@ -227,3 +227,41 @@ def test_held_out_episodes_refuse_a_candidate_that_plays_worse_and_serve_one_tha
     assert agent.registry.current() == taught_a["version"] == "v0002"
     served = Store(agent.cfg.db_url).get_run(taught_a["run_id"])
     assert served.metrics["heldout_returns"]["candidate_mean"] == taught_a["heldout"]["candidate_mean"]
+
+
+def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed_run_is_raised_in_it(
+        queued_home, tiny_model_dir, single_thread, monkeypatch):
+    agent = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=4,
+                 device="cpu", env="pick-bg", background=True, steps=4)
+    acted_while_training, handed_out = 0, []
+    try:
+        for episode in range(6):
+            agent.act(episode)
+            acted_while_training += agent._runner is not None and agent._runner.is_alive()
+            agent.assign_reward(float(episode % 2))
+            stats = agent.terminate_episode()
+            if stats is not None:
+                handed_out.append(stats)
+        rest = agent.wait()
+
+        def broken(batch):
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(agent, "train", broken)
+        for episode in range(2):
+            agent.act(episode)
+            agent.assign_reward(1.0)
+            agent.terminate_episode()
+        with pytest.raises(GymError, match=r"background training run failed \(RuntimeError: out of memory\)"):
+            agent.wait()
+    finally:
+        agent.close()
+    runs = handed_out + rest
+    assert acted_while_training >= 1  # the loop went on while a run trained
+    assert len(runs) == 3 and [r["run_id"] for r in runs] == sorted(r["run_id"] for r in runs)  # each once, in order
+    assert all(r["episodes"] == 2 for r in runs)
+    versions = [r["version"] for r in runs if r["promoted"]]
+    assert versions and agent.registry.current() == max(versions)
+    store = Store(agent.cfg.db_url)
+    with store.session() as s:
+        assert s.query(CaptureRow).filter(CaptureRow.source == "gym").count() >= 4  # the failed batch's too

@@ -18,12 +18,16 @@ parent did on the same seeds and sampling seeds, and is promoted unless its mean
 noise (:mod:`rlfleet.gym.heldout`); without one, a run is promoted when its own checks pass (finite
 loss, KL bound).
 
-Not built yet (issue 21): training in the background worker while the agent keeps acting.
+With ``background=True`` a full batch trains in a thread of the agent's process while the loop goes on
+acting with the served version (each answer reads ``CURRENT``, so it switches when the run is
+promoted); batches that fill up meanwhile train next, in order. ``terminate_episode`` then hands out a
+finished run's statistics, one per call, and ``wait()`` the rest.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -118,6 +122,7 @@ class Agent:
     ``episodes_per_update``: closed episodes per training run; ``gamma``: the discount over turns;
     ``baseline``: ``"batch"`` (the batch's mean return per step) or ``"ema"`` (the model's reward EMA);
     ``env``: the environment's name, stored with every step (default: the class's name).
+    ``background``: train in a thread while the loop goes on acting (see the module's docstring).
     ``heldout_env``: a Gymnasium environment (or a function making one) for the gate: each candidate
     plays ``heldout_episodes`` episodes from seeds ``heldout_seed``, ``heldout_seed + 1``, ... (at most
     ``heldout_max_steps`` steps each; an ``extract_action`` that raises ends the episode with what it
@@ -132,7 +137,7 @@ class Agent:
                  *, gamma: float = 1.0, baseline: Baseline = "batch", env: str | None = None,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
-                 heldout_max_steps: int = 64, **settings: Any) -> None:
+                 heldout_max_steps: int = 64, background: bool = False, **settings: Any) -> None:
         if episodes_per_update < 1:
             raise GymError("episodes_per_update must be at least 1")
         if not 0.0 <= gamma <= 1.0:
@@ -145,6 +150,12 @@ class Agent:
         self.heldout_env, self.heldout_episodes = heldout_env, heldout_episodes
         self.heldout_seed, self.heldout_max_steps = heldout_seed, heldout_max_steps
         self._heldout_returns: dict[str | None, list[float]] = {}  # per version (None: the base)
+        self.background = background
+        self._runs_lock = threading.Lock()
+        self._runner: threading.Thread | None = None
+        self._queued: list[list[Episode]] = []  # full batches waiting for the background runner
+        self._finished: list[dict] = []  # background runs' statistics not handed out yet
+        self._failure: BaseException | None = None
         self.episodes_per_update = episodes_per_update
         self.gamma, self.baseline = float(gamma), baseline
         self.env = env or type(self).__name__
@@ -225,7 +236,9 @@ class Agent:
 
     def terminate_episode(self) -> dict | None:
         """Close the episode and store it; when ``episodes_per_update`` are closed, train and return
-        the run's statistics (else None)."""
+        the run's statistics (else None). In the background: start the run, and return the statistics of
+        the earliest finished run not handed out yet (else None; ``wait()`` hands out the rest)."""
+        self._raise_failure()
         episode = self._episode
         if not episode.steps:
             raise GymError("terminate_episode() with no act() in this episode: there is nothing to close "
@@ -234,10 +247,57 @@ class Agent:
         episode.rating_ids = self._store(episode)
         self._batch.append(episode)
         self._episode, self._messages = self._new_episode(), []
-        if len(self._batch) < self.episodes_per_update:
+        if len(self._batch) >= self.episodes_per_update:
+            batch, self._batch = self._batch, []
+            if not self.background:
+                return self.train(batch)
+            self._submit(batch)
+        if not self.background:
             return None
-        batch, self._batch = self._batch, []
-        return self.train(batch)
+        with self._runs_lock:
+            return self._finished.pop(0) if self._finished else None
+
+    def wait(self) -> list[dict]:
+        """Wait for the background runs started so far; the statistics of every run that finished since
+        ``terminate_episode`` last handed one out (a failed run raises its error here)."""
+        runner = self._runner
+        if runner is not None:
+            runner.join()
+        self._raise_failure()
+        with self._runs_lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def _submit(self, batch: list[Episode]) -> None:
+        with self._runs_lock:
+            self._queued.append(batch)
+            if self._runner is None or not self._runner.is_alive():
+                self._runner = threading.Thread(target=self._drain, name="rlfleet-gym-train", daemon=True)
+                self._runner.start()
+
+    def _drain(self) -> None:
+        """The background runner: train the queued batches in order; a failure stops it (what was
+        queued stays queued, the next submit starts again) and is raised in the loop's thread."""
+        while True:
+            with self._runs_lock:
+                if not self._queued or self._failure is not None:
+                    return
+                batch = self._queued.pop(0)
+            try:
+                stats = self.train(batch)
+            except BaseException as exc:
+                with self._runs_lock:
+                    self._failure = exc
+                return
+            with self._runs_lock:
+                self._finished.append(stats)
+
+    def _raise_failure(self) -> None:
+        with self._runs_lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise GymError(f"a background training run failed ({type(failure).__name__}: {failure}); its "
+                           "episodes are stored, and the next full batch trains again") from failure
 
     # ------------------------------------------------------------------ training
 
@@ -335,7 +395,10 @@ class Agent:
         return act
 
     def close(self) -> None:
-        """Let go of the Redis connection (and the embedded server it may have started)."""
+        """Wait for a background run, then let go of the Redis connection (and the embedded server it may
+        have started)."""
+        if self._runner is not None:
+            self._runner.join()
         if self._queue is not None:
             self._queue.close()
             self._queue = None
