@@ -57,9 +57,12 @@ SOURCE = "gym"
 
 # What an environment agent trains with unless told otherwise: no rating gate (it judges held-out
 # ratings, which an environment has none of), nothing explored by a reward model of ratings, no
-# hindsight teacher (it reads a rating's words), no replay of earlier ratings.
+# hindsight teacher (it reads a rating's words), no replay of earlier ratings, and no unlikelihood on
+# the policy's own loops: its checks sample answers three times a run (about 40 % of a Blackjack
+# run's training on the default model) to keep chat prose from looping, where an agent's short
+# actions are judged by the environment's return instead.
 GYM_TRAIN_DEFAULTS: dict[str, Any] = {"gate": False, "explore": 0, "hindsight": 0.0, "rewrite": False,
-                                      "replay": 0.0}
+                                      "replay": 0.0, "unlikelihood": 0.0}
 
 
 class GymError(RlfleetError):
