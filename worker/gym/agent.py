@@ -156,6 +156,7 @@ class Agent:
         self.background = background
         self._runs_lock = threading.Lock()
         self._runner: threading.Thread | None = None
+        self._draining = False  # a runner is taking batches: set and cleared under _runs_lock only
         self._queued: list[list[Episode]] = []  # full batches waiting for the background runner
         self._finished: list[dict] = []  # background runs' statistics not handed out yet
         self._failure: BaseException | None = None
@@ -274,7 +275,10 @@ class Agent:
     def _submit(self, batch: list[Episode]) -> None:
         with self._runs_lock:
             self._queued.append(batch)
-            if self._runner is None or not self._runner.is_alive():
+            # not is_alive(): a runner that found the queue empty is alive until it returns, and
+            # would leave this batch behind
+            if not self._draining:
+                self._draining = True
                 self._runner = threading.Thread(target=self._drain, name="rlfleet-gym-train", daemon=True)
                 self._runner.start()
 
@@ -284,13 +288,14 @@ class Agent:
         while True:
             with self._runs_lock:
                 if not self._queued or self._failure is not None:
+                    self._draining = False
                     return
                 batch = self._queued.pop(0)
             try:
                 stats = self.train(batch)
             except BaseException as exc:
                 with self._runs_lock:
-                    self._failure = exc
+                    self._failure, self._draining = exc, False
                 return
             with self._runs_lock:
                 self._finished.append(stats)
