@@ -60,14 +60,11 @@ def wins(returns: Sequence[float]) -> int:
 
 def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
     """The mean and its normal-approximation 95 % interval (mean ± z·s/√n; with one value, no width)."""
-    n = len(values)
-    if n == 0:
+    from rlfleet.gym.heldout import mean_half_width
+
+    if not values:
         return (math.nan, math.nan, math.nan)
-    m = sum(values) / n
-    if n == 1:
-        return (m, m, m)
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-    half = z * sd / math.sqrt(n)
+    m, half = mean_half_width(values, z)
     return (m, m - half, m + half)
 
 

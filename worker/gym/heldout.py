@@ -35,16 +35,25 @@ class ReturnsVerdict:
                 "diff": self.diff, "half_width": self.half_width, "ok": self.ok}
 
 
+def mean_half_width(values: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """The mean and its normal-approximation interval's half width, ``z * sd / sqrt(n)`` (0 for one value)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, z * sd / math.sqrt(n)
+
+
 def judge_returns(parent: Sequence[float], candidate: Sequence[float], z: float = Z95) -> ReturnsVerdict:
     """Refuse the candidate only when its paired mean difference is below zero beyond the interval:
     ``diff + z * sd / sqrt(n) < 0``."""
     if len(parent) != len(candidate) or len(parent) < 2:
         raise ValueError(f"paired returns needed, at least two episodes each: got {len(parent)} and {len(candidate)}")
     n = len(parent)
-    diffs = [c - p for p, c in zip(parent, candidate, strict=True)]
-    mean = sum(diffs) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-    half = z * sd / math.sqrt(n)
+    mean, half = mean_half_width([c - p for p, c in zip(parent, candidate, strict=True)], z)
     p_mean, c_mean = sum(parent) / n, sum(candidate) / n
     ok = mean + half >= 0.0
     reason = None if ok else (f"held-out mean return {c_mean:.3g} against the parent's {p_mean:.3g} on the same "
