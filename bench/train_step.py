@@ -9,6 +9,8 @@ the methods interleaved round by round, medians reported.
 * ``kto``: TRL's KTOTrainer on the same ratings (bench/learning/kto.py wires it to the same LoRA,
   optimizer and batch budget); its reference is also the adapter switched off, computed every step,
   plus its KL pass over mismatched pairs.
+* ``ours-fp32``: ours with ``train.precision = "fp32"``, beside ``ours`` at ``--precision`` (auto:
+  bf16 where the GPU or CPU does it natively), so one run shows what bf16 buys.
 * ``two-copy``: what a plain implementation does: a second, frozen copy of the model as the
   reference, run every step, full-vocabulary logits at every position; the same MIS-PO loss.
 
@@ -41,7 +43,7 @@ from typing import Any
 
 from .record import output_options, parser, publish
 
-METHODS = ("ours", "kto", "two-copy")
+METHODS = ("ours", "ours-fp32", "kto", "two-copy")
 
 
 # -- one run, in its own process -------------------------------------------------------------------
@@ -121,7 +123,6 @@ def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
     encoded = [encode_sample(trainer.tokenizer, s, cfg.max_tokens) for s in samples]
     groups, batches = trainer.batches(encoded, cfg.micro_batch_tokens)
     adv = trainer.vector(run_advantages(samples, None, cfg.pos_weight, cfg.adv_clip))
-    mixed = all(e.behaviour_logprobs is None for e in encoded)
     loss_fn = loss_for(cfg)
 
     def logprobs(model: Any, batch: dict) -> torch.Tensor:
@@ -134,7 +135,7 @@ def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
         return out * batch["response_mask"]
 
     torch.manual_seed(cfg.seed)
-    with trainer.adapter(None, cfg, trainable=True, mixed_precision=mixed) as model:
+    with trainer.adapter(None, cfg, trainable=True, precision=cfg.precision) as model:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr)
         behaviour: dict[int, torch.Tensor] = {}
@@ -160,6 +161,7 @@ def child(args: argparse.Namespace) -> dict:
     from rlfleet.worker.batching import encode_sample
     from rlfleet.worker.presets import preset
     from rlfleet.worker.samples import Progress
+    from rlfleet.worker.training.precision import effective
 
     from . import synthetic
 
@@ -170,6 +172,7 @@ def child(args: argparse.Namespace) -> dict:
     cfg = replace(
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
         max_tokens=args.max_tokens, rank=args.rank, alpha=args.rank,
+        precision="fp32" if args.child == "ours-fp32" else args.precision,
     )
     encoded = [encode_sample(trainer.tokenizer, s, cfg.max_tokens) for s in samples]
     tokens_per_step = sum(e.length for e in encoded)
@@ -191,7 +194,7 @@ def child(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as out:
-        if args.child == "ours":
+        if args.child in ("ours", "ours-fp32"):
             trainer.run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
         elif args.child == "kto":
             from .learning.kto import KtoTrainer
@@ -209,6 +212,7 @@ def child(args: argparse.Namespace) -> dict:
         "model": args.model,
         "device": device,
         "dtype": args.dtype,
+        "precision": "fp32" if args.child == "kto" else effective(cfg.precision, device),
         "samples": args.samples,
         "tokens_per_step": tokens_per_step,
         "steps": args.steps,
@@ -232,14 +236,15 @@ def _step_flops(trainer: Any, lengths: list[tuple[int, int]], rank: int) -> floa
         return None
 
 
-def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20) -> float:
-    """This machine's fp32 matrix-product rate (GFLOP/s): the ceiling a training step works under."""
+def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20, dtype: str = "fp32") -> float:
+    """This machine's matrix-product rate (GFLOP/s) in ``dtype``: the ceiling a training step works under."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=device, dtype=kind)
+    b = torch.randn(n, n, device=device, dtype=kind)
     for _ in range(3):
         a @ b
     if device.startswith("cuda"):
@@ -256,7 +261,7 @@ def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20) ->
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    keep = ("model", "device", "dtype", "samples", "prompt_chars", "response_chars", "steps",
+    keep = ("model", "device", "dtype", "precision", "samples", "prompt_chars", "response_chars", "steps",
             "micro_batch_tokens", "max_tokens", "rank", "threads")
     out: list[str] = []
     for k in keep:
@@ -293,6 +298,7 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
             "method": m,
             "runs": len(mine),
             "tokens_per_step": mine[0]["tokens_per_step"],
+            "precision": mine[0].get("precision", "fp32"),
             "step_tokens_per_s": statistics.median(r["step_tokens_per_s"] for r in mine),
             "run_tokens_per_s": statistics.median(r["run_tokens_per_s"] for r in mine),
             "model_gflops_per_s": statistics.median(r["step_model_gflops_per_s"] or 0.0 for r in mine),
@@ -301,7 +307,10 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
             "base_bytes": mine[0]["base_bytes"],
         })
     kto = next((r for r in rows if r["method"] == "kto"), None)
+    fp32 = next((r for r in rows if r["method"] == "ours-fp32"), None)
     for r in rows:
+        if fp32:
+            r["speed_vs_ours_fp32"] = r["step_tokens_per_s"] / fp32["step_tokens_per_s"]
         if kto:
             r["speed_vs_kto"] = r["step_tokens_per_s"] / kto["step_tokens_per_s"]
             r["peak_vs_kto"] = r["peak_bytes"] / kto["peak_bytes"]
@@ -315,13 +324,15 @@ def table(rows: list[dict]) -> str:
     def mib(b: float) -> str:
         return f"{b / 2**20:,.0f} MiB"
 
-    header = ["method", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
-              "above base", "speed vs KTO", "peak vs KTO", "above-base vs KTO"]
+    header = ["method", "precision", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
+              "above base", "speed vs KTO", "speed vs ours fp32", "peak vs KTO", "above-base vs KTO"]
     body = [
-        [r["method"], r["tokens_per_step"], f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
+        [r["method"], r["precision"], r["tokens_per_step"],
+         f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
          f"{r['model_gflops_per_s']:,.1f}",
          mib(r["peak_bytes"]), mib(r["above_base_bytes"]),
          f"{r['speed_vs_kto']:.2f}×" if "speed_vs_kto" in r else "–",
+         f"{r['speed_vs_ours_fp32']:.2f}×" if "speed_vs_ours_fp32" in r else "–",
          f"{r['peak_vs_kto']:.2f}×" if "peak_vs_kto" in r else "–",
          f"{r['above_base_vs_kto']:.2f}×" if "above_base_vs_kto" in r else "–"]
         for r in rows
@@ -334,6 +345,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="default", help="default | tiny | arch:NAME | a folder")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda (default: auto)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="base weights (default fp32)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="ours' and two-copy's forward passes, as train.precision (default auto: bf16 where "
+                         "the GPU or CPU does it natively); ours-fp32 is always fp32")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--samples", type=int, default=32, help="rated samples per step (default 32)")
     ap.add_argument("--prompt-chars", type=int, default=200, help="prompt length in characters (default 200)")
@@ -366,11 +380,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = summarise(run_rounds(args, methods), methods)
     from rlfleet.shared.models import pick_device
 
-    ceiling = matmul_gflops(pick_device(args.device), args.threads)
-    summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "rounds": args.rounds, "rows": rows,
-               "matmul_gflops_per_s": ceiling}
+    device = pick_device(args.device)
+    ceiling = matmul_gflops(device, args.threads)
+    ceiling_bf16 = matmul_gflops(device, args.threads, dtype="bf16")
+    summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "precision": args.precision,
+               "rounds": args.rounds, "rows": rows, "matmul_gflops_per_s": ceiling,
+               "matmul_bf16_gflops_per_s": ceiling_bf16}
     text = table(rows) + (
-        f"\n\nfp32 matrix product on this machine (1024², same threads): {ceiling:,.1f} GFLOP/s. Model GFLOP/s "
+        f"\n\nMatrix products on this machine (1024², same threads): fp32 {ceiling:,.1f} GFLOP/s, bf16 "
+        f"{ceiling_bf16:,.1f} GFLOP/s. Model GFLOP/s "
         "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
         "causal attention, the head on answer tokens)."
     )

@@ -57,6 +57,10 @@ class TrainSettings(BaseModel):
     preload: bool = True
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
+    # The forward passes' precision (docs/objective.md, "Precision"): "auto" is bf16 on a GPU or CPU
+    # that does bf16 natively (about twice the fp32 rate there), else fp32. The log-probs and the loss
+    # stay fp32 either way. MLX trains in fp32.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Explicit overrides of the preset's values; None = the preset decides.
     lr: float | None = Field(None, gt=0, lt=1)
     steps: int | None = Field(None, ge=1, le=10_000)

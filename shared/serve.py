@@ -4,16 +4,19 @@ It answers with the base model plus the adapter `CURRENT` names, checked before 
 promotion or rollback is live on the next request. Besides the standard reply it returns an
 ``rlfleet`` object: the adapter version, the prompt as built (system prompt included), and the token
 ids with their raw log-probs under the answering policy, which the bots store as the behaviour policy
-of the answer (the trainer's importance ratios need exactly that quantity).
+of the answer (the trainer's importance ratios need exactly that quantity). With ``stream: true`` the
+answer comes as OpenAI's server-sent ``chat.completion.chunk`` events, text as it is generated, and
+the ``rlfleet`` object rides on the last chunk (the one with the ``finish_reason``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +42,11 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class ChatRequest(BaseModel):
     """The fields of OpenAI's chat-completions request we honour; others (``user``, ``n=1``...) are ignored."""
 
@@ -53,6 +61,7 @@ class ChatRequest(BaseModel):
     logprobs: bool = False
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @field_validator("messages")
     @classmethod
@@ -66,6 +75,23 @@ class ChatRequest(BaseModel):
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": None}}, status=status)
+
+
+def _extension(answer) -> dict:
+    """rlfleet's own object beside OpenAI's fields: what the bots store as the answer's behaviour policy."""
+    return {
+        "adapter_version": answer.adapter_version,
+        "token_ids": answer.token_ids,
+        "logprobs": answer.logprobs,
+        "messages": answer.messages,
+    }
+
+
+def _logprobs(answer, tokenizer) -> dict:
+    return {"content": [
+        {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+        for t, lp in zip(answer.token_ids, answer.logprobs, strict=False)
+    ]}
 
 
 def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dict:
@@ -82,19 +108,82 @@ def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dic
             "finish_reason": answer.finish_reason,
         }],
         "usage": {"completion_tokens": answer.new_tokens},
-        "rlfleet": {
-            "adapter_version": answer.adapter_version,
-            "token_ids": answer.token_ids,
-            "logprobs": answer.logprobs,
-            "messages": answer.messages,
-        },
+        "rlfleet": _extension(answer),
     }
     if req.logprobs:
-        body["choices"][0]["logprobs"] = {"content": [
-            {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(answer.token_ids, answer.logprobs, strict=False)
-        ]}
+        body["choices"][0]["logprobs"] = _logprobs(answer, tokenizer)
     return body
+
+
+class _Chunks:
+    """The ``chat.completion.chunk`` events of one streamed answer, as SSE ``data:`` lines."""
+
+    def __init__(self, model_name: str) -> None:
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model_name}
+
+    def event(self, choices: list[dict], **extra: Any) -> bytes:
+        return f"data: {json.dumps({**self.head, 'choices': choices, **extra})}\n\n".encode()
+
+    def delta(self, delta: dict) -> bytes:
+        return self.event([{"index": 0, "delta": delta, "finish_reason": None}])
+
+    def last(self, req: ChatRequest, answer, tokenizer) -> bytes:
+        choice: dict = {"index": 0, "delta": {}, "finish_reason": answer.finish_reason}
+        if req.logprobs:
+            choice["logprobs"] = _logprobs(answer, tokenizer)
+        return self.event([choice], system_fingerprint=f"rlfleet-{answer.adapter_version or 'base'}",
+                          rlfleet=_extension(answer))
+
+    def usage(self, answer) -> bytes:
+        return self.event([], usage={"completion_tokens": answer.new_tokens})
+
+
+async def _stream(request: web.Request, req: ChatRequest, answer_with, model_name: str,
+                  tokenizer) -> web.StreamResponse:
+    """Stream one answer: each piece of text as the responder decodes it, then the closing chunk.
+
+    ``answer_with(on_text)`` runs the responder in a thread; its pieces cross to this loop through a
+    queue. A client that goes away mid-answer only stops the writing: the answer still finishes (the
+    responder holds one model and the lock), and nothing half-done is left behind.
+    """
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue[str | None] = asyncio.Queue()
+    chunks = _Chunks(model_name)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    gone = False
+
+    async def send(data: bytes) -> None:
+        nonlocal gone
+        if gone:
+            return
+        try:
+            await resp.write(data)
+        except (ConnectionError, RuntimeError):  # the client hung up
+            gone = True
+
+    await send(chunks.delta({"role": "assistant", "content": ""}))
+    task = asyncio.ensure_future(asyncio.to_thread(
+        answer_with, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)))
+    task.add_done_callback(lambda _t: pieces.put_nowait(None))
+    while (piece := await pieces.get()) is not None:
+        await send(chunks.delta({"content": piece}))
+    try:
+        answer = task.result()
+    except Exception as exc:  # headers are sent: the error goes as an event, the trace to our log
+        log.exception("answer failed")
+        error = {"message": f"the model failed to answer: {exc.__class__.__name__}", "type": "server_error",
+                 "code": None}
+        await send(f"data: {json.dumps({'error': error})}\n\n".encode())
+    else:
+        await send(chunks.last(req, answer, tokenizer))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            await send(chunks.usage(answer))
+    await send(b"data: [DONE]\n\n")
+    if not gone:
+        await resp.write_eof()
+    return resp
 
 
 def make_app(responder, model_name: str) -> web.Application:
@@ -108,17 +197,22 @@ def make_app(responder, model_name: str) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "model": model_name, "adapter_version": responder.current_version()})
 
-    async def chat(request: web.Request) -> web.Response:
+    async def chat(request: web.Request) -> web.StreamResponse:
         try:
             req = ChatRequest.model_validate_json(await request.read())
         except ValidationError as exc:
             return _error(400, describe_validation_error(exc, "invalid request"))
-        if req.stream:
-            return _error(400, "stream=true is not supported by rlfleet serve; ask without streaming")
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
                           "not_found_error")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.stream:
+            def answer_with(on_text):
+                return responder.answer(messages, req.seed, req.max_completion_tokens or req.max_tokens,
+                                        req.temperature, req.top_p, on_text=on_text)
+
+            async with lock:
+                return await _stream(request, req, answer_with, model_name, responder.tokenizer)
         async with lock:
             try:
                 answer = await asyncio.to_thread(

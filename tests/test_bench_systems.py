@@ -14,12 +14,13 @@ from bench import record, time_to_adapter, train_gpu, train_step  # noqa: E402
 from bench.synthetic import llama_config  # noqa: E402
 
 
-def test_train_step_compares_the_three_methods_on_the_same_tokens():
+def test_train_step_compares_the_methods_on_the_same_tokens():
     summary = train_step.main(["--model", "tiny", "--rounds", "1", "--steps", "2", "--samples", "4",
                                "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
                                "--json", "--no-record"])
     rows = {r["method"]: r for r in summary["rows"]}
-    assert set(rows) == {"ours", "kto", "two-copy"}
+    assert set(rows) == {"ours", "ours-fp32", "kto", "two-copy"}
+    assert rows["ours-fp32"]["precision"] == "fp32" and rows["ours-fp32"]["speed_vs_ours_fp32"] == 1.0
     assert len({r["tokens_per_step"] for r in rows.values()}) == 1  # same ratings, same token count
     for r in rows.values():
         assert r["step_tokens_per_s"] > 0 and r["run_tokens_per_s"] > 0 and r["model_gflops_per_s"] > 0
@@ -27,7 +28,7 @@ def test_train_step_compares_the_three_methods_on_the_same_tokens():
     assert rows["kto"]["speed_vs_kto"] == 1.0
     ours, kto = rows["ours"], rows["kto"]
     assert ours["speed_vs_kto"] == pytest.approx(ours["step_tokens_per_s"] / kto["step_tokens_per_s"])
-    assert summary["matmul_gflops_per_s"] > 0
+    assert summary["matmul_gflops_per_s"] > 0 and summary["matmul_bf16_gflops_per_s"] > 0
 
 
 def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():

@@ -1,9 +1,10 @@
 """`rlfleet serve` as a user starts it, on the tiny model: asked through the official OpenAI client, it
-answers from the base, switches to a newly promoted adapter on the next request, and refuses bad
-requests with OpenAI-shaped errors."""
+answers from the base, switches to a newly promoted adapter on the next request, streams an answer
+as it is generated, and refuses bad requests with OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -58,7 +59,7 @@ def ask(client, **kw):
     return client.chat.completions.create(
         model=kw.pop("model", client.models.list().data[0].id),
         messages=[{"role": "user", "content": "Say something about tests."}],
-        temperature=0, max_tokens=12, logprobs=True, **kw)
+        temperature=0, max_tokens=kw.pop("max_tokens", 12), logprobs=True, **kw)
 
 
 def test_answers_switch_when_a_new_adapter_is_promoted(served, tiny_model_dir):
@@ -91,8 +92,6 @@ def test_bad_requests_get_openai_shaped_errors(served):
     client, port, _ = served
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         ask(client, model="gpt-4o")
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        ask(client, stream=True)
     with pytest.raises(openai.BadRequestError, match="no non-empty user message"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": " "}])
     import urllib.error
@@ -103,3 +102,39 @@ def test_bad_requests_get_openai_shaped_errors(served):
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 400 and b"invalid request" in exc.value.read()
+
+
+def test_a_streamed_answer_is_the_same_answer_piece_by_piece(served):
+    client, port, _ = served
+    whole = ask(client, max_tokens=24, seed=3)
+    chunks = list(ask(client, max_tokens=24, seed=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 1  # pieces as they came, not one block at the end
+    assert "".join(texts).strip() == whole.choices[0].message.content
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.choices[0].finish_reason == whole.choices[0].finish_reason
+    # The behaviour policy rides on the closing chunk, as in the whole reply.
+    assert last.model_extra["rlfleet"]["token_ids"] == whole.model_extra["rlfleet"]["token_ids"]
+    assert last.model_extra["rlfleet"]["logprobs"] == pytest.approx(whole.model_extra["rlfleet"]["logprobs"])
+    assert [t.logprob for t in last.choices[0].logprobs.content] == pytest.approx(
+        whole.model_extra["rlfleet"]["logprobs"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_the_server_answering(served):
+    client, port, _ = served
+    body = json.dumps({"messages": [{"role": "user", "content": "Say something long."}], "max_tokens": 200,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert b"200" in sock.recv(64)  # the stream began; now hang up
+    assert ask(client).choices[0].message.content is not None
+    events = []
+    with client.chat.completions.with_streaming_response.create(
+            model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+            stream=True) as raw:
+        events = [line for line in raw.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)

@@ -55,6 +55,7 @@ class TrainConfig:
     max_mean_kl: float = 1.0  # a run that raises the mean per-token KL to the base by more is not promoted
     seed: int = 0
     device: str = "auto"
+    precision: str = "fp32"  # auto | bf16 | fp32 (training/precision.py); the config's default is auto
     objective: str = "mispo"  # mispo | soft | reinforce (objective.loss_for)
     clip_eps: float = 0.2  # soft: PPO clip range
     drift_tau: float = 0.05  # soft: a sequence's weight is exp(-its mean KL to the base / drift_tau)
@@ -132,6 +133,7 @@ def resolve(
         or (CPU_MICRO_BATCH_TOKENS if device == "cpu" else cfg.micro_batch_tokens),
         seed=settings.seed,
         device=settings.device,
+        precision=settings.precision,
         objective=settings.objective,
         advantage=settings.advantage,
         explore=settings.explore,

@@ -96,6 +96,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "(default: the config's; 0: off)")
     ap.add_argument("--teacher", metavar="MODEL", help="train.teacher for the runs: a stronger hindsight teacher "
                     "sharing the model's tokenizer, a local folder or hub id (default: the model itself)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"],
+                    help="override train.precision, the training forward passes' precision (default: the "
+                    "config's, auto: bf16 where the CPU or GPU does it natively)")
     ap.add_argument("--advantage", choices=["ema", "asymmetric"],
                     help="override train.advantage, how a rating becomes an advantage (docs/objective.md)")
     ap.add_argument("--heldout", type=int, default=16,
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("kl_top_k", args.kl_top_k), ("unlikelihood", args.unlikelihood),
                                    ("entropy_hinge", args.entropy_hinge),
                                    ("balance", args.balance), ("neg_fade", args.neg_fade),
-                                   ("advantage", args.advantage),
+                                   ("advantage", args.advantage), ("precision", args.precision),
                                    ("hindsight", args.hindsight), ("teacher", args.teacher),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("explore_cuts", args.explore_cuts),

@@ -396,7 +396,7 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
             "accepted_token_frac", "accepted_seq_frac", "reward_model_auc", "reward_model_reason", "explored",
             "explore_reason", "explore_seconds", "explored_looping", "explored_cut", "explored_ended_earlier",
             "explored_abs_advantage_median", "n_tokens", "ratings_cut",
-            "class_weight", "seconds", "verdict", "reason",
+            "class_weight", "seconds", "precision", "tokens_per_s", "verdict", "reason",
             # the hindsight teacher (worker/training/hindsight.py): answers with words, taught, the gap
             "hinted", "hint_taught", "teacher_gap", "teacher_seconds", "hindsight_kl_start", "hindsight_kl",
             "rewritten", "rewrites_tried",

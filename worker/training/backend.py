@@ -85,11 +85,19 @@ class Backend(Protocol):
         adapter_dir: Path | None,
         cfg: TrainConfig | None,
         trainable: bool = False,
-        mixed_precision: bool = False,
+        precision: str = "fp32",
     ) -> AbstractContextManager[Any]:
         """The model wrapped with a LoRA for the block (the folder's adapter, or a fresh one from
         ``cfg``); the base is exactly as before afterwards. Forward passes in the block use the
-        active adapter; ``mixed_precision`` lets them use a lower precision where the backend can."""
+        active adapter, in ``precision`` (auto | bf16 | fp32: :mod:`.precision`) where the backend
+        can; :attr:`precision` says which one they use."""
+
+    @property
+    def precision(self) -> str:
+        """``bf16`` while the open session's forward passes run in bf16, else ``fp32``."""
+
+    def full_precision(self) -> AbstractContextManager[None]:
+        """Forward passes in the block run in fp32 whatever the session's precision."""
 
     def reference(self) -> AbstractContextManager[None]:
         """Forward passes in the block are the base's (the adapter switched off)."""
@@ -128,8 +136,11 @@ class Backend(Protocol):
         ``extras.teacher``: per row the teacher's :class:`TopRow` (as many positions as the row has
         response tokens) and the weight of each of its positions, or None for a row nobody teaches."""
 
-    def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
-        """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``."""
+    def with_recorded(
+        self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]], shift: Tensor | None = None
+    ) -> Tensor:
+        """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``, plus
+        ``shift`` at the same positions when given (``[B, L]``, as ``logprobs``)."""
 
     def kl_sum(self, batch: Batch, ref: Tensor) -> tuple[float, float]:
         """The k3 KL of the active model to ``ref`` summed over response tokens, and their count."""

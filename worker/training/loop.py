@@ -138,13 +138,9 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
 
     chosen = signal.select(backend, samples, run.ema, cfg)
     encoded = [encode_sample(backend.tokenizer, _on_start_policy(s), cfg.max_tokens) for s in chosen.samples]
-    # Recorded behaviour log-probs are raw fp32 values: lower precision alone would move the
-    # importance ratios by about 1 % before any update, so a run that uses any stays in fp32
-    # (explored answers bring none: they change nothing here).
-    mixed = all(e.behaviour_logprobs is None for e in encoded)
-
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
-    with backend.adapter(run.parent_adapter, cfg, trainable=True, mixed_precision=mixed) as session:
+    with backend.adapter(run.parent_adapter, cfg, trainable=True, precision=cfg.precision) as session:
+        precision = backend.precision
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
         reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),
@@ -183,6 +179,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "seconds": time.perf_counter() - started,
         "steps": cfg.steps,
         "lr": cfg.lr,
+        "precision": precision,
         "n_tokens": data.n_response,
         "ratings_cut": sum(not s.complete for s in samples),
         **chosen.metrics,

@@ -136,13 +136,13 @@ class MlxTrainer(TrainerInterface):
 
     @contextlib.contextmanager
     def adapter(
-        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, mixed_precision: bool = False
+        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, precision: str = "fp32"
     ) -> Iterator[LoraSpec]:
         """The model with LoRA layers for the block; the original modules are put back afterwards.
 
         With ``adapter_dir`` the adapter's own config (rank, alpha, modules) and weights are loaded;
         otherwise a fresh LoRA from ``cfg`` (B = 0, so it starts equal to the base). MLX computes in
-        the weights' dtype: ``trainable`` and ``mixed_precision`` change nothing here.
+        the weights' dtype: ``trainable`` and ``precision`` change nothing here.
         """
         import mlx.core as mx
         from mlx.utils import tree_unflatten
@@ -175,6 +175,14 @@ class MlxTrainer(TrainerInterface):
             self._loras, self._spec, self._train, self._opt, self._grads = {}, None, None, None, None
             self.model.update_modules(tree_unflatten(originals))
             self.model.eval()
+
+    @property
+    def precision(self) -> str:
+        """The weights' dtype decides (fp32 by default); a session never lowers it."""
+        return "bf16" if self._dtype == "bfloat16" else "fp32"
+
+    def full_precision(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -317,12 +325,18 @@ class MlxTrainer(TrainerInterface):
         _mx().eval(lp)
         return lp
 
-    def with_recorded(self, logprobs: Any, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Any:
+    def with_recorded(
+        self, logprobs: Any, rows: Sequence[tuple[int, int, Sequence[float]]], shift: Any = None
+    ) -> Any:
         import numpy as np
 
         arr = np.array(logprobs, dtype=np.float32)
+        moved = None if shift is None else np.array(shift, dtype=np.float32)
         for row, start, values in rows:
-            arr[row, start : start + len(values)] = np.asarray(values, dtype=np.float32)
+            end = start + len(values)
+            arr[row, start:end] = np.asarray(values, dtype=np.float32)
+            if moved is not None:
+                arr[row, start:end] += moved[row, start:end]
         return _mx().array(arr)
 
     def kl_sum(self, batch: dict, ref: Any) -> tuple[float, float]:

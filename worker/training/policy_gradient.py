@@ -176,6 +176,12 @@ def _fixed_logprobs(
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
     at the base (B = 0), so then the reference pass doubles as the behaviour pass.
+
+    Recorded log-probs are fp32 values (the responder's). In a bf16 session the policy's log-probs
+    differ from fp32 ones by rounding alone, enough to move a sequence's ratio by tenths of a percent
+    before any update, so each recorded value is moved by that rounding difference, measured at the
+    run-start policy (its bf16 log-prob minus its fp32 one): a sample the run-start policy answered
+    then has a ratio of exactly 1 at the start, as in fp32 (:mod:`.precision`).
     """
     encoded = data.encoded
     extras: list[RefExtras | None] = [None] * len(batches)
@@ -185,18 +191,24 @@ def _fixed_logprobs(
             ref, extras = [lp for lp, _ in pairs], [x for _, x in pairs]
         else:
             ref = [backend.logprobs(b) for b in batches]
-    need_start = data.parent_adapter is not None and any(
+    # In bf16 the rounding shift below is measured on the run-start policy itself, so with a parent
+    # adapter its pass is needed even when every sample brings recorded log-probs.
+    need_start = data.parent_adapter is not None and (backend.precision != "fp32" or any(
         e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
-    )
+    ))
     start = [backend.logprobs(b) for b in batches] if need_start else ref
     beh = []
-    for g, lp in zip(groups, start, strict=True):
+    for g, batch, lp in zip(groups, batches, start, strict=True):
         recorded = [
             (row, encoded[i].prompt_len, encoded[i].behaviour_logprobs or [])
             for row, i in enumerate(g)
             if encoded[i].behaviour_logprobs
         ]
-        beh.append(backend.with_recorded(lp, recorded))
+        shift = None
+        if recorded and backend.precision != "fp32":
+            with backend.full_precision():
+                shift = lp - backend.logprobs(batch)
+        beh.append(backend.with_recorded(lp, recorded, shift))
     return ref, extras, beh
 
 

@@ -4,9 +4,10 @@ The base model is loaded once per :class:`Trainer` and kept between runs. Each r
 LoRA (fresh, or the parent adapter's weights so the lineage continues) and unwraps it afterwards,
 so the base is clean for the next run. Not thread-safe: a run mutates the base's modules in place.
 
-Log-probs are computed in fp32. bf16 autocast is used only on a CUDA device that supports it, and
-only in an adapter session opened with ``mixed_precision`` (a run whose samples bring no recorded
-behaviour log-probs: see :func:`.loop.run_training`).
+Log-probs are computed in fp32. The forward passes of an adapter session run under bf16 autocast
+when its ``precision`` resolves to bf16 (:mod:`.precision`: a GPU, or a CPU with native bf16); a
+run's behaviour, reference and policy log-probs then share those numerics (see
+:func:`.policy_gradient._fixed_logprobs` for the recorded ones).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..objective import (
 from ..presets import TrainConfig
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
+from .precision import effective
 from .teachers import TeacherCache
 
 # Config fields that change logits after the output head: with any of them set the cheap path
@@ -69,6 +71,8 @@ class Trainer(TrainerInterface):
         for p in self.base.parameters():  # the base is never trained; only LoRA weights are
             p.requires_grad_(False)
         self._n_params = sum(p.numel() for p in self.base.parameters())
+        text = getattr(base.config, "get_text_config", lambda: base.config)()
+        self._width: int | None = getattr(text, "hidden_size", None)
         self._model: Any = None  # the LoRA-wrapped base while an adapter session is open
         self._bf16 = False  # bf16 autocast in this session's forward passes
         self._loss: Any = None
@@ -101,7 +105,7 @@ class Trainer(TrainerInterface):
 
     @contextlib.contextmanager
     def adapter(
-        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, mixed_precision: bool = False
+        self, adapter_dir: Path | None, cfg: TrainConfig | None, trainable: bool = False, precision: str = "fp32"
     ) -> Iterator[Any]:
         """The base wrapped with a LoRA for the duration of the block (the peft model is yielded);
         the base is clean afterwards.
@@ -145,7 +149,7 @@ class Trainer(TrainerInterface):
             # differ from the one the behaviour and reference log-probs were computed with.
             model.eval()
             self._model = model
-            self._bf16 = self.device.startswith("cuda") and torch.cuda.is_bf16_supported() and mixed_precision
+            self._bf16 = effective(precision, self.device, self._width) == "bf16"
             yield model
         finally:
             self._model, self._bf16, self._opt, self._params = None, False, None, []
@@ -178,11 +182,23 @@ class Trainer(TrainerInterface):
         with quiet_peft():
             self._model.save_pretrained(str(out_dir))
 
+    @property
+    def precision(self) -> str:
+        return "bf16" if self._bf16 else "fp32"
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast where this session allows it, else nothing."""
         if self._bf16:
-            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def full_precision(self) -> Iterator[None]:
+        bf16, self._bf16 = self._bf16, False
+        try:
+            yield
+        finally:
+            self._bf16 = bf16
 
     # -- tensors ----------------------------------------------------------------------------------
 
@@ -292,10 +308,15 @@ class Trainer(TrainerInterface):
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
         return self._logprobs(batch)
 
-    def with_recorded(self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]]) -> Tensor:
+    def with_recorded(
+        self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]], shift: Tensor | None = None
+    ) -> Tensor:
         out = logprobs.clone()
         for row, start, values in rows:
-            out[row, start : start + len(values)] = torch.tensor(list(values), dtype=out.dtype, device=out.device)
+            end = start + len(values)
+            out[row, start:end] = torch.tensor(list(values), dtype=out.dtype, device=out.device)
+            if shift is not None:
+                out[row, start:end] += shift[row, start:end]
         return out
 
     @torch.no_grad()
