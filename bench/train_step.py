@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
         "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
         "causal attention, the head on answer tokens)."
     )
-    publish(summary, text, args, f"`bench.train_step` · {args.model} · {args.dtype}")
+    title = f"`bench.train_step` · {args.model} · weights {args.dtype} · precision {args.precision}"
+    publish(summary, text, args, title)
     return summary
 
 
