@@ -224,6 +224,10 @@ def test_held_out_episodes_refuse_a_candidate_that_plays_worse_and_serve_one_tha
     assert taught_b["heldout"]["diff"] < 0 and not taught_b["promoted"], taught_b["heldout"]
     assert "worse beyond noise" in taught_b["message"]
     assert taught_a["promoted"] and taught_a["heldout"]["diff"] > 0, taught_a
+    h = taught_a["heldout"]
+    assert taught_a["message"] == (f"v0002 is live (trained on 16 turns of 16 episodes, held-out mean return "
+                                   f"{h['candidate_mean']:.3g} against {h['parent_mean']:.3g} on the same 512 "
+                                   "episodes)")
     assert agent.registry.current() == taught_a["version"] == "v0002"
     served = Store(agent.cfg.db_url).get_run(taught_a["run_id"])
     assert served.metrics["heldout_returns"]["candidate_mean"] == taught_a["heldout"]["candidate_mean"]

@@ -303,8 +303,11 @@ def _meta(ctx: Context, run_id: int, inputs: RunInputs, c: Candidate, tcfg: Trai
     }
 
 
-def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c: Candidate) -> JobResult:
-    """Record the run's end; serve the candidate when the store promoted it."""
+def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c: Candidate,
+             trained: str | None = None, checked: str | None = None) -> JobResult:
+    """Record the run's end; serve the candidate when the store promoted it. ``trained`` and ``checked``
+    say what it trained on and how it was checked in the caller's words (an environment's turns and
+    held-out returns); by default its ratings and the held-out ratings."""
     status = ctx.store.finish_run(
         run_id, model=ctx.slug, version=c.version, parent=c.parent, metrics=c.metrics, advantages=c.advantages,
         retracted=inputs.retracted, new_ema=c.new_ema, promote=c.promote, reason=c.reason,
@@ -312,10 +315,11 @@ def conclude(ctx: Context, conn: redis.Redis, run_id: int, inputs: RunInputs, c:
     if status == "active":
         ctx.registry.set_current(c.version)
         schedule_push(ctx, conn)
-        checked = f", held-out check passed on {len(inputs.held)}" if inputs.held else ""
+        if checked is None:
+            checked = f", held-out check passed on {len(inputs.held)}" if inputs.held else ""
         replayed = f" and {len(inputs.replayed)} earlier ones" if inputs.replayed else ""
-        return JobResult.done(f"{c.version} is live (trained on {len(inputs.train)} ratings{replayed}{checked})",
-                              version=c.version)
+        trained = trained or f"{len(inputs.train)} ratings{replayed}"
+        return JobResult.done(f"{c.version} is live (trained on {trained}{checked})", version=c.version)
     return JobResult.failed(f"{c.version} was not promoted: {c.reason or status}", version=c.version)
 
 

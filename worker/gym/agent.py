@@ -332,15 +332,19 @@ class Agent:
         inputs = RunInputs(train=samples, held=[], retracted=[])
         stats["run_id"] = run_id
         started = time.perf_counter()
+        checked = ""
         try:
             candidate = train_candidate(ctx, run_id, inputs, parent, gate_config(self.cfg), board)
             if self.heldout_env is not None and candidate.promote:
                 verdict = self.judge(candidate.version, parent)
                 candidate.metrics["heldout_returns"] = verdict.as_dict()
                 stats["heldout"] = verdict.as_dict()
+                checked = (f", held-out mean return {verdict.candidate_mean:.3g} against "
+                           f"{verdict.parent_mean:.3g} on the same {verdict.episodes} episodes")
                 if not verdict.ok:
                     candidate = replace(candidate, promote=False, reason=verdict.reason)
-            result = conclude(ctx, conn, run_id, inputs, candidate)
+            result = conclude(ctx, conn, run_id, inputs, candidate,
+                              trained=f"{len(samples)} turns of {len(episodes)} episodes", checked=checked)
         except NothingToLearn as exc:  # every step's advantage is 0: the batch's returns were all equal
             self.store.fail_run(run_id, str(exc), state="skipped")
             return {**stats, "version": None, "promoted": False, "skipped": str(exc),
