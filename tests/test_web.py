@@ -445,3 +445,48 @@ def test_rlfleet_web_makes_a_private_token_and_serves_behind_it_with_its_workers
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_running_run_shows_its_step_speed_and_time_left(queued_home, web_model_dir, monkeypatch):
+    """The dashboard's live run: what a training worker reports (its ProgressBoard in Redis, the run
+    running in the store, the training lock held) shown as step, tokens/s and an ETA from the steps the
+    page saw go by; the ETA follows the rate, and the line clears when the run ends."""
+    from playwright.async_api import async_playwright, expect
+
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.queue import train_lock_key
+    from rlfleet.worker.orchestrate import ProgressBoard
+    from rlfleet.worker.samples import Progress
+
+    async def go():
+        async with web_rig(queued_home, web_model_dir, monkeypatch) as (state, url), async_playwright() as pw:
+            conn, slug = state.handle.redis, model_slug(state.cfg.model)
+            run_id = state.store.create_run(slug)
+            state.store.start_run(run_id, None)
+            conn.set(train_lock_key(slug), "held-by-this-test", ex=120)
+            report = ProgressBoard.start(conn, slug, run_id).reporter("v0001")
+            report(Progress(step=2, total=40, tokens_per_s=123.4))
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                await log_in(page, url, state.token)
+                await page.goto(url + "/dashboard")
+                await expect(page.locator("#training-state")).to_have_text("running")
+                detail = page.locator("#training-detail")
+                await expect(detail).to_have_text("v0001 training step 2/40 · 123 tok/s")  # no rate seen yet
+                assert await page.locator("#training-progress").evaluate("e => [e.hidden, e.value, e.max]") == \
+                    [False, 2, 40]
+                # Six steps in about six seconds: a step a second, 32 to go.
+                for step in range(3, 9):
+                    await asyncio.sleep(1.0)
+                    report(Progress(step=step, total=40, tokens_per_s=123.4))
+                await expect(detail).to_contain_text("step 8/40", timeout=10_000)
+                left = int(re.search(r"about (\d+) s left", await detail.text_content()).group(1))
+                assert 16 <= left <= 48, left  # 32 steps at the page's measured rate, within its refresh lag
+                state.store.fail_run(run_id, "stopped by the test")
+                conn.delete(train_lock_key(slug))
+                await expect(page.locator("#training-progress")).to_be_hidden(timeout=10_000)
+                await expect(detail).not_to_contain_text("left")
+            finally:
+                await browser.close()
+    asyncio.run(go())
