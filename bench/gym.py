@@ -209,33 +209,29 @@ def ours_child(args: argparse.Namespace) -> dict:
 
 def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dict:
     """Play one Blackjack episode per env seed with the agent's served version, ``batch`` episodes in
-    lockstep per ``generate`` call (each keeps its own conversation, as ``act`` does); the returns, and
-    how many of the turns hit. Nothing is stored or trained."""
+    lockstep per ``generate`` call (each keeps its own conversation, as ``act`` does: the gate's
+    :func:`rlfleet.gym.heldout.play_lockstep`); the returns, and how many of the turns hit. Nothing is
+    stored or trained."""
     import gymnasium as gym
 
+    from rlfleet.gym.heldout import play_lockstep
+
     system = {"role": "system", "content": agent.get_system_prompt()}
-    returns = [0.0] * len(seeds)
-    hits = turns = 0
-    for start in range(0, len(seeds), batch):
-        idx = list(range(start, min(start + batch, len(seeds))))
-        envs = {i: gym.make(ENV, natural=False, sab=False) for i in idx}
-        obs = {i: envs[i].reset(seed=seeds[i])[0] for i in idx}
-        convs: dict[int, list[dict]] = {i: [system] for i in idx}
-        turn = 0
-        while idx:
-            prompts = [[*convs[i], {"role": "user", "content": agent.format_observation(obs[i])}] for i in idx]
-            answers = agent.responder.sample(prompts, seed=seed * 7919 + start * 31 + turn)
-            still = []
-            for i, prompt, answer in zip(idx, prompts, answers, strict=True):
-                convs[i] = [*prompt, {"role": "assistant", "content": answer.text}]
-                action = agent.extract_action(answer.text)
-                hits, turns = hits + (action == 1), turns + 1
-                obs[i], reward, terminated, truncated, _ = envs[i].step(action)
-                returns[i] += float(reward)
-                if not (terminated or truncated):
-                    still.append(i)
-            idx, turn = still, turn + 1
-    return {"returns": returns, "hits": hits, "turns": turns}
+    counts = {"hits": 0, "turns": 0}
+
+    def count(action: Any) -> None:
+        counts["hits"] += action == 1
+        counts["turns"] += 1
+
+    def prompt(conversation: list[dict], observation: Any) -> list[dict]:
+        return [*(conversation or [system]), {"role": "user", "content": agent.format_observation(observation)}]
+
+    def respond(prompts: list[list[dict]], turn_seed: int) -> list[str]:
+        return [a.text for a in agent.responder.sample(prompts, seed=seed * 7919 + turn_seed)]
+
+    envs = [gym.make(ENV, natural=False, sab=False) for _ in range(min(batch, len(seeds)))]
+    returns = play_lockstep(envs, seeds, respond, prompt, agent.extract_action, max_steps=64, on_action=count)
+    return {"returns": returns, **counts}
 
 
 def _versions() -> dict:

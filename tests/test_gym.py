@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from rlfleet.cli.app import app
 from rlfleet.gym import Agent, GymError
 from rlfleet.gym.agent import Episode, discounted_returns, step_baselines
-from rlfleet.gym.heldout import judge_returns
+from rlfleet.gym.heldout import judge_returns, play_lockstep
 from rlfleet.shared.schema import CaptureRow
 from rlfleet.shared.store import Store
 
@@ -195,6 +195,52 @@ def test_the_returns_gate_refuses_only_a_candidate_worse_beyond_noise():
     assert judge_returns([0, 0], [1, 1]).ok
     with pytest.raises(ValueError, match="paired"):
         judge_returns([1.0], [0.0])
+
+
+class CountDown:
+    """A Gymnasium-style environment: the seed sets how many steps the episode lasts; "up" pays 1."""
+
+    def reset(self, seed: int) -> tuple[int, dict]:
+        self.left = seed % 4 + 1
+        return self.left, {}
+
+    def step(self, action: str) -> tuple[int, float, bool, bool, dict]:
+        self.left -= 1
+        return self.left, float(action == "up"), self.left == 0, False, {}
+
+
+def test_held_out_episodes_play_in_lockstep_one_batched_call_a_turn():
+    calls: list[tuple[int, int]] = []  # (live episodes, turn seed) of each call
+
+    def respond(prompts: list[list[dict]], seed: int) -> list[str]:
+        calls.append((len(prompts), seed))
+        # The episode's own conversation comes back: the answer depends on how far it has gone.
+        return ["down" if len(p) >= 5 else "up" for p in prompts]
+
+    def prompt(conversation: list[dict], observation: int) -> list[dict]:
+        so_far = conversation or [{"role": "system", "content": "count"}]
+        return [*so_far, {"role": "user", "content": str(observation)}]
+
+    actions: list[str] = []
+    seeds = [0, 1, 2, 3, 4, 7]  # episodes of 1, 2, 3, 4, 1 and 4 steps
+    returns = play_lockstep([CountDown() for _ in range(4)], seeds, respond, prompt, str, 10, on_action=actions.append)
+    # Two "up"s pay, then the conversation is long enough to answer "down".
+    assert returns == [1.0, 2.0, 2.0, 2.0, 1.0, 2.0]
+    # Chunk 1 (seeds 0-3): 4 live, then 3, 2, 1; chunk 2 (seeds 4, 7): 2, then 1, 1, 1. One call a turn.
+    assert [n for n, _ in calls] == [4, 3, 2, 1, 2, 1, 1, 1]
+    assert [s for _, s in calls] == [0, 1, 2, 3, 4 * 7_919, 4 * 7_919 + 1, 4 * 7_919 + 2, 4 * 7_919 + 3]
+    assert len(actions) == sum(seed % 4 + 1 for seed in seeds)
+
+    def unreadable(text: str) -> str:
+        if text == "down":
+            raise ValueError("no action in that")
+        return text
+
+    # An answer that names no action ends its episode with what it has.
+    assert play_lockstep([CountDown()], [3], respond, prompt, unreadable, 10) == [2.0]
+    assert play_lockstep([CountDown()], [3], respond, prompt, str, 1) == [1.0]  # the step cap
+    with pytest.raises(ValueError, match="no environments"):
+        play_lockstep([], [1], respond, prompt, str, 10)
 
 
 def test_held_out_episodes_refuse_a_candidate_that_plays_worse_and_serve_one_that_plays_better(

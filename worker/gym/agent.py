@@ -30,7 +30,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +50,7 @@ from rlfleet.worker.orchestrate import ProgressBoard, RunInputs, conclude, gate_
 from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.training.loop import NothingToLearn
 
-from .heldout import ActionFailed, ReturnsVerdict, judge_returns, play_episode
+from .heldout import ReturnsVerdict, judge_returns, play_lockstep
 
 Baseline = Literal["batch", "ema"]
 SOURCE = "gym"
@@ -129,7 +129,8 @@ class Agent:
     ``heldout_env``: a Gymnasium environment (or a function making one) for the gate: each candidate
     plays ``heldout_episodes`` episodes from seeds ``heldout_seed``, ``heldout_seed + 1``, ... (at most
     ``heldout_max_steps`` steps each; an ``extract_action`` that raises ends the episode with what it
-    has) and is served only if its mean return is not worse than its parent's beyond noise.
+    has) and is served only if its mean return is not worse than its parent's beyond noise;
+    ``heldout_batch`` of them play at once, their turns answered in one batched call.
     ``max_new_tokens``, ``temperature``, ``top_p``: how each step is answered (temperature 1 and top-p
     1 by default: the recorded log-probs then describe the policy that sampled); every other keyword
     is a training setting (``preset``, ``device``, ``lr``, ``steps``, ``seed``, ... as in config.toml's
@@ -140,18 +141,21 @@ class Agent:
                  *, gamma: float = 1.0, baseline: Baseline = "batch", env: str | None = None,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
-                 heldout_max_steps: int = 64, background: bool = False, **settings: Any) -> None:
+                 heldout_max_steps: int = 64, heldout_batch: int = 16, background: bool = False,
+                 **settings: Any) -> None:
         if episodes_per_update < 1:
             raise GymError("episodes_per_update must be at least 1")
         if not 0.0 <= gamma <= 1.0:
             raise GymError("gamma must be in [0, 1]")
         if baseline not in ("batch", "ema"):
             raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
-        if heldout_env is not None and (heldout_episodes < 2 or heldout_max_steps < 1):
-            raise GymError("heldout_episodes must be at least 2 (noise is measured between them) and "
-                           "heldout_max_steps at least 1")
+        if heldout_env is not None and (heldout_episodes < 2 or heldout_max_steps < 1 or heldout_batch < 1):
+            raise GymError("heldout_episodes must be at least 2 (noise is measured between them), "
+                           "heldout_max_steps and heldout_batch at least 1")
         self.heldout_env, self.heldout_episodes = heldout_env, heldout_episodes
         self.heldout_seed, self.heldout_max_steps = heldout_seed, heldout_max_steps
+        self.heldout_batch = heldout_batch
+        self._heldout_pool: list[Any] | None = None
         self._heldout_returns: dict[str | None, list[float]] = {}  # per version (None: the base)
         self.background = background
         self._runs_lock = threading.Lock()
@@ -366,45 +370,36 @@ class Agent:
 
     def heldout_returns(self, version: str | None) -> list[float]:
         """``version``'s total reward on each held-out episode (None: the base), played once per version:
-        a version's files never change, and the seeds are fixed."""
+        a version's files never change, and the seeds are fixed. ``heldout_batch`` episodes play in
+        lockstep, their turns answered in one batched call (one at a time when ``heldout_env`` is an
+        environment rather than a function making one)."""
         if self.heldout_env is None:
             raise GymError("no heldout_env was given to this agent: there are no held-out episodes to play")
         if version not in self._heldout_returns:
-            env = self._heldout_instance()
+            def respond(prompts: list[list[dict]], seed: int) -> list[str]:
+                return [s.text for s in self.responder.sample(prompts, seed=self.heldout_seed * 1_009 + seed)]
+
+            seeds = [self.heldout_seed + i for i in range(self.heldout_episodes)]
             with self.responder.pinned(version):
-                self._heldout_returns[version] = [
-                    play_episode(env, self.heldout_seed + i, self._heldout_actor(i), self.heldout_max_steps)
-                    for i in range(self.heldout_episodes)
-                ]
+                self._heldout_returns[version] = play_lockstep(
+                    self._heldout_envs(), seeds, respond, self._prompt,
+                    lambda text: self._call("extract_action", text), self.heldout_max_steps)
         return self._heldout_returns[version]
 
     def judge(self, candidate: str, parent: str | None) -> ReturnsVerdict:
         """The environment's gate: ``candidate`` against ``parent`` on the same held-out episodes."""
         return judge_returns(self.heldout_returns(parent), self.heldout_returns(candidate))
 
-    def _heldout_instance(self) -> Any:
-        """The held-out environment: the one given, or made once by the function given."""
-        env = self.heldout_env
-        if isinstance(env, type) or not hasattr(env, "step"):
-            env = self.heldout_env = env()
-        return env
-
-    def _heldout_actor(self, episode: int) -> Callable[[Any, int], Any]:
-        """An ``act`` for one held-out episode: nothing recorded, sampling seeded by the episode and
-        step alone, so a candidate and its parent draw alike wherever they would act alike."""
-        messages: list[dict] = []
-
-        def act(observation: Any, t: int) -> Any:
-            nonlocal messages
-            prompt = self._prompt(messages, observation)
-            answer = self.responder.answer(prompt, seed=(self.heldout_seed + episode) * 1_009 + t)
-            messages = [*prompt, {"role": "assistant", "content": answer.text}]
-            try:
-                return self.extract_action(answer.text)
-            except Exception as exc:
-                raise ActionFailed(str(exc)) from exc
-
-        return act
+    def _heldout_envs(self) -> list[Any]:
+        """The environments the held-out episodes play in: the one given, or ``heldout_batch`` made once
+        by the function given."""
+        if self._heldout_pool is None:
+            env = self.heldout_env
+            if isinstance(env, type) or not hasattr(env, "step"):
+                self._heldout_pool = [env() for _ in range(min(self.heldout_batch, self.heldout_episodes))]
+            else:
+                self._heldout_pool = [env]
+        return self._heldout_pool
 
     def close(self) -> None:
         """Wait for a background run, then let go of the Redis connection (and the embedded server it may

@@ -4,8 +4,9 @@ than the parent's beyond noise.
 
 Paired episodes make the comparison tight: where both versions would act alike, their returns are
 alike, and the difference's spread is what is left. ``judge_returns`` is the rule (pure);
-``play_episode`` runs one episode of any Gymnasium-style environment (``reset(seed=)`` and a
-five-tuple ``step``) without recording anything.
+``play_lockstep`` plays episodes of any Gymnasium-style environment (``reset(seed=)`` and a
+five-tuple ``step``) without recording anything, many at once: every live episode's next turn is
+answered in one batched call, which a CPU does for the cost of a few answers.
 """
 
 from __future__ import annotations
@@ -61,22 +62,44 @@ def judge_returns(parent: Sequence[float], candidate: Sequence[float], z: float 
     return ReturnsVerdict(ok, n, p_mean, c_mean, mean, half, reason)
 
 
-def play_episode(env: Any, seed: int, act: Callable[[Any, int], Any], max_steps: int) -> float:
-    """The total reward of one episode from ``env.reset(seed=seed)``, each action from
-    ``act(observation, step)``; an action that cannot be made ends the episode with what it has."""
-    observation, _info = env.reset(seed=seed)
-    total = 0.0
-    for t in range(max_steps):
-        try:
-            action = act(observation, t)
-        except ActionFailed:
-            break
-        observation, reward, terminated, truncated, _info = env.step(action)
-        total += float(reward)
-        if terminated or truncated:
-            break
-    return total
+Respond = Callable[[list[list[dict]], int], list[str]]
+Prompt = Callable[[list[dict], Any], list[dict]]
 
 
-class ActionFailed(Exception):
-    """The agent's ``extract_action`` could not read an action from a held-out answer."""
+def play_lockstep(envs: Sequence[Any], seeds: Sequence[int], respond: Respond, prompt: Prompt,
+                  extract: Callable[[str], Any], max_steps: int,
+                  on_action: Callable[[Any], None] | None = None) -> list[float]:
+    """The total reward of one episode per seed (``env.reset(seed=seed)``), ``len(envs)`` episodes in
+    lockstep: at each turn ``respond(prompts, turn_seed)`` answers every live episode's prompt (its
+    conversation so far and the observation, as ``prompt(conversation, observation)`` builds it) in one
+    call. ``turn_seed`` depends on the chunk of episodes and the turn only, so two versions playing the
+    same seeds draw alike. An answer ``extract`` cannot read ends its episode with what it has;
+    ``on_action`` sees every action taken. The envs are reused from chunk to chunk (reset re-seeds)."""
+    if not envs:
+        raise ValueError("no environments to play in")
+    returns = [0.0] * len(seeds)
+    for start in range(0, len(seeds), len(envs)):
+        live = list(range(start, min(start + len(envs), len(seeds))))
+        env_of = {i: envs[i - start] for i in live}
+        obs = {i: env_of[i].reset(seed=seeds[i])[0] for i in live}
+        conversations: dict[int, list[dict]] = {i: [] for i in live}
+        for turn in range(max_steps):
+            if not live:
+                break
+            prompts = [prompt(conversations[i], obs[i]) for i in live]
+            texts = respond(prompts, start * 7_919 + turn)
+            still = []
+            for i, asked, text in zip(live, prompts, texts, strict=True):
+                conversations[i] = [*asked, {"role": "assistant", "content": text}]
+                try:
+                    action = extract(text)
+                except Exception:  # an unreadable answer ends the episode with what it has
+                    continue
+                if on_action is not None:
+                    on_action(action)
+                obs[i], reward, terminated, truncated, _info = env_of[i].step(action)
+                returns[i] += float(reward)
+                if not (terminated or truncated):
+                    still.append(i)
+            live = still
+    return returns
