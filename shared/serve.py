@@ -6,16 +6,19 @@ promotion or rollback is live on the next request. Besides the standard reply it
 ids with their raw log-probs under the answering policy, which the bots store as the behaviour policy
 of the answer (the trainer's importance ratios need exactly that quantity). With ``stream: true`` the
 answer comes as OpenAI's server-sent ``chat.completion.chunk`` events, text as it is generated, and
-the ``rlfleet`` object rides on the last chunk (the one with the ``finish_reason``).
+the ``rlfleet`` object rides on the last chunk (the one with the ``finish_reason``). Whole answers
+asked for while the model is busy are answered together in one batched generate (:class:`Batcher`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiohttp import web
@@ -186,9 +189,82 @@ async def _stream(request: web.Request, req: ChatRequest, answer_with, model_nam
     return resp
 
 
-def make_app(responder, model_name: str) -> web.Application:
-    """The aiohttp app around a :class:`LocalResponder` (one answer at a time: it holds one model)."""
+@dataclass
+class _Job:
+    messages: list[dict]
+    seed: int | None
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    done: asyncio.Future
+
+    @property
+    def settings(self) -> tuple:
+        """Requests answered in one batch must share these (the batch has one generation config)."""
+        return self.max_new_tokens, self.temperature, self.top_p
+
+
+class Batcher:
+    """Whole (not streamed) answers, batched: the requests that wait while the model answers others
+    are answered together, up to ``max_batch`` at once, in one :meth:`LocalResponder.answer_many` call
+    per group of equal sampling settings. A CPU's cost per generated token is mostly fixed, so sixteen
+    waiting clients are served for a fraction of sixteen answers' time; one client alone is answered
+    as before."""
+
+    def __init__(self, responder: Any, lock: asyncio.Lock, max_batch: int = 16) -> None:
+        self.responder, self.lock, self.max_batch = responder, lock, max_batch
+        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
+
+    async def answer(self, messages: list[dict], seed: int | None, max_new_tokens: int | None,
+                     temperature: float | None, top_p: float | None) -> Any:
+        job = _Job(messages, seed, max_new_tokens, temperature, top_p, asyncio.get_running_loop().create_future())
+        await self.queue.put(job)
+        return await job.done
+
+    async def run(self) -> None:
+        while True:
+            jobs = [await self.queue.get()]
+            while len(jobs) < self.max_batch and not self.queue.empty():
+                jobs.append(self.queue.get_nowait())
+            groups: dict[tuple, list[_Job]] = {}
+            for job in jobs:
+                groups.setdefault(job.settings, []).append(job)
+            for group in groups.values():
+                await self._answer(group)
+
+    async def _answer(self, group: list[_Job]) -> None:
+        first = group[0]
+        try:
+            async with self.lock:
+                if len(group) == 1:
+                    answers = [await asyncio.to_thread(self.responder.answer, first.messages, first.seed,
+                                                       first.max_new_tokens, first.temperature, first.top_p)]
+                else:
+                    answers = await asyncio.to_thread(self.responder.answer_many, [j.messages for j in group],
+                                                      first.seed, first.max_new_tokens, first.temperature,
+                                                      first.top_p)
+        except Exception as exc:
+            for job in group:
+                if not job.done.done():
+                    job.done.set_exception(exc)
+            return
+        for job, answer in zip(group, answers, strict=True):
+            if not job.done.done():  # a client that went away cancelled its wait
+                job.done.set_result(answer)
+
+
+def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application:
+    """The aiohttp app around a :class:`LocalResponder`: it holds one model, so one generate runs at a
+    time, streamed answers alone and whole ones batched (:class:`Batcher`)."""
     lock = asyncio.Lock()
+    batcher = Batcher(responder, lock, max_batch)
+
+    async def batching(app: web.Application):
+        task = asyncio.create_task(batcher.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -213,17 +289,16 @@ def make_app(responder, model_name: str) -> web.Application:
 
             async with lock:
                 return await _stream(request, req, answer_with, model_name, responder.tokenizer)
-        async with lock:
-            try:
-                answer = await asyncio.to_thread(
-                    responder.answer, messages, req.seed, req.max_completion_tokens or req.max_tokens,
-                    req.temperature, req.top_p)
-            except Exception as exc:  # one line to the caller, the trace to our log
-                log.exception("answer failed")
-                return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
+        try:
+            answer = await batcher.answer(messages, req.seed, req.max_completion_tokens or req.max_tokens,
+                                          req.temperature, req.top_p)
+        except Exception as exc:  # one line to the caller, the trace to our log
+            log.exception("answer failed")
+            return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
         return web.json_response(completion_body(req, answer, model_name, responder.tokenizer))
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.cleanup_ctx.append(batching)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)

@@ -320,3 +320,24 @@ def test_concurrent_answers_and_swaps(tiny, adapters_dir, reference):
     assert not errors and len(results) == 6
     for a in results:  # every answer matches the version it reports
         assert max_gap(a, reference(a.adapter_version, MSGS, a.token_ids)) < TOL
+
+
+def test_answer_many_gives_each_conversation_its_own_answer_with_its_raw_logprobs(tiny, adapters_dir, reference):
+    """Many conversations in one generate and one log-prob pass: greedy, each is the answer it gets alone,
+    and its log-probs are what a fresh fp32 forward of that conversation alone gives (left padding and
+    the position ids change nothing)."""
+    set_current(adapters_dir, "v0001")
+    convs = [[{"role": "user", "content": c}] for c in ("Hi.", "Tell me about tests, please, in detail.", "Why?")]
+    g = make(tiny, adapters_dir, temperature=0, max_new_tokens=12)
+    many = g.answer_many(convs)
+    alone = [g.answer(c) for c in convs]
+    assert [a.token_ids for a in many] == [a.token_ids for a in alone]
+    assert [a.finish_reason for a in many] == [a.finish_reason for a in alone]
+    assert [a.adapter_version for a in many] == ["v0001"] * 3
+    for got, conv in zip(many, convs, strict=True):
+        assert got.new_tokens == len(got.token_ids) == len(got.logprobs) > 0
+        assert max_gap(got, reference("v0001", got.messages, got.token_ids)) < TOL
+    sampled = make(tiny, adapters_dir, max_new_tokens=12)
+    assert [a.token_ids for a in sampled.answer_many(convs, seed=5)] == \
+        [a.token_ids for a in sampled.answer_many(convs, seed=5)]
+    assert sampled.answer_many([]) == []

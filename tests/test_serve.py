@@ -138,3 +138,58 @@ def test_a_client_that_hangs_up_mid_stream_leaves_the_server_answering(served):
             stream=True) as raw:
         events = [line for line in raw.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_requests_that_wait_are_answered_together_each_with_its_own_answer(served):
+    client, _, _ = served
+    model = client.models.list().data[0].id
+    prompts = [f"Tell me one thing about the number {i}." for i in range(6)]
+
+    def one(prompt: str):
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                              temperature=0, max_tokens=10)
+
+    alone = [one(p) for p in prompts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(one, prompts))
+    for a, t in zip(alone, together, strict=True):
+        assert t.model_extra["rlfleet"]["token_ids"] == a.model_extra["rlfleet"]["token_ids"]
+        assert t.model_extra["rlfleet"]["logprobs"] == pytest.approx(a.model_extra["rlfleet"]["logprobs"], abs=1e-4)
+        assert t.choices[0].message.content == a.choices[0].message.content
+
+
+def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tmp_path, single_thread):
+    import asyncio
+
+    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.shared.serve import Batcher
+
+    r = LocalResponder(resolve_model(str(tiny_model_dir)), tmp_path / "adapters", temperature=0, max_new_tokens=8)
+    batches: list[int] = []
+    real = r.answer_many
+
+    def counted(conversations, *args):
+        batches.append(len(conversations))
+        return real(conversations, *args)
+
+    r.answer_many = counted
+    convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(6)]
+
+    async def go():
+        batcher = Batcher(r, asyncio.Lock(), max_batch=4)
+        task = asyncio.create_task(batcher.run())
+        try:
+            same = await asyncio.gather(*(batcher.answer(c, None, None, None, None) for c in convs))
+            # Other settings cannot share a generate: a request asking for fewer tokens goes apart.
+            mixed = await asyncio.gather(batcher.answer(convs[0], None, 3, None, None),
+                                         batcher.answer(convs[1], None, None, None, None))
+        finally:
+            task.cancel()
+        return same, mixed
+
+    same, mixed = asyncio.run(go())
+    assert sum(batches[:2]) == 6 and max(batches) == 4  # six waiting, four at most at once
+    assert [a.token_ids for a in same] == [r.answer(c).token_ids for c in convs]
+    assert len(mixed[0].token_ids) <= 3 and mixed[1].token_ids == same[1].token_ids
