@@ -205,14 +205,14 @@ class _Job:
 
 
 class Batcher:
-    """Whole (not streamed) answers, batched: the requests that wait while the model answers others
-    are answered together, up to ``max_batch`` at once, in one :meth:`LocalResponder.answer_many` call
-    per group of equal sampling settings. A CPU's cost per generated token is mostly fixed, so sixteen
-    waiting clients are served for a fraction of sixteen answers' time; one client alone is answered
-    as before."""
+    """Whole (not streamed) answers, batched: the requests that wait while the model answers others,
+    and those that arrive within ``window_s`` of the first, are answered together, up to ``max_batch``
+    at once, in one :meth:`LocalResponder.answer_many` call per group of equal sampling settings. A
+    CPU's cost per generated token is mostly fixed, so sixteen waiting clients are served for a
+    fraction of sixteen answers' time; one client alone is answered as before."""
 
-    def __init__(self, responder: Any, lock: asyncio.Lock, max_batch: int = 16) -> None:
-        self.responder, self.lock, self.max_batch = responder, lock, max_batch
+    def __init__(self, responder: Any, lock: asyncio.Lock, max_batch: int = 16, window_s: float = 0.02) -> None:
+        self.responder, self.lock, self.max_batch, self.window_s = responder, lock, max_batch, window_s
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
 
     async def answer(self, messages: list[dict], seed: int | None, max_new_tokens: int | None,
@@ -224,6 +224,9 @@ class Batcher:
     async def run(self) -> None:
         while True:
             jobs = [await self.queue.get()]
+            # Clients that start together reach the server a few milliseconds apart: a short wait lets
+            # the burst share one generate instead of its first request going alone.
+            await asyncio.sleep(self.window_s)
             while len(jobs) < self.max_batch and not self.queue.empty():
                 jobs.append(self.queue.get_nowait())
             groups: dict[tuple, list[_Job]] = {}
