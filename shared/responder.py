@@ -476,7 +476,7 @@ def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any]
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                        logits_to_keep=keep).logits[:, -keep:]
         logp = torch.log_softmax(logits.float(), dim=-1)
-    out = []
+    out: list[list[float]] = []
     for i, n in enumerate(news):
         k = int(n.numel())
         if k == 0:

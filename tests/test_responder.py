@@ -335,6 +335,7 @@ def test_answer_many_gives_each_conversation_its_own_answer_with_its_raw_logprob
     assert [a.finish_reason for a in many] == [a.finish_reason for a in alone]
     assert [a.adapter_version for a in many] == ["v0001"] * 3
     for got, conv in zip(many, convs, strict=True):
+        assert got.messages == conv  # no system prompt set: the conversation as asked
         assert got.new_tokens == len(got.token_ids) == len(got.logprobs) > 0
         assert max_gap(got, reference("v0001", got.messages, got.token_ids)) < TOL
     sampled = make(tiny, adapters_dir, max_new_tokens=12)

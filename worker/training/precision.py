@@ -61,8 +61,10 @@ def effective(precision: str, device: str, width: int | None = None) -> Literal[
     """The precision a run on ``device`` uses: an explicit choice as given, ``auto`` as the hardware
     allows (CUDA: what torch reports; CPU: native bf16, for a model at least
     :data:`MIN_CPU_BF16_WIDTH` wide when its hidden ``width`` is known; anything else fp32)."""
-    if precision == "bf16" or precision == "fp32":
-        return precision
+    if precision == "bf16":
+        return "bf16"
+    if precision == "fp32":
+        return "fp32"
     if precision != "auto":
         raise ValueError(f"unknown precision {precision!r}: auto, bf16 or fp32")
     kind = device.split(":")[0]
