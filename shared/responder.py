@@ -45,6 +45,18 @@ class Answer:
 
 
 @dataclass(frozen=True)
+class _Batch:
+    """One batched ``generate``: the model that answered, the conversations as built (system prompt
+    included), their prompt ids, and each row's new ids up to and including its end token."""
+
+    model: Any
+    built: list[list[dict]]
+    rows: list[list[int]]
+    news: list[Any]
+    pad_id: int
+
+
+@dataclass(frozen=True)
 class Sample:
     """One answer of a batch sampled to measure the model (held-out prompts): nothing is captured from
     it, so it carries no log-probs."""
@@ -317,29 +329,16 @@ class LocalResponder:
             return []
         with self._lock:
             t0 = time.perf_counter()
-            self.refresh()
-            built = [self._with_system(c) for c in conversations]
-            rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
-                                                       return_tensors="pt")["input_ids"][0].tolist()
-                    for m in built]  # fmt: skip
-            model = self.model
-            gc = self._generation_config(
-                model,
-                self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            batch = self._generate_batch(
+                conversations, seed, max_new_tokens,
                 self.temperature if temperature is None else temperature,
                 self.top_p if top_p is None else top_p,
             )
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
-            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-            with torch.inference_mode(), seeded_rng(seed, self.device):
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-            news = [self._cut_at_end(row) for row in out[:, width:]]
-            logprobs = batch_token_logprobs(model, [torch.tensor(r, device=self.device) for r in rows], news,
-                                            gc.pad_token_id)
+            logprobs = batch_token_logprobs(batch.model, [torch.tensor(r, device=self.device) for r in batch.rows],
+                                            batch.news, batch.pad_id)
             seconds = time.perf_counter() - t0
             answers = []
-            for new, lps, msgs in zip(news, logprobs, built, strict=True):
+            for new, lps, msgs in zip(batch.news, logprobs, batch.built, strict=True):
                 got = new.tolist()
                 answers.append(Answer(
                     text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got,
@@ -359,30 +358,38 @@ class LocalResponder:
         responder's sampling settings (left-padded, so every row's next token comes at the same position).
         A CPU answers a batch for the cost of a few single answers, which makes measuring on many
         held-out answers affordable; repeat a conversation to get several answers to it."""
-        import torch
-
         if not conversations:
             return []
         with self._lock:
-            self.refresh()
-            built = [self._with_system(c) for c in conversations]
-            rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
-                                                       return_tensors="pt")["input_ids"][0].tolist()
-                    for m in built]  # fmt: skip
-            model = self.model
-            gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                                         self.temperature, self.top_p)
-            width = max(len(r) for r in rows)
-            ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
-            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-            with torch.inference_mode(), seeded_rng(seed, self.device):
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            batch = self._generate_batch(conversations, seed, max_new_tokens, self.temperature, self.top_p)
             samples = []
-            for row, msgs in zip(out[:, width:], built, strict=True):
-                new = self._cut_at_end(row).tolist()
-                samples.append(Sample(text=self.tokenizer.decode(new, skip_special_tokens=True).strip(),
-                                      token_ids=new, adapter_version=self._active, messages=msgs))
+            for new, msgs in zip(batch.news, batch.built, strict=True):
+                got = new.tolist()
+                samples.append(Sample(text=self.tokenizer.decode(got, skip_special_tokens=True).strip(),
+                                      token_ids=got, adapter_version=self._active, messages=msgs))
             return samples
+
+    def _generate_batch(self, conversations: Sequence[list[dict]], seed: int | None, max_new_tokens: int | None,
+                        temperature: float, top_p: float) -> _Batch:
+        """One left-padded ``generate`` over the conversations with the current version (the caller
+        holds the lock): the conversations as built, their prompt ids, and each row's new ids cut at
+        its end token."""
+        import torch
+
+        self.refresh()
+        built = [self._with_system(c) for c in conversations]
+        rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
+                                                   return_tensors="pt")["input_ids"][0].tolist()
+                for m in built]  # fmt: skip
+        model = self.model
+        gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                     temperature, top_p)
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        with torch.inference_mode(), seeded_rng(seed, self.device):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        return _Batch(model, built, rows, [self._cut_at_end(row) for row in out[:, width:]], int(gc.pad_token_id))
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         msgs = [dict(m) for m in messages]
