@@ -76,8 +76,12 @@ class ChatRequest(BaseModel):
         return v
 
 
+def _error_body(message: str, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "code": None}}
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": None}}, status=status)
+    return web.json_response(_error_body(message, kind), status=status)
 
 
 def _extension(answer) -> dict:
@@ -176,9 +180,8 @@ async def _stream(request: web.Request, req: ChatRequest, answer_with, model_nam
         answer = task.result()
     except Exception as exc:  # headers are sent: the error goes as an event, the trace to our log
         log.exception("answer failed")
-        error = {"message": f"the model failed to answer: {exc.__class__.__name__}", "type": "server_error",
-                 "code": None}
-        await send(f"data: {json.dumps({'error': error})}\n\n".encode())
+        error = _error_body(f"the model failed to answer: {exc.__class__.__name__}", "server_error")
+        await send(f"data: {json.dumps(error)}\n\n".encode())
     else:
         await send(chunks.last(req, answer, tokenizer))
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -285,16 +288,16 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
             return _error(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
                           "not_found_error")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        max_new_tokens = req.max_completion_tokens or req.max_tokens
         if req.stream:
             def answer_with(on_text):
-                return responder.answer(messages, req.seed, req.max_completion_tokens or req.max_tokens,
-                                        req.temperature, req.top_p, on_text=on_text)
+                return responder.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p,
+                                        on_text=on_text)
 
             async with lock:
                 return await _stream(request, req, answer_with, model_name, responder.tokenizer)
         try:
-            answer = await batcher.answer(messages, req.seed, req.max_completion_tokens or req.max_tokens,
-                                          req.temperature, req.top_p)
+            answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p)
         except Exception as exc:  # one line to the caller, the trace to our log
             log.exception("answer failed")
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
