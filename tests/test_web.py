@@ -272,6 +272,8 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 await v1.locator("td a").click()  # what v0001 trained on, in the ratings browser
                 await expect(page.locator("#count")).to_have_text("4 ratings")
                 await page.go_back()
+                await expect(v1).to_contain_text("active")  # the dashboard drawn again, not a blank page
+                await expect(page.locator("#total")).to_have_text("4")
                 if os.environ.get("RLFLEET_WEB_DASHBOARD_SCREENSHOT"):  # docs/img/web-dashboard.png
                     await page.screenshot(path=os.environ["RLFLEET_WEB_DASHBOARD_SCREENSHOT"], full_page=True)
                 assert await page.evaluate("window.__pwned") is None

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import get_args
 from urllib.parse import urlencode
 
 import aiohttp
@@ -37,7 +38,7 @@ from rlfleet.bridge.app import Key, make_app  # noqa: E402
 from rlfleet.bridge.auth import sign  # noqa: E402
 from rlfleet.shared import inbox  # noqa: E402
 from rlfleet.shared.config import load_config  # noqa: E402
-from rlfleet.shared.ingress.grammar import parse_rl, reaction_value  # noqa: E402
+from rlfleet.shared.ingress.grammar import _PREFIX, _VERBS, Verb, parse_rl, reaction_value  # noqa: E402
 from rlfleet.shared.queue import EVENTS_QUEUE, open_queue  # noqa: E402
 from rlfleet.shared.ratings_io import ImportReport, read_jsonl  # noqa: E402
 
@@ -157,7 +158,11 @@ def test_imported_rating_files_are_validated_line_by_line(tmp_path_factory, line
 @given(text=st.text(max_size=300), name=st.text(max_size=30) | st.none())
 def test_commands_and_reactions_parse_anything(text, name):
     cmd = parse_rl(text)
-    assert cmd.verb in ("good", "bad", "undo", "status", "train", "rollback", "reset", "help")
+    assert cmd.verb in get_args(Verb)
+    # Anything that is not a known spelling of a verb is help, never an action.
+    if cmd.verb != "help" and cmd.stars is None:
+        head = _PREFIX.sub("", text, count=1).strip().partition(" ")[0].lower()
+        assert _VERBS.get(head) == cmd.verb
     assert reaction_value(name) in (1, -1, None)
     tally("/rl text and reaction names", 1)
 
