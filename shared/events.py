@@ -156,6 +156,9 @@ class Rating(_Event):
     value: Literal[1, -1] | None
     comment: str | None = None
     stars: int | None = Field(default=None, ge=1, le=5)
+    # An environment's reward on an agent's step (source gym only): the thumb is the sign of the
+    # step's return, and the rating trains only in its agent's runs (worker/gym/agent.py).
+    reward: float | None = Field(default=None, allow_inf_nan=False)
     scope: Literal["own", "any"] = "own"
 
     @model_validator(mode="before")
@@ -176,6 +179,8 @@ class Rating(_Event):
     def _a_reason_has_words(self) -> Rating:
         if self.value is None and not (self.comment or "").strip():
             raise ValueError("a reason without a rating needs words: /rl why <reason>")
+        if self.reward is not None and (self.source != "gym" or self.value is None):
+            raise ValueError("a reward is an environment's, on an agent's rated step (source gym)")
         if self.stars is not None and self.value != thumb_of(self.stars):
             word = "up" if thumb_of(self.stars) > 0 else "down"
             raise ValueError(f"{self.stars} stars is a thumbs-{word} (4-5 up, 1-3 down); value {self.value} "

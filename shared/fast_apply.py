@@ -112,7 +112,7 @@ def _capture(b: _Batch, ev: Capture) -> None:
 def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
     if ev.target == "last" or ev.target not in b.caps:  # a ref, or a capture of this batch: the ORM resolves it
         raise _NotHere
-    if ev.value is None:  # a reason said afterwards: rare, and the ORM path owns its rules
+    if ev.value is None or ev.reward is not None:  # a reason said afterwards, an agent's step: rare, the ORM's
         raise _NotHere
     owner, version, response = b.caps[ev.target]
     if ev.scope != "any" and owner != ev.actor:  # what the ingress's permission decision granted

@@ -69,12 +69,16 @@ class RatedExample(BaseModel):
     label: bool
     comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
     stars: int | None = Field(None, ge=1, le=5)  # beside the thumb, when it was given in stars (`/rl 4`)
+    reward: float | None = Field(None, allow_inf_nan=False)  # an environment's, on an agent's step (rlfleet.gym)
     rlfleet: Provenance
 
     @model_validator(mode="after")
     def _stars_agree(self) -> RatedExample:
         if self.stars is not None and thumb_of(self.stars) != self.rlfleet.value:
             raise ValueError(f"{self.stars} stars disagree with value {self.rlfleet.value} (4-5 good, 1-3 bad)")
+        if self.reward is not None and self.rlfleet.source != "gym":
+            raise ValueError(f"a reward is an environment's, on an agent's step (source gym), "
+                             f"not {self.rlfleet.source}'s")
         return self
 
     @property
@@ -100,6 +104,7 @@ def to_example(rating, capture) -> RatedExample:
         label=rating.value > 0,
         comment=rating.comment,
         stars=rating.stars,
+        reward=rating.reward,
         rlfleet=Provenance(
             rating_event_id=rating.event_id, actor=rating.actor, source=rating.source, value=rating.value,
             state=rating.state, train_model=rating.train_model, rated_at=rating.created, changed_at=rating.changed,

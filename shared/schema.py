@@ -72,6 +72,9 @@ class RatingRow(Base):
     value: Mapped[int] = mapped_column(Integer)
     comment: Mapped[str | None] = mapped_column(Text)
     stars: Mapped[int | None] = mapped_column(Integer)  # 1-5 when rated in stars (/rl 4), beside the thumb
+    # An agent's step in an environment (source gym): the step's own reward, its thumb the sign of the
+    # return from it. Such a rating trains only in its agent's runs, with the episode's returns.
+    reward: Mapped[float | None] = mapped_column(Float)
     state: Mapped[str] = mapped_column(String(16), default="active")
     adapter_version: Mapped[str | None] = mapped_column(String(64))
     run_id: Mapped[int | None] = mapped_column(ForeignKey("train_runs.id"))

@@ -184,10 +184,11 @@ class Store(RunLedger):
         value: int = ev.value if ev.value is not None else self._own_value(current, ev.actor)
         # A reason said afterwards keeps the rating's stars, as it keeps its thumb.
         stars = ev.stars if ev.value is not None else (current.stars if current is not None else None)
+        reward = ev.reward if ev.value is not None else (current.reward if current is not None else None)
         self._claim(s, ev.event_id, "rating", b)
         now = datetime.now(timezone.utc)
         if (current is not None and current.value == value and current.comment == ev.comment
-                and current.stars == stars):
+                and current.stars == stars and current.reward == reward):
             if current.id is None:  # added earlier in this batch: its id comes with the flush
                 b.fresh = current
             return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=value)
@@ -203,6 +204,7 @@ class Store(RunLedger):
             value=value,
             comment=ev.comment,
             stars=stars,
+            reward=reward,
             state="active",
             adapter_version=cap.adapter_version,
             created=now,
@@ -346,7 +348,8 @@ class Store(RunLedger):
                 self._remember(s, p.rating_event_id, "rating")
                 s.add(RatingRow(
                     event_id=p.rating_event_id, capture_id=cap.id, train_model=p.train_model, actor=p.actor,
-                    source=p.source, value=p.value, comment=ex.comment, stars=ex.stars, state=p.state,
+                    source=p.source, value=p.value, comment=ex.comment, stars=ex.stars, reward=ex.reward,
+                    state=p.state,
                     adapter_version=p.adapter_version, created=as_utc(p.rated_at), changed=as_utc(p.changed_at),
                 ))
         except _Skip as skip:
@@ -402,9 +405,13 @@ class Store(RunLedger):
 
     # ---- training data ------------------------------------------------------------------------
 
-    @staticmethod
-    def _pending_clause(model: str):
-        fresh = (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+    # An agent's rated steps (rlfleet.gym) train in the agent's own runs, with their episode's returns
+    # and baselines, never as a chat rating of a worker's run.
+    _RATED_BY_PEOPLE = RatingRow.reward.is_(None)
+
+    @classmethod
+    def _pending_clause(cls, model: str):
+        fresh = (RatingRow.state == "active") & RatingRow.run_id.is_(None) & cls._RATED_BY_PEOPLE
         # trained, then undone or replaced, and not yet retracted: the next run undoes its effect
         retract = (
             RatingRow.state.in_(("undone", "replaced"))
@@ -414,8 +421,10 @@ class Store(RunLedger):
         return (RatingRow.train_model == model) & or_(fresh, retract)
 
     def pending_count(self, model: str, since: datetime | None = None) -> int:
-        """Active ratings not trained on yet (only those made after ``since``, when given)."""
-        clause = (RatingRow.train_model == model) & (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+        """Active ratings not trained on yet (only those made after ``since``, when given); an agent's
+        steps are its own runs' (:meth:`untrained_steps`)."""
+        clause = ((RatingRow.train_model == model) & (RatingRow.state == "active") & RatingRow.run_id.is_(None)
+                  & self._RATED_BY_PEOPLE)
         if since is not None:
             clause &= RatingRow.created > as_utc(since)
         with self.session() as s:
@@ -432,6 +441,19 @@ class Store(RunLedger):
             ).all()
             return [(r, c) for r, c in rows]
 
+    def untrained_steps(self, model: str, actor: str) -> list[tuple[RatingRow, CaptureRow]]:
+        """The rated steps of the environment agent ``actor`` that no run trained on (episodes stored
+        before the agent stopped with a batch unfilled), oldest first."""
+        with self.session() as s:
+            rows = s.execute(
+                select(RatingRow, CaptureRow)
+                .join(CaptureRow, CaptureRow.id == RatingRow.capture_id)
+                .where(RatingRow.train_model == model, RatingRow.actor == actor, RatingRow.state == "active",
+                       RatingRow.run_id.is_(None), RatingRow.reward.is_not(None))
+                .order_by(RatingRow.created, RatingRow.id)
+            ).all()
+            return [(r, c) for r, c in rows]
+
     def replay_pool(self, model: str) -> list[tuple[int, int]]:
         """``(rating id, value)`` of every rating a run may replay: active, trained on by a promoted
         run of the current lineage (a reset forgets what came before). Pending ratings, the gate's
@@ -441,7 +463,7 @@ class Store(RunLedger):
             rows = s.execute(
                 select(RatingRow.id, RatingRow.value)
                 .join(TrainRun, TrainRun.id == RatingRow.run_id)
-                .where(RatingRow.train_model == model, RatingRow.state == "active",
+                .where(RatingRow.train_model == model, RatingRow.state == "active", self._RATED_BY_PEOPLE,
                        TrainRun.model == model, TrainRun.lineage == lineage)
                 .order_by(RatingRow.id)
             ).all()
@@ -581,6 +603,7 @@ class BrowsedRating:
     actor: str
     value: int
     stars: int | None
+    reward: float | None  # an environment's, on an agent's step
     comment: str | None
     state: str
     trained_by: str | None  # the version whose run trained on it; None while pending
@@ -590,8 +613,8 @@ class BrowsedRating:
     @classmethod
     def of(cls, r: RatingRow, c: CaptureRow, version: str | None) -> BrowsedRating:
         asked = next((m.get("content", "") for m in reversed(c.prompt or []) if m.get("role") == "user"), "")
-        return cls(r.id, c.id, c.conversation, as_utc(r.created), r.source, r.actor, r.value, r.stars, r.comment,
-                   r.state, version, str(asked), c.response)
+        return cls(r.id, c.id, c.conversation, as_utc(r.created), r.source, r.actor, r.value, r.stars, r.reward,
+                   r.comment, r.state, version, str(asked), c.response)
 
 
 class _Skip(Exception):

@@ -123,7 +123,62 @@ def test_episodes_are_stored_like_ratings_and_show_in_status_history_and_export(
     out = tmp_path / "ratings.jsonl"
     assert runner.invoke(app, ["export", "ratings", str(out)], catch_exceptions=False).exit_code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == steps and all("gym" in json.dumps(r) for r in rows)
+    assert len(rows) == steps and all(r["rlfleet"]["source"] == "gym" for r in rows)
+    # the reward in its own field, the step's own (not its return): each comment says the same number
+    assert all(f"reward {r['reward']:g}," in r["comment"] for r in rows)
+    assert {r["reward"] for r in rows} <= {0.0, 1.0, -1.0}
+    # a backup brings the rewards back into a fresh data dir, where no chat run would train on them
+    fresh = tmp_path / "restored"
+    monkeypatch.setenv("RLFLEET_HOME", str(fresh))
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    assert runner.invoke(app, ["import", "ratings", str(out)], catch_exceptions=False).exit_code == 0
+    restored = Store(f"sqlite:///{fresh / 'rlfleet.db'}")
+    assert sorted(r.reward for r, _ in restored.rated_pairs(all_states=True)) == sorted(r["reward"] for r in rows)
+
+
+def test_a_stopped_agents_episodes_train_in_the_next_agents_first_batch_never_as_chat_ratings(
+        queued_home, tiny_model_dir, single_thread, monkeypatch):
+    def play(agent: Agent, rewards: list[float]) -> dict | None:
+        for r in rewards:
+            agent.act(len(r.hex()))
+            agent.assign_reward(r)
+        return agent.terminate_episode()
+
+    first = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=3, max_new_tokens=4,
+                 device="cpu", gamma=0.5, env="pick-resume")
+    try:
+        assert first.resumed_episodes == 0
+        assert play(first, [0.0, 1.0]) is None and play(first, [-1.0, 0.0, 2.0]) is None
+    finally:
+        first.close()  # stopped with 2 of 3 episodes: no run
+    store = Store(first.cfg.db_url)
+    stored = store.untrained_steps(first.slug, "pick-resume")
+    assert stored and all(r.run_id is None and r.reward in (0.0, 1.0, -1.0, 2.0) for r, _ in stored)
+    assert store.pending_count(first.slug) == 0  # the chat trigger's count: nothing of people's to train
+    assert store.pending_ratings(first.slug, 100) == []
+    monkeypatch.setenv("RLFLEET_HOME", str(queued_home))
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    said = runner.invoke(app, ["train", "--wait"], catch_exceptions=False).output
+    assert "nothing to train on" in said, said
+    assert [r.id for r, _ in store.untrained_steps(first.slug, "pick-resume")] == [r.id for r, _ in stored]
+
+    other = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=3, device="cpu", env="another")
+    assert other.resumed_episodes == 0  # another environment's episodes are not its
+    other.close()
+    again = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=3, max_new_tokens=4,
+                 device="cpu", gamma=0.5, env="pick-resume")
+    try:
+        episodes = {c.conversation for _, c in stored}
+        assert again.resumed_episodes == len(episodes)
+        for episode in again._batch:  # as played: steps in order, their returns discounted again
+            rewards = [s.reward for s in episode.steps]
+            assert rewards in ([0.0, 1.0], [-1.0, 0.0, 2.0]) or len(rewards) < 3
+            assert episode.returns == discounted_returns(rewards, 0.5)
+        stats = play(again, [1.0]) if len(episodes) == 2 else (play(again, [1.0]) or play(again, [1.0]))
+    finally:
+        again.close()
+    assert stats is not None and stats["episodes"] == 3 and stats["version"] == "v0001"
+    assert store.untrained_steps(first.slug, "pick-resume") == []  # every stored step trained, once
 
 
 def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_dir, single_thread):

@@ -294,3 +294,39 @@ def test_a_database_from_before_pause_trains_by_itself_and_keeps_its_baseline(db
     assert store.training_paused(MODEL) is False and store.baseline(MODEL) == (0.5, 1)
     store.pause_training(MODEL, True)
     assert store.training_paused(MODEL) is True and store.baseline(MODEL) == (0.5, 1)
+
+
+def test_an_agents_step_keeps_its_reward_and_is_never_a_chat_rating_to_train(store, db_url):
+    people, step = cap(), Capture(source="gym", owner="blackjack", actor="blackjack", conversation="blackjack/e1",
+                                  message_ref="blackjack/e1:0", prompt=[{"role": "user", "content": "sum 14"}],
+                                  response="Action: 1", model=MODEL)
+    store.apply_many([people, step], MODEL)
+    store.apply_many([Rating(target=people.capture_id, value=1),
+                      Rating(source="gym", actor="blackjack", target=step.capture_id, value=-1, reward=-1.0)], MODEL)
+    assert store.pending_count(MODEL) == 1  # people's rating only
+    assert [c.id for _, c in store.pending_ratings(MODEL, 10)] == [people.capture_id]
+    assert [(r.reward, c.id) for r, c in store.untrained_steps(MODEL, "blackjack")] == [(-1.0, step.capture_id)]
+    assert store.untrained_steps(MODEL, "local") == []
+    # a reason said afterwards keeps the step's reward, as it keeps stars
+    store.apply_rating(Rating(source="gym", actor="blackjack", value=None, comment="busted", target=step.capture_id),
+                       MODEL)
+    assert [(r.reward, r.comment) for r, _ in store.untrained_steps(MODEL, "blackjack")] == [(-1.0, "busted")]
+
+
+def test_a_reward_belongs_to_an_agents_step_and_is_a_finite_number():
+    assert Rating(source="gym", value=1, reward=0.5).reward == 0.5
+    for bad in [{"source": "slack", "value": 1, "reward": 1.0}, {"source": "gym", "value": None, "comment": "x",
+                                                                  "reward": 1.0},
+                {"source": "gym", "value": 1, "reward": float("nan")}, {"source": "gym", "value": 1, "reward": "lots"},
+                {"source": "gym", "value": -1, "reward": float("inf")}]:
+        with pytest.raises(ValueError):
+            Rating(**bad)
+
+
+def test_a_database_from_before_rewards_migrates_with_its_ratings_as_peoples(db_url):
+    database_at(db_url, "0005", OLD_CAPTURE,
+                "INSERT INTO ratings (event_id, capture_id, train_model, actor, source, value, state, created, "
+                "changed) VALUES ('r-old', 'old', 'm', 'local', 'cli', 1, 'active', '2026-11-01 00:00:00', "
+                "'2026-11-01 00:00:00')")
+    store = Store(db_url)
+    assert store.pending_count("m") == 1 and [r.reward for r, _ in store.pending_ratings("m", 5)] == [None]

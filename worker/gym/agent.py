@@ -4,8 +4,11 @@ served version of a local model, training inline on rlfleet's own run path.
 Every step is answered by the version ``CURRENT`` names, with its behaviour log-probs recorded as
 `rlfleet chat` records them. A closed episode is stored like chat answers are: each step a capture
 (source ``gym``, the environment's name as its actor and owner, the episode as its conversation) and a
-rating of it, a 👍 when the step's discounted return is positive and a 👎 otherwise, whose comment
-holds the reward and return exactly, so episodes show in `rlfleet status`, `history` and the export. When
+rating of it, a 👍 when the step's discounted return is positive and a 👎 otherwise, with the step's
+reward (its own column; the comment says reward and return in words), so episodes show in `rlfleet
+status`, `history`, the web app and the export. Such ratings train only in an agent's runs: an agent
+made again on the same data dir and environment takes up the stored episodes no run trained on (a batch
+left unfilled when the last one stopped) into its first batch. When
 ``episodes_per_update`` episodes are closed, one training run goes through the worker's own
 (:func:`rlfleet.worker.orchestrate.train_candidate` and ``conclude``: the trainer, the objective, a
 committed version, the ledger): each step trains with its discounted return against a baseline,
@@ -181,7 +184,8 @@ class Agent:
                                         temperature=temperature, top_p=top_p)
         self._episode = self._new_episode()
         self._messages: list[dict] = []
-        self._batch: list[Episode] = []
+        self._batch: list[Episode] = self._untrained_episodes()
+        self.resumed_episodes = len(self._batch)  # stored by an earlier agent, trained with the next batch
         self._answers = 0  # seeds the steps' sampling: a run repeats with the same settings
 
     # ------------------------------------------------------------------ the three methods to write
@@ -430,6 +434,25 @@ class Agent:
     def _new_episode(self) -> Episode:
         return Episode(id=f"{self.env[:120]}/{uuid.uuid4().hex[:12]}")
 
+    def _untrained_episodes(self) -> list[Episode]:
+        """This environment's stored episodes that no run trained on, as they were played (a step no
+        capture could hold, a blank answer, is not among them, nor its reward)."""
+        episodes: dict[str, list[tuple[int, Step, int]]] = {}
+        for rating, cap in self.store.untrained_steps(self.slug, self.env[:256]):
+            t = int(cap.message_ref.rsplit(":", 1)[1]) if cap.message_ref and ":" in cap.message_ref else 0
+            step = Step(prompt=list(cap.prompt), response=cap.response,
+                        token_ids=list(cap.behaviour_token_ids or []), logprobs=list(cap.behaviour_logprobs or []),
+                        adapter_version=cap.adapter_version, finish_reason=cap.finish_reason or "stop",
+                        reward=float(rating.reward or 0.0))
+            episodes.setdefault(cap.conversation, []).append((t, step, rating.id))
+        out = []
+        for conversation, steps in episodes.items():
+            steps.sort(key=lambda x: x[0])
+            episode = Episode(id=conversation, steps=[s for _, s, _ in steps], rating_ids=[r for _, _, r in steps])
+            episode.returns = discounted_returns([s.reward for s in episode.steps], self.gamma)
+            out.append(episode)
+        return out
+
     def _redis(self) -> Any:
         if self._queue is None:
             self._queue = open_queue(self.cfg)
@@ -454,7 +477,7 @@ class Agent:
             if s.error:
                 said += f"; extract_action failed: {s.error}"
             events += [cap, Rating(source=SOURCE, actor=self.env[:256], target=cap.capture_id,
-                                   value=1 if g > 0 else -1, comment=said[:2000])]
+                                   value=1 if g > 0 else -1, comment=said[:2000], reward=s.reward)]
             stored.append(t)
         ids: list[int | None] = [None] * len(episode.steps)
         if events:

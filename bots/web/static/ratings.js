@@ -26,7 +26,8 @@ function row(r) {
   tr.dataset.id = r.id;
   cell(tr, r.created.slice(0, 16).replace("T", " "));
   cell(tr, r.source); cell(tr, r.actor);
-  cell(tr, (r.value > 0 ? "👍" : "👎") + (r.stars ? ` ${r.stars}★` : ""));
+  cell(tr, (r.value > 0 ? "👍" : "👎") + (r.stars ? ` ${r.stars}★` : "")
+    + (r.reward === null || r.reward === undefined ? "" : ` reward ${r.reward}`));
   const qa = cell(tr, "", "qa");
   const q = document.createElement("div"); q.className = "q"; q.textContent = r.prompt;
   const a = document.createElement("div"); a.textContent = r.answer;
