@@ -11,6 +11,7 @@ over prompt + answer, i.e. the same quantity the trainer computes (docs/objectiv
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import threading
 import time
@@ -67,6 +68,43 @@ class Sample:
     messages: list[dict] = field(default_factory=list)  # the conversation, system prompt included
 
 
+@dataclass
+class TurnCache:
+    """One conversation's attention keys and values, kept between its turns so that a turn encodes only
+    the tokens its prompt adds (an environment agent's episode re-sends every earlier turn). Valid for
+    the model state it was made under: a version switch starts it over. ``reused`` and ``encoded``
+    count prompt tokens taken from the cache and run through the model, over all turns."""
+
+    key: Any = _NEVER
+    ids: list[int] = field(default_factory=list)  # the tokens whose keys and values ``past`` holds
+    past: Any = None
+    reused: int = 0
+    encoded: int = 0
+
+    def keep(self, prompt: list[int], key: Any) -> int:
+        """How many leading tokens of ``prompt`` the cache holds under ``key`` (at most all but the last
+        one: a step must run at least one token), the rest of it dropped; 0 when it is of another state."""
+        if key != self.key or self.past is None:
+            self.past, self.ids, self.key = None, [], key
+            return 0
+        n = 0
+        for a, b in zip(self.ids, prompt[:-1], strict=False):
+            if a != b:
+                break
+            n += 1
+        _drop_after(self.past, n)
+        self.ids = self.ids[:n]
+        return n
+
+
+def _drop_after(past: Any, n: int) -> None:
+    """Keep the first ``n`` tokens of a transformers cache (``crop`` takes a negative count to remove
+    in every release that has it; a non-negative one meant different things across releases)."""
+    extra = int(past.get_seq_length()) - n
+    if extra > 0:
+        past.crop(-extra)
+
+
 def sampling(temperature: float, top_p: float) -> dict[str, Any]:
     """The ``generate()`` settings of an answer drawn at ``temperature`` and ``top_p`` (temperature 0:
     the likeliest tokens): how the chat answers, and how the gate samples what it will serve.
@@ -116,6 +154,10 @@ class LocalResponder:
         self._warned: str | None = None  # last warning about CURRENT, so it is logged once, not per answer
         self._pin: tuple[str | None] | None = None  # (version,) while pinned(): answers ignore CURRENT
         self._eos_ids = self._end_token_ids()
+        # transformers renames generate's and forward's `past_key_values` to `cache` (the old name
+        # warns, then goes): the name this release's model takes
+        self._cache_arg = "cache" if "cache" in inspect.signature(type(self._base).forward).parameters \
+            else "past_key_values"
         self.refresh()
 
     # ------------------------------------------------------------------ adapter selection
@@ -274,23 +316,30 @@ class LocalResponder:
         temperature: float | None = None,
         top_p: float | None = None,
         on_text: Callable[[str], None] | None = None,
+        cache: TurnCache | None = None,
     ) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version;
         the sampling settings default to the responder's own. ``on_text`` is called, from this thread,
-        with each piece of decoded text as it is generated (whole words where the tokenizer can tell)."""
+        with each piece of decoded text as it is generated (whole words where the tokenizer can tell).
+        ``cache``: the conversation's :class:`TurnCache` from its earlier turns; the prompt's tokens it
+        holds are not encoded again, and it is left holding this turn's. The log-probs come from one
+        pass over the answer's tokens on the prompt's keys and values, not over the whole conversation."""
         import torch
+        from transformers import DynamicCache
 
+        cache = cache if cache is not None else TurnCache()
         with self._lock:
             t0 = time.perf_counter()
             self.refresh()
             msgs = self._with_system(messages)
-            enc = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-            )
-            prompt = enc["input_ids"].to(self.device)
-            mask = enc.get("attention_mask")
-            mask = torch.ones_like(prompt) if mask is None else mask.to(self.device)
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,
+                                                     return_tensors="pt")["input_ids"][0].tolist()
             model = self.model
+            reused = cache.keep(ids, self._key)
+            if cache.past is None:
+                cache.past = DynamicCache(config=model.config)
+            cache.reused, cache.encoded = cache.reused + reused, cache.encoded + len(ids) - reused
+            prompt = torch.tensor([ids], device=self.device)
             with torch.inference_mode(), seeded_rng(seed, self.device):
                 gc = self._generation_config(
                     model,
@@ -299,15 +348,29 @@ class LocalResponder:
                     self.top_p if top_p is None else top_p,
                 )
                 streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
-                out = model.generate(input_ids=prompt, attention_mask=mask, generation_config=gc, streamer=streamer)
-                new = self._cut_at_end(out[0, prompt.shape[1]:])
-                logprobs = token_logprobs(model, prompt[0], new)
-            ids = new.tolist()
-            text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gc,
+                                     streamer=streamer, **{self._cache_arg: cache.past})
+                new = self._cut_at_end(out[0, len(ids):])
+                # The log-probs: the prompt's last token and the answer but its last, on the keys and
+                # values of the prompt before them; the cache then holds them for the next turn.
+                _drop_after(cache.past, len(ids) - 1)
+                cache.ids = ids[:-1]
+                logprobs: list[float] = []
+                if new.numel():
+                    step = torch.cat([prompt[0, -1:], new[:-1]]).unsqueeze(0)
+                    total = len(ids) - 1 + step.shape[1]
+                    logits = model(input_ids=step, attention_mask=torch.ones(1, total, dtype=torch.long,
+                                                                             device=self.device),
+                                   use_cache=True, **{self._cache_arg: cache.past}).logits[0]
+                    logp = torch.log_softmax(logits.float(), dim=-1)
+                    logprobs = logp.gather(-1, new.view(-1, 1)).squeeze(-1).tolist()
+                    cache.ids = ids + new[:-1].tolist()
+            got = new.tolist()
             return Answer(
-                text=text, token_ids=ids, logprobs=logprobs, adapter_version=self._active,
-                model=self.ref.spec, seconds=time.perf_counter() - t0, new_tokens=len(ids), messages=msgs,
-                finish_reason="stop" if ids and ids[-1] in self._eos_ids else "length",
+                text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
+                adapter_version=self._active, model=self.ref.spec, seconds=time.perf_counter() - t0,
+                new_tokens=len(got), messages=msgs,
+                finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
             )
 
     def answer_many(
@@ -461,9 +524,9 @@ class _TextPieces:
 
 
 def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any], pad_id: int) -> list[list[float]]:
-    """:func:`token_logprobs` for many answers in one forward pass: each row ``prompt + answer`` (less
-    its last token) left-padded to one width, with position ids counted from its first real token, so
-    each row sees what it would alone."""
+    """Raw log p(answer token | prompt, answer so far) for many answers in one forward pass: each row
+    ``prompt + answer`` (less its last token) left-padded to one width, with position ids counted from its
+    first real token, so each row sees what it would alone."""
     import torch
 
     rows = [torch.cat([p, n])[:-1] if n.numel() else p[:0] for p, n in zip(prompts, news, strict=True)]
@@ -491,22 +554,6 @@ def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any]
             continue
         out.append(logp[i, keep - k:].gather(-1, n.view(-1, 1)).squeeze(-1).tolist())
     return out
-
-
-def token_logprobs(model: Any, prompt_ids: Any, new_ids: Any) -> list[float]:
-    """Raw log p(new_ids[t] | prompt, new_ids[:t]) under ``model``: one forward pass, fp32 log-softmax,
-    logits computed only on the answer positions."""
-    import torch
-
-    n = int(new_ids.numel())
-    if n == 0:
-        return []
-    full = torch.cat([prompt_ids, new_ids]).unsqueeze(0)[:, :-1]
-    with torch.inference_mode():
-        logits = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False,
-                       logits_to_keep=n).logits[0, -n:]
-        lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, new_ids.view(-1, 1)).squeeze(-1)
-    return lp.tolist()
 
 
 @contextmanager

@@ -84,7 +84,9 @@ def test_episodes_are_stored_like_ratings_and_show_in_status_history_and_export(
     try:
         assert agent.act(0) is not None
         agent.assign_reward(0.0)
+        first_turn = agent._turns.encoded
         agent.act(1)
+        assert agent._turns.reused >= first_turn  # the second turn did not encode the first again
         agent.assign_reward(0.5)
         agent.assign_reward(0.5)  # rewards of one step add up
         assert agent.terminate_episode() is None

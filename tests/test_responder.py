@@ -342,3 +342,30 @@ def test_answer_many_gives_each_conversation_its_own_answer_with_its_raw_logprob
     assert [a.token_ids for a in sampled.answer_many(convs, seed=5)] == \
         [a.token_ids for a in sampled.answer_many(convs, seed=5)]
     assert sampled.answer_many([]) == []
+
+
+def test_a_conversation_cache_encodes_only_what_each_turn_adds_and_answers_as_without(tiny, adapters_dir,
+                                                                                     reference):
+    from rlfleet.shared.responder import TurnCache
+
+    r = make(tiny, adapters_dir, max_new_tokens=6)
+    cache, plain, cached = TurnCache(), [MSGS[0]], [MSGS[0]]
+    lengths, reused = [], []
+    for turn in range(4):
+        if turn == 2:
+            set_current(adapters_dir, "v0001")  # a new version mid-conversation: the cache starts over
+        a = r.answer(plain, seed=turn)  # the whole conversation encoded, every turn
+        before = cache.reused
+        b = r.answer(cached, seed=turn, cache=cache)
+        reused.append(cache.reused - before)
+        assert b.token_ids == a.token_ids and b.adapter_version == a.adapter_version
+        assert max_gap(b, reference(b.adapter_version, cached, b.token_ids)) < TOL
+        lengths.append(len(r.tokenizer.apply_chat_template(cached, add_generation_prompt=True,
+                                                           return_dict=True)["input_ids"]))
+        plain = cached = [*cached, {"role": "assistant", "content": b.text or "ok"},
+                          {"role": "user", "content": f"And turn {turn}?"}]
+    assert cache.reused + cache.encoded == sum(lengths)
+    # turns 1 and 3 take at least the turn before's prompt from the cache (its answer too, where the
+    # answer's text tokenizes back to what was generated); turn 0 and turn 2, a new version, take nothing
+    assert reused[0] == reused[2] == 0
+    assert lengths[0] <= reused[1] < lengths[1] and lengths[2] <= reused[3] < lengths[3], (lengths, reused)

@@ -46,6 +46,7 @@ from rlfleet.shared.events import Capture, Message, Rating, well_formed
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
 from rlfleet.shared.queue import QueueHandle, open_queue, progress_key
 from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.responder import TurnCache
 from rlfleet.shared.status import publish_snapshot
 from rlfleet.shared.store import Store
 from rlfleet.worker.context import Context
@@ -184,6 +185,7 @@ class Agent:
                                         temperature=temperature, top_p=top_p)
         self._episode = self._new_episode()
         self._messages: list[dict] = []
+        self._turns = TurnCache()  # the episode's keys and values: a turn encodes only what it adds
         self._batch: list[Episode] = self._untrained_episodes()
         self.resumed_episodes = len(self._batch)  # stored by an earlier agent, trained with the next batch
         self._answers = 0  # seeds the steps' sampling: a run repeats with the same settings
@@ -218,7 +220,8 @@ class Agent:
         """Answer ``observation`` in the episode's conversation with the served version; the action
         :meth:`extract_action` reads from the answer."""
         messages = self.prompt_for(observation)
-        answer = self.responder.answer(messages, seed=self.cfg.train.seed * 1_000_003 + self._answers)
+        answer = self.responder.answer(messages, seed=self.cfg.train.seed * 1_000_003 + self._answers,
+                                       cache=self._turns)
         self._answers += 1
         step = Step(prompt=messages, response=answer.text, token_ids=list(answer.token_ids),
                     logprobs=list(answer.logprobs), adapter_version=answer.adapter_version,
@@ -258,7 +261,7 @@ class Agent:
         episode.returns = discounted_returns([s.reward for s in episode.steps], self.gamma)
         episode.rating_ids = self._store(episode)
         self._batch.append(episode)
-        self._episode, self._messages = self._new_episode(), []
+        self._episode, self._messages, self._turns = self._new_episode(), [], TurnCache()
         if len(self._batch) >= self.episodes_per_update:
             batch, self._batch = self._batch, []
             if not self.background:
