@@ -3,10 +3,19 @@ the store share (the ORM path in shared/store.py, the Core path in shared/fast_a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
-from .events import Capture
+from .events import Capture, Rating
+
+# What a rating is filed under for training: one lineage's name for every rating (the model's slug), or
+# a function of the rating and its answer's conversation (scopes: Config.lineage_of).
+TrainModel = str | Callable[[Rating, str | None], str]
+
+
+def lineage_of(train_model: TrainModel, ev: Rating, conversation: str | None) -> str:
+    return train_model if isinstance(train_model, str) else train_model(ev, conversation)
 
 
 @dataclass(frozen=True)
@@ -19,6 +28,11 @@ class Applied:
     capture_id: str | None = None
     rating_id: int | None = None
     value: int | None = None
+    train_model: str | None = None  # the lineage a new rating was filed under (shared/scopes.py)
+
+    def answer(self) -> dict:
+        """What the job answers whoever enqueued the event (the lineage is the worker's own business)."""
+        return {k: v for k, v in asdict(self).items() if k != "train_model"}
 
 
 def as_utc(dt: datetime) -> datetime:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import ConfigError
 from .events import PLATFORMS
+from .scopes import Scope, lineage, scope_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +36,10 @@ def data_dir() -> Path:
 class TrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     preset: Preset = "balanced"
+    # Whose adapter a rating trains (shared/scopes.py, docs/scopes.md): "shared", one for everyone;
+    # "person", each rater their own; "channel", each conversation its own. Per platform and channel:
+    # [bots.<platform>] scope and channel_scopes.
+    scope: Scope = "shared"
     threshold: int = Field(32, ge=1, le=100_000, description="pending ratings that start a run")
     max_ratings: int = Field(512, ge=1, description="cap on ratings one run consumes")
     # Earlier ratings a run trains on again so that it does not forget them (worker/replay.py), as a
@@ -154,6 +159,10 @@ class BotSettings(BaseModel):
     admins: list[str] = Field(default_factory=list,
                               description="may /rl train, rollback, reset, pause, resume (off when empty)")
     buttons: bool = True  # good/bad buttons under each answer
+    # Whose adapter a rating here trains (shared/scopes.py, docs/scopes.md): None = train.scope; per
+    # channel / chat id, channel_scopes overrides both.
+    scope: Scope | None = None
+    channel_scopes: dict[str, Scope] = Field(default_factory=dict)
     # Where it answers: these channel / chat ids only; empty = DMs and any channel it is added to.
     channels: list[str] = Field(default_factory=list)
     api_base: str | None = None  # the platform's API base URL (local Bot API server, GovSlack, test fakes)
@@ -291,6 +300,30 @@ class Config(BaseModel):
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
     web: WebSettings = Field(default_factory=WebSettings)
     allow_remote_push: bool = False  # push targets must be on this machine (loopback) unless this is set
+
+    def scope_for(self, source: str, conversation: str | None) -> Scope:
+        """The scope of a rating from ``source`` on an answer in ``conversation``: the channel's, the
+        platform's, else ``train.scope``."""
+        bot = self.bots.get(source)
+        if bot is not None:
+            if conversation is not None and conversation in bot.channel_scopes:
+                return bot.channel_scopes[conversation]
+            if bot.scope is not None:
+                return bot.scope
+        return self.train.scope
+
+    def lineage_of(self, slug: str, source: str, actor: str, conversation: str | None) -> str:
+        """The lineage (shared/scopes.py) a rating by ``actor`` from ``source`` on an answer in
+        ``conversation`` trains, for model ``slug``."""
+        return lineage(slug, scope_key(self.scope_for(source, conversation), source, actor, conversation))
+
+    @property
+    def scoped(self) -> bool:
+        """Whether any rating may train an adapter other than the shared one."""
+        chosen = [self.train.scope]
+        for bot in filter(None, (self.bots.get(p) for p in PLATFORMS)):
+            chosen += [bot.scope or "shared", *bot.channel_scopes.values()]
+        return any(scope != "shared" for scope in chosen)
 
     def allowlists(self, source: str) -> Allowlists:
         """Who besides a capture's owner may rate, and who may run admin commands, for one ingress."""

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection, bindparam, insert, select, update
 
-from .applied import Applied, capture_values, rated
+from .applied import Applied, TrainModel, capture_values, lineage_of, rated
 from .events import Capture, Rating, Undo
 from .schema import CaptureRow, ProcessedEvent, RatingRow, table_of
 
@@ -20,7 +20,8 @@ _RATINGS, _EVENTS, _CAPTURES = table_of(RatingRow), table_of(ProcessedEvent), ta
 _DONE = select(_EVENTS.c.event_id).where(_EVENTS.c.event_id.in_(bindparam("ids", expanding=True)))
 _TARGETS = (
     select(_CAPTURES.c.id, _CAPTURES.c.owner, _CAPTURES.c.adapter_version, _CAPTURES.c.response,
-           _RATINGS.c.id, _RATINGS.c.value, _RATINGS.c.comment, _RATINGS.c.stars)
+           _CAPTURES.c.conversation, _RATINGS.c.id, _RATINGS.c.value, _RATINGS.c.comment, _RATINGS.c.stars,
+           _RATINGS.c.train_model)
     .outerjoin(_RATINGS, (_RATINGS.c.capture_id == _CAPTURES.c.id) & (_RATINGS.c.state == "active"))
     .where(_CAPTURES.c.id.in_(bindparam("ids", expanding=True)))
 )
@@ -42,6 +43,7 @@ class _Active:
     value: int
     comment: str | None
     stars: int | None = None
+    train_model: str | None = None
     new: dict | None = None
     waiting: list[int] | None = None
 
@@ -51,7 +53,7 @@ class _Batch:
     """What the batch found stored, and what it will write."""
 
     done: set[str]
-    caps: dict[str, tuple]  # capture id -> (owner, adapter version, response)
+    caps: dict[str, tuple]  # capture id -> (owner, adapter version, response, conversation)
     active: dict[str, _Active | None]
     out: list[Applied] = field(default_factory=list)
     claims: list[dict] = field(default_factory=list)
@@ -61,7 +63,7 @@ class _Batch:
     taken: set[str] = field(default_factory=set)
 
 
-def fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], train_model: str
+def fast_apply(conn: Connection, events: Sequence[Capture | Rating | Undo], train_model: TrainModel
                ) -> list[Applied] | None:
     """Each event's answer, written on ``conn``; None (and nothing written) when the batch holds
     anything but captures and ratings of stored answers by id: an undo, a ``last`` or message-ref
@@ -89,10 +91,11 @@ def _look_up(conn: Connection, events: Sequence[Capture | Rating]) -> _Batch:
     done = {r[0] for r in conn.execute(_DONE, {"ids": [ev.event_id for ev in events]})}
     wanted = {ev.target if isinstance(ev, Rating) else ev.capture_id for ev in events}
     b = _Batch(done, {}, {})
-    for cid, owner, version, response, rid, value, comment, stars in conn.execute(_TARGETS, {"ids": list(wanted)}):
-        b.caps[cid] = (owner, version, response)
+    rows = conn.execute(_TARGETS, {"ids": list(wanted)})
+    for cid, owner, version, response, conversation, rid, value, comment, stars, lineage in rows:
+        b.caps[cid] = (owner, version, response, conversation)
         if rid is not None or cid not in b.active:
-            b.active[cid] = _Active(rid, value, comment, stars) if rid is not None else None
+            b.active[cid] = _Active(rid, value, comment, stars, lineage) if rid is not None else None
     return b
 
 
@@ -109,12 +112,12 @@ def _capture(b: _Batch, ev: Capture) -> None:
     b.out.append(Applied(True, f"captured {ev.capture_id}", capture_id=ev.capture_id))
 
 
-def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
+def _rate(b: _Batch, ev: Rating, train_model: TrainModel) -> None:
     if ev.target == "last" or ev.target not in b.caps:  # a ref, or a capture of this batch: the ORM resolves it
         raise _NotHere
     if ev.value is None or ev.reward is not None:  # a reason said afterwards, an agent's step: rare, the ORM's
         raise _NotHere
-    owner, version, response = b.caps[ev.target]
+    owner, version, response, conversation = b.caps[ev.target]
     if ev.scope != "any" and owner != ev.actor:  # what the ingress's permission decision granted
         b.out.append(Applied(False, "nothing of yours to rate here"))
         return
@@ -127,7 +130,7 @@ def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
         if current.new is not None:  # inserted by this batch: its id comes with the INSERT
             current.waiting = (current.waiting or []) + [len(b.out)]
         b.out.append(Applied(True, "already rated that way", capture_id=ev.target, rating_id=current.id,
-                             value=ev.value))
+                             value=ev.value, train_model=current.train_model))
         return
     if current is not None:
         if current.new is not None:
@@ -135,15 +138,16 @@ def _rate(b: _Batch, ev: Rating, train_model: str) -> None:
         else:
             assert current.id is not None  # a stored row: read with its id
             b.replaced.append((current.id, now))
-    row = _Active(None, ev.value, ev.comment, ev.stars, new={
-        "event_id": ev.event_id, "capture_id": ev.target, "train_model": train_model, "actor": ev.actor,
+    lineage = lineage_of(train_model, ev, conversation)
+    row = _Active(None, ev.value, ev.comment, ev.stars, lineage, new={
+        "event_id": ev.event_id, "capture_id": ev.target, "train_model": lineage, "actor": ev.actor,
         "source": ev.source, "value": ev.value, "comment": ev.comment, "stars": ev.stars, "state": "active",
         "adapter_version": version, "created": now, "changed": now,
     }, waiting=[len(b.out)])
     b.active[ev.target] = row
     b.new_ratings.append(row)
     b.out.append(Applied(True, rated(ev.value, current is not None, response, ev.stars), capture_id=ev.target,
-                         value=ev.value))
+                         value=ev.value, train_model=lineage))
 
 
 def _write(conn: Connection, b: _Batch) -> None:

@@ -8,6 +8,9 @@ renamed (``rlfleet.worker.jobs`` keeps every one importable).
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 HANDLE_EVENT = "rlfleet.worker.jobs.handle_event"  # one event per job: only jobs queued before the inbox
 DRAIN_JOB = "rlfleet.worker.jobs.drain_events"  # applies the inbox's events (shared/inbox.py)
 TRAIN_JOB = "rlfleet.worker.jobs.train"  # one training run: (run id, model slug)
@@ -17,5 +20,9 @@ ALL = (HANDLE_EVENT, DRAIN_JOB, TRAIN_JOB, PUSH_JOB)
 
 
 def train_job_id(slug: str, run_id: int) -> str:
-    """The RQ job id of training run ``run_id``: the training lock holds it, and recovery looks it up."""
-    return f"rlfleet-train-{slug}-{run_id}"
+    """The RQ job id of training run ``run_id`` of ``slug`` (a model, or a scope's lineage): the training
+    lock holds it, and recovery looks it up. RQ takes letters, digits, ``_`` and ``-`` only."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", slug)
+    if name != slug:  # a scope's lineage (shared/scopes.py): told apart by a hash of its whole name
+        name = f"{name[:80]}-{hashlib.sha256(slug.encode()).hexdigest()[:12]}"
+    return f"rlfleet-train-{name}-{run_id}"

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import scopes
 from .errors import NotFound
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's, as peft writes it
@@ -86,8 +87,9 @@ def _fsync_dir(path: Path) -> None:
 
 class AdapterRegistry:
     def __init__(self, root: Path, slug: str) -> None:
+        """``slug``: a model's slug (its shared adapters) or a scope's lineage (shared/scopes.py)."""
         self.slug = slug
-        self.dir = Path(root) / slug
+        self.dir = Path(root) / scopes.folder(slug)
 
     @property
     def current_file(self) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from rq import Queue
 
-from . import durability, inbox
+from . import durability, inbox, scopes
 from .bothealth import bots_status
 from .config import Config
 from .queue import TRAIN_QUEUE, QueueHandle, progress_key, push_key, status_key, train_lock_key
@@ -145,6 +145,7 @@ class Status:
     push: list[dict] = field(default_factory=list)  # the last push to each target (worker/push.py)
     bots: dict[str, dict] = field(default_factory=dict)  # per bot (shared/bothealth.py)
     durability: dict | None = None  # what an acknowledgement is worth (shared/durability.py); None: no Redis
+    scopes: dict[str, dict] = field(default_factory=dict)  # per scope key other than shared (shared/scopes.py)
 
     def to_dict(self) -> dict[str, Any]:
         r, q = self.ratings, self.queue
@@ -164,6 +165,7 @@ class Status:
             "push": self.push,
             "bots": self.bots,
             "durability": self.durability,
+            "scopes": self.scopes,
         }
 
 
@@ -190,7 +192,18 @@ def gather_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str
         push=push_results(conn, slug),
         bots=bots_status(cfg, conn),
         durability=durability.check(conn).as_dict() if conn is not None else None,
+        scopes={} if scopes.is_scoped(slug) else {
+            scopes.split(name)[1]: scope_status(cfg, store, conn, name) for name in store.scope_lineages(slug)},
     )
+
+
+def scope_status(cfg: Config, store: Store, conn: redis.Redis | None, name: str) -> dict:
+    """One scope's own figures, as `status --json` shows them under ``scopes``."""
+    c = store.counts(name)
+    return {"lineage": name, "ratings": {"total": c.total, "good": c.good, "bad": c.bad, "pending": c.pending},
+            "adapter": {"current": AdapterRegistry(cfg.adapters_root, name).current(),
+                        "versions": len(store.versions(name))},
+            "training": read_training(store, conn, name).to_dict()}
 
 
 def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str) -> dict:

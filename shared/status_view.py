@@ -38,6 +38,10 @@ def render_status(st: dict) -> Group:
         t.add_row(f"bot {name}", bot_line(b))
     if (st.get("durability") or {}).get("warning"):
         t.add_row("durability", f"[yellow]{escape(st['durability']['warning'])}[/]")
+    for key, sc in sorted((st.get("scopes") or {}).items()):  # per-person and per-channel adapters
+        r = sc["ratings"]
+        t.add_row(f"scope {escape(key)}", f"{sc['adapter']['current'] or 'base model'} · {r['total']} ratings "
+                                          f"({r['pending']} pending) · {escape(sc['training']['state'])}")
     for p in st.get("push", []):
         mark = {True: "[green]ok[/]", False: "[red]failed[/]", None: "[yellow]manual[/]"}[p["ok"]]
         t.add_row(f"push {p['target']}", f"{mark} {p['version'] or 'base'} · {escape(p['message'])}")

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from . import dbsync
-from .applied import Applied, as_utc, capture_values, rated, reasoned
+from .applied import Applied, TrainModel, as_utc, capture_values, lineage_of, rated, reasoned
 from .config import redact_url
 from .engines import _MIGRATED, engine_for, migrate
 from .engines import forget as forget  # a dropped database's engines: tests and benchmarks close them
@@ -170,7 +170,7 @@ class Store(RunLedger):
             ).first()
         return (row[0], row[1]) if row else None
 
-    def _apply_rating(self, s: Session, ev: Rating, train_model: str, b: _Batch) -> Applied:
+    def _apply_rating(self, s: Session, ev: Rating, train_model: TrainModel, b: _Batch) -> Applied:
         if ev.event_id in b.done:  # applied before: the repeat is ignored
             return Applied(True, "already recorded", duplicate=True)
         anyones = ev.scope == "any"  # what the ingress's permission decision granted
@@ -191,14 +191,15 @@ class Store(RunLedger):
                 and current.stars == stars and current.reward == reward):
             if current.id is None:  # added earlier in this batch: its id comes with the flush
                 b.fresh = current
-            return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=value)
+            return Applied(True, "already rated that way", capture_id=cap.id, rating_id=current.id, value=value,
+                           train_model=current.train_model)
         if current is not None:  # a new reason replaces the rating too: a run trains on what it says
             current.state = "replaced"
             current.changed = now
         row = RatingRow(
             event_id=ev.event_id,
             capture_id=cap.id,
-            train_model=train_model,
+            train_model=lineage_of(train_model, ev, cap.conversation),
             actor=ev.actor,
             source=ev.source,
             value=value,
@@ -215,7 +216,7 @@ class Store(RunLedger):
         b.fresh = row
         said = (reasoned(value, ev.comment) if ev.value is None
                 else rated(value, current is not None, cap.response, stars))
-        return Applied(True, said, capture_id=cap.id, value=value)
+        return Applied(True, said, capture_id=cap.id, value=value, train_model=row.train_model)
 
     @staticmethod
     def _last_rated(s: Session, actor: str, conversation: str | None) -> CaptureRow:
@@ -256,14 +257,14 @@ class Store(RunLedger):
         return Applied(True, f"undid your {word} rating", capture_id=row.capture_id, rating_id=row.id,
                        value=row.value)
 
-    def _apply(self, s: Session, ev: Capture | Rating | Undo, train_model: str, b: _Batch) -> Applied:
+    def _apply(self, s: Session, ev: Capture | Rating | Undo, train_model: TrainModel, b: _Batch) -> Applied:
         if isinstance(ev, Capture):
             return self._apply_capture(s, ev, b)
         if isinstance(ev, Rating):
             return self._apply_rating(s, ev, train_model, b)
         return self._apply_undo(s, ev, b)
 
-    def _apply_in(self, s: Session, events: Sequence[Capture | Rating | Undo], train_model: str,
+    def _apply_in(self, s: Session, events: Sequence[Capture | Rating | Undo], train_model: TrainModel,
                   refuse: bool) -> list[Applied]:
         b = self._prefetch(s, events)
         out: list[Applied] = []
@@ -283,7 +284,7 @@ class Store(RunLedger):
             out[i] = replace(out[i], rating_id=row.id)
         return out
 
-    def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: str, *,
+    def apply_many(self, events: Sequence[Capture | Rating | Undo], train_model: TrainModel, *,
                    durable: bool = True) -> list[Applied]:
         """Apply events in order in one transaction; a refused event is an ``ok=False`` answer and the
         others still apply. Raises IntegrityError when another process applied one of them meanwhile
@@ -297,7 +298,7 @@ class Store(RunLedger):
         """Every commit made before this call, deferred ones included, is on disk when it returns."""
         dbsync.sync(self.engine)
 
-    def apply_one(self, ev: Capture | Rating | Undo, train_model: str = "", refuse: bool = True) -> Applied:
+    def apply_one(self, ev: Capture | Rating | Undo, train_model: TrainModel = "", refuse: bool = True) -> Applied:
         """One event in its own transaction; refusals raise (or, without ``refuse``, are ``ok=False``
         answers). A concurrent worker that applied the same event first makes this a duplicate."""
         try:
@@ -310,7 +311,7 @@ class Store(RunLedger):
     def apply_capture(self, ev: Capture) -> Applied:
         return self.apply_one(ev)
 
-    def apply_rating(self, ev: Rating, train_model: str) -> Applied:
+    def apply_rating(self, ev: Rating, train_model: TrainModel) -> Applied:
         return self.apply_one(ev, train_model)
 
     def apply_undo(self, ev: Undo) -> Applied:
@@ -440,6 +441,16 @@ class Store(RunLedger):
                 .limit(cap)
             ).all()
             return [(r, c) for r, c in rows]
+
+    def scope_lineages(self, model: str) -> list[str]:
+        """The lineages of ``model``'s scopes other than the shared one that hold ratings or runs
+        (shared/scopes.py), by name."""
+        like = model.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "@%"
+        with self.session() as s:
+            rated = s.scalars(select(RatingRow.train_model).where(RatingRow.train_model.like(like, escape="\\"))
+                              .distinct()).all()
+            ran = s.scalars(select(TrainRun.model).where(TrainRun.model.like(like, escape="\\")).distinct()).all()
+        return sorted(set(rated) | set(ran))
 
     def untrained_steps(self, model: str, actor: str) -> list[tuple[RatingRow, CaptureRow]]:
         """The rated steps of the environment agent ``actor`` that no run trained on (episodes stored

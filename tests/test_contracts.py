@@ -40,7 +40,7 @@ def test_a_job_result_keeps_its_wire_form():
 
 
 STATUS_KEYS = ["model", "model_slug", "ratings", "threshold", "preset", "ema", "ema_seeded", "lineage", "adapter",
-               "training", "queue", "workers", "push", "bots", "durability"]
+               "training", "queue", "workers", "push", "bots", "durability", "scopes"]
 
 
 def test_the_status_has_the_documented_shape_and_the_snapshot_is_the_same_object(queued_home, rconn):
@@ -50,6 +50,7 @@ def test_the_status_has_the_documented_shape_and_the_snapshot_is_the_same_object
     st = build_status(cfg, store, rconn, slug)
     assert list(st) == STATUS_KEYS
     assert st["ratings"] == {"total": 0, "good": 0, "bad": 0, "pending": 0}
+    assert st["scopes"] == {}
     assert st["ema"] == 0.0 and st["ema_seeded"] is False
     assert st["adapter"] == {"current": None, "versions": []}
     assert st["training"] == {"state": "idle", "error": None, "run_id": None, "progress": None, "paused": False}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import asdict
 
 import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -22,7 +21,7 @@ from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
 from rlfleet.shared.job_result import JobResult
 
 from .context import Context
-from .trigger import Countdown
+from .trigger import Countdown, maybe_trigger
 from .version_commands import run_command
 
 log = logging.getLogger("rlfleet.worker")
@@ -77,33 +76,37 @@ def _command(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
 def _apply_run(ctx: Context, conn: redis.Redis, run: list[tuple[bytes, DataEvent]],
                trigger: Countdown, durable: bool) -> dict[str, JobResult]:
     try:
-        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.slug, durable=durable))
+        applied: list[Applied | None] = list(ctx.store.apply_many([ev for _, ev in run], ctx.train_model,
+                                                                  durable=durable))
     except DATABASE_DOWN:
         raise
     except Exception:  # one event breaks the batch (or a concurrent writer had one): one at a time
         applied = [_apply_alone(ctx, conn, raw, ev) for raw, ev in run]
     out: dict[str, JobResult] = {}
-    last_new_rating, new_ratings = None, 0
+    last_new: dict[str, tuple[str, int]] = {}  # per lineage: its last new rating, and how many were new
     for (_, ev), a in zip(run, applied, strict=True):
         if a is None:
             continue  # retried later
         if not a.ok:  # a refusal is its reason, nothing more
             out[ev.event_id] = JobResult.failed(a.message)
             continue
-        answer = asdict(a)
+        answer = a.answer()
         if isinstance(ev, Rating):
             answer["training"] = None  # the trigger's word, for the last new rating of the run
             if not a.duplicate:
-                last_new_rating, new_ratings = ev.event_id, new_ratings + 1
+                lineage = a.train_model or ctx.slug
+                last_new[lineage] = (ev.event_id, last_new.get(lineage, ("", 0))[1] + 1)
         out[ev.event_id] = JobResult.from_dict(answer)
-    if last_new_rating is not None:  # the threshold is checked once per batch, not once per rating
-        out[last_new_rating] = out[last_new_rating].with_extra(training=trigger(ctx, conn, new_ratings))
+    # the threshold is checked once per batch and lineage, not once per rating
+    for lineage, (event_id, new_ratings) in last_new.items():
+        word = trigger(ctx, conn, new_ratings) if lineage == ctx.slug else maybe_trigger(ctx.scoped(lineage), conn)
+        out[event_id] = out[event_id].with_extra(training=word)
     return out
 
 
 def _apply_alone(ctx: Context, conn: redis.Redis, raw: bytes, ev: DataEvent) -> Applied | None:
     try:
-        return ctx.store.apply_one(ev, ctx.slug, refuse=False)
+        return ctx.store.apply_one(ev, ctx.train_model, refuse=False)
     except DATABASE_DOWN:
         raise
     except Exception as exc:

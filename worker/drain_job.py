@@ -12,7 +12,6 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import asdict
 
 import redis
 from rq import Queue
@@ -112,13 +111,14 @@ def apply_one(ctx: Context, conn: redis.Redis, payload: str) -> JobResult:
     try:
         event = parse_event(payload)
         if isinstance(event, Capture):
-            result = JobResult.from_dict(asdict(ctx.store.apply_capture(event)))
+            result = JobResult.from_dict(ctx.store.apply_capture(event).answer())
         elif isinstance(event, Rating):
-            result = JobResult.from_dict(asdict(ctx.store.apply_rating(event, ctx.slug)))
+            applied = ctx.store.apply_rating(event, ctx.train_model)
+            result = JobResult.from_dict(applied.answer())
             if result.ok and not result.extra["duplicate"]:
-                result = result.with_extra(training=maybe_trigger(ctx, conn))
+                result = result.with_extra(training=maybe_trigger(ctx.scoped(applied.train_model or ctx.slug), conn))
         elif isinstance(event, Undo):
-            result = JobResult.from_dict(asdict(ctx.store.apply_undo(event)))
+            result = JobResult.from_dict(ctx.store.apply_undo(event).answer())
         else:
             result = run_command(ctx, conn, event)
     except RlfleetError as exc:

@@ -49,8 +49,7 @@ REWARD_MODEL_HISTORY = 256
 def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) -> JobResult:
     """Run ``run_id`` and record how it ended, whatever happens; the training lock is let go after."""
     try:
-        if slug != ctx.slug:
-            raise RlfleetError(f"this worker trains {ctx.slug}, not {slug}; start one with that model")
+        ctx = ctx.scoped(slug)  # a scope's run trains that scope's lineage (shared/scopes.py)
         return train_once(ctx, conn, run_id)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # Redis went away mid-run: nothing was wrong with the ratings, so the run counts as interrupted

@@ -8,6 +8,7 @@ import json
 import redis
 from rq import Queue
 
+from rlfleet.shared import scopes
 from rlfleet.shared.config import Config
 from rlfleet.shared.job_names import PUSH_JOB
 from rlfleet.shared.job_result import JobResult
@@ -19,7 +20,7 @@ from .context import Context
 
 def schedule_push(ctx: Context, conn: redis.Redis) -> None:
     """Queue a push of whatever is served now; it runs beside the rest, so it never delays promotion."""
-    if not ctx.cfg.push:
+    if not ctx.cfg.push or scopes.is_scoped(ctx.slug):  # a scope's own versions are not pushed yet (docs/scopes.md)
         return
     Queue(EVENTS_QUEUE, connection=conn).enqueue(
         PUSH_JOB, ctx.slug, job_timeout=3600, result_ttl=24 * 3600, failure_ttl=7 * 24 * 3600,

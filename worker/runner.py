@@ -19,6 +19,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 
+from rlfleet.shared import scopes
 from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.job_names import train_job_id
 from rlfleet.shared.models import model_slug
@@ -42,8 +43,6 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
       an admin paused automatic training;
     - a training lock that names an abandoned job is released.
     """
-    from rlfleet.worker.context import context
-    from rlfleet.worker.trigger import is_claim, maybe_trigger
     from rlfleet.worker.version_commands import reconcile
 
     notes: list[str] = []
@@ -51,8 +50,20 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
     conn = handle.redis
     for name in (EVENTS_QUEUE, TRAIN_QUEUE):
         StartedJobRegistry(name, connection=conn).cleanup()  # abandoned jobs -> retried or failed
-    slug = model_slug(cfg.model)
+    model = model_slug(cfg.model)
     store = Store(cfg.db_url)
+    for slug in [model, *store.scope_lineages(model)]:  # the shared lineage, then each scope's
+        said = _recover_lineage(store, conn, slug)
+        notes += [f"scope {scopes.split(slug)[1]}: {n}" for n in said] if scopes.is_scoped(slug) else said
+    return notes
+
+
+def _recover_lineage(store: Store, conn: redis.Redis, slug: str) -> list[str]:
+    """:func:`recover`'s work on one lineage (the model's, or a scope's: shared/scopes.py)."""
+    from rlfleet.worker.context import context
+    from rlfleet.worker.trigger import is_claim, maybe_trigger
+
+    notes: list[str] = []
     run = store.latest_run(slug)
     lock = train_lock_key(slug)
     released = False
@@ -74,7 +85,7 @@ def recover(cfg: Config, handle: QueueHandle) -> list[str]:
         notes.append("automatic training is paused: nothing queued again (`rlfleet resume` or `rlfleet train`)")
     elif released:
         # a run the user stopped runs again as it was asked for, even one started below the threshold
-        msg = maybe_trigger(context(), conn, force=run is not None and was_stopped(run))
+        msg = maybe_trigger(context().scoped(slug), conn, force=run is not None and was_stopped(run))
         if msg:
             notes.append(msg)
     return notes

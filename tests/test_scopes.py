@@ -1,0 +1,121 @@
+"""Per-person and per-channel adapters (shared/scopes.py): which lineage a rating trains, and, through
+the real queue, store and trainer on the tiny model, that two people with opposite tastes each get an
+adapter moved their own way while neither moves the other's nor the shared one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rq import Queue, SimpleWorker
+from typer.testing import CliRunner
+
+from rlfleet.cli import dispatch
+from rlfleet.cli.app import app
+from rlfleet.shared import scopes
+from rlfleet.shared.config import load_config
+from rlfleet.shared.events import Capture, Rating
+from rlfleet.shared.models import model_slug
+from rlfleet.shared.queue import TRAIN_QUEUE, open_queue
+from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.store import Store
+
+
+def test_a_rating_trains_its_raters_or_its_channels_lineage_as_configured():
+    assert scopes.scope_key("shared", "slack", "U1", "C1") == "shared"
+    assert scopes.scope_key("person", "slack", "U1", "C1") == "person:slack:U1"
+    assert scopes.scope_key("channel", "slack", "U1", "C1") == "channel:slack:C1"
+    assert scopes.scope_key("channel", "cli", "local", None) == "person:cli:local"  # no conversation: the person's
+    assert scopes.lineage("m", "shared") == "m"  # the shared scope is the model's lineage as before scopes
+    name = scopes.lineage("m", "person:slack:U1")
+    assert name == "m@person:slack:U1" and scopes.split(name) == ("m", "person:slack:U1")
+    assert scopes.split("m") == ("m", "shared") and not scopes.is_scoped("m") and scopes.is_scoped(name)
+    long = scopes.lineage("m", "channel:teams:" + "19:" + "x" * 400)
+    assert len(long) <= scopes.MAX_LINEAGE and long == scopes.lineage("m", "channel:teams:" + "19:" + "x" * 400)
+    assert long != scopes.lineage("m", "channel:teams:" + "19:" + "x" * 399 + "y")  # cut, but told apart
+    assert scopes.folder("m") == Path("m")
+    odd = scopes.folder("m@person:slack:../../etc")
+    assert odd.parts[0] == "m@scopes" and len(odd.parts) == 2  # one folder under the model's scopes, never above
+    assert (Path("/root") / odd).resolve().is_relative_to("/root/m@scopes")
+    with pytest.raises(ValueError):
+        scopes.lineage("a@b", "person:cli:x")
+
+
+def test_the_channels_scope_wins_over_the_platforms_which_wins_over_the_default(home):
+    cfg = load_config()
+    assert not cfg.scoped and cfg.scope_for("slack", "C1") == "shared"
+    cfg.bots.slack.scope = "person"
+    cfg.bots.slack.channel_scopes = {"C-support": "channel"}
+    assert cfg.scoped
+    assert cfg.scope_for("slack", "C1") == "person" and cfg.scope_for("slack", "C-support") == "channel"
+    assert cfg.scope_for("discord", "C1") == "shared" and cfg.scope_for("cli", None) == "shared"
+    assert cfg.lineage_of("m", "slack", "U1", "C-support") == "m@channel:slack:C-support"
+    cfg.save()
+    assert load_config().scope_for("slack", "C-support") == "channel"  # kept in config.toml
+
+
+GOOD, BAD = "yes yes yes yes", "no no no no"
+TOPICS = ["cats", "dogs", "rain", "tea", "maps", "jazz", "bread", "snow"]
+HELD_OUT = ["clocks", "bees", "pears", "tides"]
+
+
+def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_home, tiny_model_dir, monkeypatch,
+                                                                       single_thread, tiny_trainer):
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.train.scope = "person"
+    # the tiny model needs a large step to show a preference (tests/test_trainer.py's LEARN)
+    cfg.train.threshold, cfg.train.lr, cfg.train.steps, cfg.train.seq_band = 16, 3e-3, 8, (0.5, 2.0)
+    cfg.train.neg_fade, cfg.train.gate, cfg.train.explore, cfg.train.hindsight = 0.0, False, 0, 0.0
+    cfg.save()
+    slug = model_slug(cfg.model)
+    handle = open_queue(cfg)
+    try:
+        said = {}
+        for person, liked in (("alice", GOOD), ("bob", BAD)):
+            for i, topic in enumerate(TOPICS):
+                for answer in (GOOD, BAD):
+                    cap = Capture(source="cli", owner=person, conversation=f"{person}-chat",
+                                  prompt=[{"role": "user", "content": f"Tell me about {topic}."}],
+                                  response=answer, model="external")
+                    assert dispatch(handle, cfg, cap)["ok"]
+                    r = dispatch(handle, cfg, Rating(source="cli", actor=person, target=cap.capture_id,
+                                                     value=1 if answer == liked else -1))
+                    assert r["ok"], r
+                    said[(person, i, answer)] = r.get("training")
+        # each person's 16th rating queues their own run; nobody's reaches the shared threshold
+        assert said[("alice", 7, BAD)].startswith("training run") and said[("bob", 7, BAD)].startswith("training run")
+        assert handle.train.count == 2
+        SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(burst=True)
+    finally:
+        handle.close()
+
+    store = Store(cfg.db_url)
+    regs = {p: AdapterRegistry(cfg.adapters_root, scopes.lineage(slug, f"person:cli:{p}")) for p in ("alice", "bob")}
+    assert all(r.current() == "v0001" for r in regs.values()), [r.dir for r in regs.values()]
+    assert AdapterRegistry(cfg.adapters_root, slug).current() is None  # the shared adapter: untouched
+    assert store.pending_count(slug) == 0 and store.counts(slug).total == 0
+    for person, reg in regs.items():  # each run trained on its person's ratings alone
+        ids = set(reg.meta("v0001")["rating_ids"])
+        actors = {r.actor for r, _ in store.rated_pairs(reg.slug)}
+        assert len(ids) == 16 and actors == {person} and store.pending_count(reg.slug) == 0
+
+    def shift(adapter: Path) -> float:
+        """How much ``adapter`` moved held-out "yes" over "no", per token, against the base."""
+        pairs = [([{"role": "user", "content": f"Tell me about {t}."}], a) for t in HELD_OUT for a in (GOOD, BAD)]
+        with_it, base = tiny_trainer.mean_logprobs(pairs, adapter), tiny_trainer.mean_logprobs(pairs, None)
+        moved = [w - b for w, b in zip(with_it, base, strict=True)]
+        return sum(moved[0::2]) / len(HELD_OUT) - sum(moved[1::2]) / len(HELD_OUT)
+
+    alice, bob = shift(regs["alice"].path("v0001")), shift(regs["bob"].path("v0001"))
+    assert alice > 0.2 and bob < -0.2, (alice, bob)
+
+    monkeypatch.setenv("RLFLEET_HOME", str(queued_home))
+    shown = json.loads(CliRunner().invoke(app, ["status", "--json"], catch_exceptions=False).output)
+    assert shown["adapter"]["current"] is None and shown["ratings"]["total"] == 0
+    assert set(shown["scopes"]) == {"person:cli:alice", "person:cli:bob"}
+    for key, scope in shown["scopes"].items():
+        assert scope["adapter"] == {"current": "v0001", "versions": 1}
+        assert scope["ratings"] == {"total": 16, "good": 8, "bad": 8, "pending": 0}
+        assert scope["training"]["state"] == "idle" and scope["lineage"].endswith("@" + key)
