@@ -13,10 +13,12 @@ import os
 
 import aiohttp
 
+from rlfleet.shared import scopes
 from rlfleet.shared.config import ChatSettings, ResponderSettings
 from rlfleet.shared.errors import ModelUnavailable
 from rlfleet.shared.events import finish_reason
 from rlfleet.shared.ingress.usecases import Completion
+from rlfleet.shared.serve import SCOPE_HEADER
 
 
 class ChatCompletions:
@@ -28,9 +30,11 @@ class ChatCompletions:
         key = os.environ.get(settings.api_key_env, "").strip()
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-    async def _json(self, session: aiohttp.ClientSession, method: str, path: str, body: dict | None = None) -> dict:
+    async def _json(self, session: aiohttp.ClientSession, method: str, path: str, body: dict | None = None,
+                    headers: dict | None = None) -> dict:
         try:
-            async with session.request(method, self.base + path, json=body, headers=self._headers) as resp:
+            async with session.request(method, self.base + path, json=body,
+                                       headers={**self._headers, **(headers or {})}) as resp:
                 if resp.status >= 400:
                     detail = (await resp.text())[:200]
                     raise ModelUnavailable(f"the responder at {self.base} answered {resp.status}: {detail}")
@@ -50,7 +54,10 @@ class ChatCompletions:
             self._model = models[0]
         return self._model
 
-    async def complete(self, messages: list[dict]) -> Completion:
+    async def complete(self, messages: list[dict], scope: str | None = None) -> Completion:
+        """The responder's answer to ``messages``; ``scope``: the scope key whose adapter answers
+        (shared/scopes.py; sent as the ``X-Rlfleet-Scope`` header, which `rlfleet serve` honours and
+        other servers ignore)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             body: dict = {
@@ -62,7 +69,8 @@ class ChatCompletions:
             }
             if self.settings.logprobs:
                 body["logprobs"] = True
-            data = await self._json(session, "POST", "/chat/completions", body)
+            scoped = {SCOPE_HEADER: scope} if scope is not None and scope != scopes.SHARED else None
+            data = await self._json(session, "POST", "/chat/completions", body, scoped)
         try:
             choice = data["choices"][0]
             text = choice["message"]["content"] or ""

@@ -73,6 +73,7 @@ class BotCore:
         self.cases = UseCases(
             LiveTable(cfg), cfg.model, handle, posted=self.posted, answerer=self.responder.complete,
             cooldown_s=ADMIN_COOLDOWN_S, context_messages=settings.context_messages, wait_s=wait_s,
+            scope_of=lambda who, conversation: cfg.scope_key_of(who.source, who.id, conversation),
         )
 
     def who(self, actor: str | None, is_bot: bool = False) -> Actor:

@@ -188,7 +188,7 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
             console.print(f"[green]✓ now answering with adapter {switched}[/]")
         messages = state.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
         with console.status("thinking…"):
-            answer = responder.answer(messages)
+            answer = responder.answer(messages, scope=cfg.scope_key_of(ME.source, ME.id, state.conversation))
         console.print(f"[bold]ai>[/] {escape(answer.text)}")
         state.history = messages + [{"role": "assistant", "content": answer.text}]
         if not answer.text.strip():

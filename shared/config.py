@@ -305,17 +305,21 @@ class Config(BaseModel):
         """The scope of a rating from ``source`` on an answer in ``conversation``: the channel's, the
         platform's, else ``train.scope``."""
         bot = self.bots.get(source)
-        if bot is not None:
-            if conversation is not None and conversation in bot.channel_scopes:
-                return bot.channel_scopes[conversation]
-            if bot.scope is not None:
-                return bot.scope
-        return self.train.scope
+        if bot is None:  # a one-person front end (the terminal, the web app, an agent): its sessions are
+            return "person" if self.train.scope == "channel" else self.train.scope  # not channels
+        if conversation is not None and conversation in bot.channel_scopes:
+            return bot.channel_scopes[conversation]
+        return bot.scope if bot.scope is not None else self.train.scope
+
+    def scope_key_of(self, source: str, actor: str | None, conversation: str | None) -> str:
+        """The scope key (shared/scopes.py) of ``actor`` on ``source`` in ``conversation``: whose
+        adapter their ratings train and their answers come from."""
+        return scope_key(self.scope_for(source, conversation), source, actor, conversation)
 
     def lineage_of(self, slug: str, source: str, actor: str, conversation: str | None) -> str:
         """The lineage (shared/scopes.py) a rating by ``actor`` from ``source`` on an answer in
         ``conversation`` trains, for model ``slug``."""
-        return lineage(slug, scope_key(self.scope_for(source, conversation), source, actor, conversation))
+        return lineage(slug, self.scope_key_of(source, actor, conversation))
 
     @property
     def scoped(self) -> bool:

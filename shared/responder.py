@@ -5,22 +5,27 @@ text file ``CURRENT`` that names the active one. No ``CURRENT`` (or an unusable 
 model. :meth:`LocalResponder.answer` picks up a changed ``CURRENT`` before every answer (hot swap, no
 restart) and records, with every answer, the raw log-probabilities of the generated tokens: the
 behaviour policy is the model itself at temperature 1 without top-p, computed by one fp32 forward pass
-over prompt + answer, i.e. the same quantity the trainer computes (docs/objective.md).
+over the answer on the prompt's keys and values, i.e. the same quantity the trainer computes
+(docs/objective.md). A request may name a scope (shared/scopes.py): that scope's own ``CURRENT``
+answers it, its adapter loaded beside the shared one (docs/scopes.md).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import scopes
 from .events import FinishReason
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
@@ -47,14 +52,24 @@ class Answer:
 
 @dataclass(frozen=True)
 class _Batch:
-    """One batched ``generate``: the model that answered, the conversations as built (system prompt
-    included), their prompt ids, and each row's new ids up to and including its end token."""
+    """One batched ``generate``: the conversations as built (system prompt included), their prompt ids,
+    and each row's new ids up to and including its end token."""
 
-    model: Any
     built: list[list[dict]]
     rows: list[list[int]]
     news: list[Any]
     pad_id: int
+
+
+@dataclass(frozen=True)
+class _Selected:
+    """The module that answers a request, the adapter version it answers with (None: the base), the
+    context to generate in, and what identifies that state (for a :class:`TurnCache`)."""
+
+    model: Any
+    version: str | None
+    context: AbstractContextManager
+    key: tuple
 
 
 @dataclass(frozen=True)
@@ -131,7 +146,10 @@ class LocalResponder:
         temperature: float = 0.7,
         top_p: float = 0.9,
         system_prompt: str | None = None,
+        max_adapters: int = 8,
     ) -> None:
+        if max_adapters < 1:
+            raise ValueError("max_adapters must be at least 1")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -153,6 +171,11 @@ class LocalResponder:
         self._failed_key: object = _NEVER  # a state that failed to load: not retried until it changes
         self._warned: str | None = None  # last warning about CURRENT, so it is logged once, not per answer
         self._pin: tuple[str | None] | None = None  # (version,) while pinned(): answers ignore CURRENT
+        # Scopes' adapters loaded beside CURRENT's (shared/scopes.py), least recently used first: their
+        # weights' identity -> the name peft holds them under; at most max_adapters of them.
+        self.max_adapters = max_adapters
+        self._scoped: OrderedDict[tuple, str] = OrderedDict()
+        self._scoped_failed: set[tuple] = set()
         self._eos_ids = self._end_token_ids()
         # transformers renames generate's and forward's `past_key_values` to `cache` (the old name
         # warns, then goes): the name this release's model takes
@@ -239,10 +262,10 @@ class LocalResponder:
             finally:
                 self._pin = None
 
-    def _state_key(self, version: str | None) -> tuple | None:
+    def _state_key(self, version: str | None, adapters_dir: Path | None = None) -> tuple | None:
         if version is None:
             return None
-        folder = self.adapters_dir / version
+        folder = (adapters_dir or self.adapters_dir) / version
         for name in WEIGHT_FILES:
             try:
                 st = (folder / name).stat()
@@ -256,6 +279,7 @@ class LocalResponder:
             if self._peft is not None:
                 self._base = self._peft.unload()  # removes the LoRA layers in place; the base is intact
                 self._peft = None
+                self._scoped.clear()  # loaded again when a scope asks
             self._active = None
             return
 
@@ -269,6 +293,7 @@ class LocalResponder:
             # The same name with new files (e.g. a lineage reset reused it): start over from the base.
             self._base = self._peft.unload()
             self._peft, self._active, self._key = None, None, None
+            self._scoped.clear()
 
         from peft import PeftModel  # imported late: costs seconds, and the base model needs none
 
@@ -297,6 +322,79 @@ class LocalResponder:
         self._peft.eval()
         self._active = version
 
+    def _select(self, scope: str | None) -> _Selected:
+        """Inside the lock: what answers for ``scope`` (None or ``shared``: the version ``CURRENT``
+        names; another key: that scope's own ``CURRENT``, its base model when it has none)."""
+        self.refresh()
+        version = name = None
+        if scope is not None and scope != scopes.SHARED:
+            version, name = self._scope_adapter(scope)
+        elif self._active is not None:
+            version = name = self._active
+        key = (name, self._key if name == self._active else None)  # what a TurnCache's keys were made under
+        if self._peft is None:
+            return _Selected(self._base, None, nullcontext(), key)
+        if name is None:  # the base while adapters are loaded: their layers off for the call
+            return _Selected(self._peft, None, self._peft.disable_adapter(), key)
+        self._peft.set_adapter(name)
+        return _Selected(self._peft, version, nullcontext(), key)
+
+    def _scope_adapter(self, scope: str) -> tuple[str | None, str | None]:
+        """``(version, peft name)`` of the adapter ``scope``'s ``CURRENT`` names, loaded if it is not
+        (the least recently used scope's let go beyond ``max_adapters``); ``(None, None)``: its base
+        model (no version yet, or one that does not load: said once)."""
+        folder = self.adapters_dir.parent / scopes.folder(scopes.lineage(self.adapters_dir.name, scope))
+        pointer = read_pointer(folder)
+        version = pointer.name if pointer.problem is None else None
+        if version is None or not (folder / version).is_dir():
+            return None, None
+        key = (str(folder), *(self._state_key(version, folder) or ()))
+        name = self._scoped.get(key)
+        if name is not None:
+            self._scoped.move_to_end(key)
+            return version, name
+        if key in self._scoped_failed:
+            return None, None
+        name = "scope-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        try:
+            self._load_named(folder / version, name)
+        except Exception as exc:  # a broken adapter answers as the base model, never takes the chat down
+            self._scoped_failed.add(key)
+            log.warning("cannot load adapter %s of scope %s from %s (%s: %s); answering it with the base model",
+                        version, scope, folder, type(exc).__name__, exc)
+            return None, None
+        self._scoped[key] = name
+        self._peft.set_adapter(name)
+        while len(self._scoped) > self.max_adapters:
+            _, old = self._scoped.popitem(last=False)
+            if old in self._peft.peft_config:
+                self._peft.delete_adapter(old)
+        return version, name
+
+    def _load_named(self, folder: Path, name: str) -> None:
+        """The adapter in ``folder`` into the model under ``name``, beside those loaded."""
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise FileNotFoundError(f"{folder / ADAPTER_CONFIG} is missing")
+        from peft import PeftModel
+
+        with quiet_peft():
+            if self._peft is None:
+                try:
+                    self._peft = PeftModel.from_pretrained(self._base, str(folder), adapter_name=name,
+                                                           is_trainable=False, torch_device=self.device)
+                except Exception:
+                    self._repair_base()
+                    raise
+            else:
+                try:
+                    self._peft.load_adapter(str(folder), adapter_name=name, is_trainable=False,
+                                            torch_device=self.device)
+                except Exception:
+                    if name in self._peft.peft_config:
+                        self._peft.delete_adapter(name)
+                    raise
+        self._peft.eval()
+
     def _repair_base(self) -> None:
         """PeftModel.from_pretrained injects LoRA layers into the base before loading weights; if
         loading then failed, those layers stay behind. Reload a clean base in that case."""
@@ -317,30 +415,32 @@ class LocalResponder:
         top_p: float | None = None,
         on_text: Callable[[str], None] | None = None,
         cache: TurnCache | None = None,
+        scope: str | None = None,
     ) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version;
         the sampling settings default to the responder's own. ``on_text`` is called, from this thread,
         with each piece of decoded text as it is generated (whole words where the tokenizer can tell).
         ``cache``: the conversation's :class:`TurnCache` from its earlier turns; the prompt's tokens it
         holds are not encoded again, and it is left holding this turn's. The log-probs come from one
-        pass over the answer's tokens on the prompt's keys and values, not over the whole conversation."""
+        pass over the answer's tokens on the prompt's keys and values, not over the whole conversation.
+        ``scope``: a scope key (shared/scopes.py) whose own adapter answers; None: ``CURRENT``'s."""
         import torch
         from transformers import DynamicCache
 
         cache = cache if cache is not None else TurnCache()
         with self._lock:
             t0 = time.perf_counter()
-            self.refresh()
+            chosen = self._select(scope)
             msgs = self._with_system(messages)
             ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,
                                                      return_tensors="pt")["input_ids"][0].tolist()
-            model = self.model
-            reused = cache.keep(ids, self._key)
+            model = chosen.model
+            reused = cache.keep(ids, chosen.key)
             if cache.past is None:
                 cache.past = DynamicCache(config=model.config)
             cache.reused, cache.encoded = cache.reused + reused, cache.encoded + len(ids) - reused
             prompt = torch.tensor([ids], device=self.device)
-            with torch.inference_mode(), seeded_rng(seed, self.device):
+            with torch.inference_mode(), seeded_rng(seed, self.device), chosen.context:
                 gc = self._generation_config(
                     model,
                     self.max_new_tokens if max_new_tokens is None else max_new_tokens,
@@ -368,7 +468,7 @@ class LocalResponder:
             got = new.tolist()
             return Answer(
                 text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
-                adapter_version=self._active, model=self.ref.spec, seconds=time.perf_counter() - t0,
+                adapter_version=chosen.version, model=self.ref.spec, seconds=time.perf_counter() - t0,
                 new_tokens=len(got), messages=msgs,
                 finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
             )
@@ -380,32 +480,36 @@ class LocalResponder:
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        scope: str | None = None,
     ) -> list[Answer]:
         """:meth:`answer` for many conversations at once: one batched ``generate`` and one batched
         log-prob pass (left-padded rows, positions counted from each row's first real token), so on a
         CPU, where a token's cost is mostly fixed overhead, N answers cost far less than N. Each answer
         is the one :meth:`answer` gives, with its raw log-probs; ``seed`` seeds the batch's one random
-        stream, so a seeded request repeats its answer only when it is asked alone."""
+        stream, so a seeded request repeats its answer only when it is asked alone. ``scope``: as in
+        :meth:`answer`, one for the whole batch."""
         import torch
 
         if not conversations:
             return []
         with self._lock:
             t0 = time.perf_counter()
-            batch = self._generate_batch(
-                conversations, seed, max_new_tokens,
-                self.temperature if temperature is None else temperature,
-                self.top_p if top_p is None else top_p,
-            )
-            logprobs = batch_token_logprobs(batch.model, [torch.tensor(r, device=self.device) for r in batch.rows],
-                                            batch.news, batch.pad_id)
+            chosen = self._select(scope)
+            with chosen.context:
+                batch = self._generate_batch(
+                    chosen.model, conversations, seed, max_new_tokens,
+                    self.temperature if temperature is None else temperature,
+                    self.top_p if top_p is None else top_p,
+                )
+                logprobs = batch_token_logprobs(chosen.model, [torch.tensor(r, device=self.device)
+                                                               for r in batch.rows], batch.news, batch.pad_id)
             seconds = time.perf_counter() - t0
             answers = []
             for new, lps, msgs in zip(batch.news, logprobs, batch.built, strict=True):
                 got = new.tolist()
                 answers.append(Answer(
                     text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got,
-                    logprobs=lps, adapter_version=self._active, model=self.ref.spec, seconds=seconds,
+                    logprobs=lps, adapter_version=chosen.version, model=self.ref.spec, seconds=seconds,
                     new_tokens=len(got), messages=msgs,
                     finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
                 ))
@@ -416,6 +520,7 @@ class LocalResponder:
         conversations: Sequence[list[dict]],
         seed: int | None = None,
         max_new_tokens: int | None = None,
+        scope: str | None = None,
     ) -> list[Sample]:
         """Answer many conversations in one ``generate`` call with the current version and the
         responder's sampling settings (left-padded, so every row's next token comes at the same position).
@@ -424,27 +529,28 @@ class LocalResponder:
         if not conversations:
             return []
         with self._lock:
-            batch = self._generate_batch(conversations, seed, max_new_tokens, self.temperature, self.top_p)
+            chosen = self._select(scope)
+            with chosen.context:
+                batch = self._generate_batch(chosen.model, conversations, seed, max_new_tokens, self.temperature,
+                                             self.top_p)
             samples = []
             for new, msgs in zip(batch.news, batch.built, strict=True):
                 got = new.tolist()
                 samples.append(Sample(text=self.tokenizer.decode(got, skip_special_tokens=True).strip(),
-                                      token_ids=got, adapter_version=self._active, messages=msgs))
+                                      token_ids=got, adapter_version=chosen.version, messages=msgs))
             return samples
 
-    def _generate_batch(self, conversations: Sequence[list[dict]], seed: int | None, max_new_tokens: int | None,
-                        temperature: float, top_p: float) -> _Batch:
-        """One left-padded ``generate`` over the conversations with the current version (the caller
-        holds the lock): the conversations as built, their prompt ids, and each row's new ids cut at
-        its end token."""
+    def _generate_batch(self, model: Any, conversations: Sequence[list[dict]], seed: int | None,
+                        max_new_tokens: int | None, temperature: float, top_p: float) -> _Batch:
+        """One left-padded ``generate`` over the conversations with ``model`` (the caller holds the lock
+        and :meth:`_select`-ed it): the conversations as built, their prompt ids, and each row's new
+        ids cut at its end token."""
         import torch
 
-        self.refresh()
         built = [self._with_system(c) for c in conversations]
         rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
                                                    return_tensors="pt")["input_ids"][0].tolist()
                 for m in built]  # fmt: skip
-        model = self.model
         gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                      temperature, top_p)
         width = max(len(r) for r in rows)
@@ -452,7 +558,7 @@ class LocalResponder:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         with torch.inference_mode(), seeded_rng(seed, self.device):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-        return _Batch(model, built, rows, [self._cut_at_end(row) for row in out[:, width:]], int(gc.pad_token_id))
+        return _Batch(built, rows, [self._cut_at_end(row) for row in out[:, width:]], int(gc.pad_token_id))
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         msgs = [dict(m) for m in messages]

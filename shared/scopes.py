@@ -26,15 +26,31 @@ MAX_LINEAGE = 200  # the store keeps a lineage in 256-character columns
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def scope_key(scope: Scope, source: str, actor: str, conversation: str | None) -> str:
+def scope_key(scope: Scope, source: str, actor: str | None, conversation: str | None) -> str:
     """The key of the scope a rating by ``actor`` on ``source``, of an answer in ``conversation``,
     trains: a ``person`` scope is the one who rates (no one's rating trains someone else's adapter); a
-    ``channel`` scope is the answer's conversation (a person's own when there is none)."""
-    if scope == "person":
+    ``channel`` scope is the answer's conversation (a person's own when there is none). A sender the
+    platform does not name has no person scope: the shared one."""
+    if scope == "channel" and conversation:
+        return f"channel:{source}:{conversation}"
+    if scope in ("person", "channel") and actor:
         return f"person:{source}:{actor}"
-    if scope == "channel":
-        return f"channel:{source}:{conversation}" if conversation else f"person:{source}:{actor}"
     return SHARED
+
+
+def parse_key(text: str, sources: tuple[str, ...]) -> str:
+    """``text`` as a scope key (``shared``, ``person:<source>:<id>``, ``channel:<source>:<id>``, the
+    source one of ``sources``), or ValueError saying what is wrong with it."""
+    if text == SHARED:
+        return text
+    kind, _, rest = text.partition(":")
+    source, _, ident = rest.partition(":")
+    if kind not in ("person", "channel") or source not in sources or not ident:
+        raise ValueError(f"{text[:80]!r} is not a scope: `shared`, `person:<source>:<id>` or `channel:<source>:<id>`, "
+                         f"the source one of {', '.join(sources)}")
+    if len(ident) > 256 or not ident.isprintable():
+        raise ValueError("a scope's id is at most 256 printable characters")
+    return text
 
 
 def lineage(slug: str, key: str) -> str:

@@ -1,7 +1,9 @@
 """`rlfleet serve`: the local model behind an OpenAI-compatible chat-completions API on 127.0.0.1.
 
 It answers with the base model plus the adapter `CURRENT` names, checked before every answer, so a
-promotion or rollback is live on the next request. Besides the standard reply it returns an
+promotion or rollback is live on the next request; a request that names a scope (the model
+``<model>@<scope key>`` or the ``X-Rlfleet-Scope`` header: shared/scopes.py) is answered by that scope's
+own adapter, several of which stay loaded at once. Besides the standard reply it returns an
 ``rlfleet`` object: the adapter version, the prompt as built (system prompt included), and the token
 ids with their raw log-probs under the answering policy, which the bots store as the behaviour policy
 of the answer (the trainer's importance ratios need exactly that quantity). With ``stream: true`` the
@@ -19,17 +21,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, describe_validation_error
+from . import scopes
+from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
 from .webserver import listening, until_cancelled
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 2 * MAX_PROMPT_CHARS
+# Whose adapter answers (shared/scopes.py): this header, or the model name `<served model>@<scope key>`.
+SCOPE_HEADER = "X-Rlfleet-Scope"
 
 
 class _Part(BaseModel):
@@ -82,6 +87,24 @@ def _error_body(message: str, kind: str) -> dict:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response(_error_body(message, kind), status=status)
+
+
+def request_scope(model: str | None, header: str | None, model_name: str) -> str | None:
+    """The scope key a request asks to be answered by (None: the shared one), from the model name
+    ``<served model>@<key>`` or the :data:`SCOPE_HEADER`; ValueError for a model not served here, a key
+    that is not one, or two keys that disagree."""
+    named = None
+    if model not in (None, model_name):
+        base, sep, key = model.partition("@")
+        if not sep or base != model_name:
+            raise LookupError(f"model {model[:120]!r} is not served here (this server has {model_name!r}; "
+                              f"a scope's adapter: {model_name}@<scope>)")
+        named = scopes.parse_key(key, get_args(Source))
+    given = scopes.parse_key(header.strip(), get_args(Source)) if header is not None else None
+    if named is not None and given is not None and named != given:
+        raise ValueError(f"the model name asks for scope {named!r} and {SCOPE_HEADER} for {given!r}")
+    asked = named or given
+    return None if asked in (None, scopes.SHARED) else asked
 
 
 def _extension(answer) -> dict:
@@ -200,11 +223,13 @@ class _Job:
     temperature: float | None
     top_p: float | None
     done: asyncio.Future
+    scope: str | None = None
 
     @property
     def settings(self) -> tuple:
-        """Requests answered in one batch must share these (the batch has one generation config)."""
-        return self.max_new_tokens, self.temperature, self.top_p
+        """Requests answered in one batch must share these (the batch has one generation config and
+        one adapter)."""
+        return self.max_new_tokens, self.temperature, self.top_p, self.scope
 
 
 class Batcher:
@@ -219,8 +244,9 @@ class Batcher:
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
 
     async def answer(self, messages: list[dict], seed: int | None, max_new_tokens: int | None,
-                     temperature: float | None, top_p: float | None) -> Any:
-        job = _Job(messages, seed, max_new_tokens, temperature, top_p, asyncio.get_running_loop().create_future())
+                     temperature: float | None, top_p: float | None, scope: str | None = None) -> Any:
+        job = _Job(messages, seed, max_new_tokens, temperature, top_p, asyncio.get_running_loop().create_future(),
+                   scope)
         await self.queue.put(job)
         return await job.done
 
@@ -244,11 +270,12 @@ class Batcher:
             async with self.lock:
                 if len(group) == 1:
                     answers = [await asyncio.to_thread(self.responder.answer, first.messages, first.seed,
-                                                       first.max_new_tokens, first.temperature, first.top_p)]
+                                                       first.max_new_tokens, first.temperature, first.top_p,
+                                                       scope=first.scope)]
                 else:
                     answers = await asyncio.to_thread(self.responder.answer_many, [j.messages for j in group],
                                                       first.seed, first.max_new_tokens, first.temperature,
-                                                      first.top_p)
+                                                      first.top_p, scope=first.scope)
         except Exception as exc:
             for job in group:
                 if not job.done.done():
@@ -284,20 +311,23 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
             req = ChatRequest.model_validate_json(await request.read())
         except ValidationError as exc:
             return _error(400, describe_validation_error(exc, "invalid request"))
-        if req.model not in (None, model_name):
-            return _error(404, f"model {req.model!r} is not served here (this server has {model_name!r})",
-                          "not_found_error")
+        try:
+            scope = request_scope(req.model, request.headers.get(SCOPE_HEADER), model_name)
+        except LookupError as exc:
+            return _error(404, str(exc.args[0]), "not_found_error")
+        except ValueError as exc:
+            return _error(400, str(exc))
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         max_new_tokens = req.max_completion_tokens or req.max_tokens
         if req.stream:
             def answer_with(on_text):
                 return responder.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p,
-                                        on_text=on_text)
+                                        on_text=on_text, scope=scope)
 
             async with lock:
                 return await _stream(request, req, answer_with, model_name, responder.tokenizer)
         try:
-            answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p)
+            answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p, scope)
         except Exception as exc:  # one line to the caller, the trace to our log
             log.exception("answer failed")
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")

@@ -165,8 +165,10 @@ class FakeSlack(FakeServer):
 
 @dataclass
 class FakeOpenAI(FakeServer):
-    """An OpenAI-compatible chat-completions server; ``ours`` adds rlfleet's extension object."""
+    """An OpenAI-compatible chat-completions server; ``ours`` adds rlfleet's extension object.
+    ``scopes``: the X-Rlfleet-Scope header of each completion asked for (None when absent)."""
 
+    scopes: list[str | None] = field(default_factory=list)
     ours: bool = True
     answer: Callable[[list[dict]], str] = lambda msgs: f"answer to: {msgs[-1]['content']}"
     finish_reason: str | None = "stop"
@@ -180,6 +182,7 @@ class FakeOpenAI(FakeServer):
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await self.record(request)
+        self.scopes.append(request.headers.get("X-Rlfleet-Scope"))
         text = self.answer(body["messages"])
         data: dict[str, Any] = {
             "id": "chatcmpl-1", "object": "chat.completion", "model": body.get("model", "tiny"),

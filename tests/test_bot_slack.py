@@ -124,6 +124,7 @@ def test_a_mention_is_answered_in_thread_with_buttons_and_captured(queued_home):
             ts = await r.mention(OWNER, "what is a monad?")
             post = r.slack.of("chat.postMessage")[-1]
             assert post["text"] == "answer to: what is a monad?"
+            assert r.llm.scopes == [None]  # the default: the shared adapter answers, no scope asked for
             assert post["thread_ts"] == "1699999999.000001"
             actions = json.loads(post["blocks"]) if isinstance(post["blocks"], str) else post["blocks"]
             assert [e["action_id"] for e in actions[1]["elements"]] == ["rl_good", "rl_bad", "rl_stars"]
@@ -163,6 +164,23 @@ def test_rl_good_bad_undo_by_the_owner(queued_home):
             await r.command(OWNER, "undo")
             assert (await r.reply(3)) == "undid your bad rating"
             assert r.ratings() == [(OWNER, 1, "replaced"), (OWNER, -1, "undone")]
+    run(go())
+
+
+def test_with_person_scopes_each_asker_is_answered_by_and_rates_into_their_own_scope(queued_home):
+    from rlfleet.shared import scopes
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.schema import RatingRow
+
+    async def go():
+        async with rig(queued_home, scope="person") as r:
+            await r.mention(OWNER, "q1")
+            assert r.llm.scopes == [f"person:slack:{OWNER}"]  # rlfleet serve answers with their adapter
+            await r.command(OWNER, "good crisp")
+            assert (await r.reply(1)).startswith("rated good")
+            with r.store.session() as s:
+                (rating,) = s.scalars(select(RatingRow)).all()
+            assert rating.train_model == scopes.lineage(model_slug(r.cfg.model), f"person:slack:{OWNER}")
     run(go())
 
 

@@ -369,3 +369,46 @@ def test_a_conversation_cache_encodes_only_what_each_turn_adds_and_answers_as_wi
     # answer's text tokenizes back to what was generated); turn 0 and turn 2, a new version, take nothing
     assert reused[0] == reused[2] == 0
     assert lengths[0] <= reused[1] < lengths[1] and lengths[2] <= reused[3] < lengths[3], (lengths, reused)
+
+
+def test_each_scope_is_answered_by_its_own_adapter_beside_the_shared_one(tiny, adapters_dir, store, reference,
+                                                                        caplog):
+    from rlfleet.shared import scopes
+
+    def give(key: str, version: str | None, source: Path | None = None) -> Path:
+        folder = adapters_dir.parent / scopes.folder(scopes.lineage(adapters_dir.name, key))
+        folder.mkdir(parents=True, exist_ok=True)
+        if source is not None:
+            shutil.copytree(source, folder / version)
+        if version is not None:
+            (folder / "CURRENT").write_text(version)
+        return folder
+
+    give("person:cli:alice", "v0001", store / "v0001")
+    give("person:cli:bob", "v0002", store / "v0002")
+    r = make(tiny, adapters_dir, max_adapters=1)  # one scope's adapter loaded at a time: the other reloads
+    for _ in range(2):
+        alice = r.answer(MSGS, seed=5, scope="person:cli:alice")
+        bob = r.answer(MSGS, seed=5, scope="person:cli:bob")
+        shared = r.answer(MSGS, seed=5)  # CURRENT of the shared lineage: none, the base
+        assert (alice.adapter_version, bob.adapter_version, shared.adapter_version) == ("v0001", "v0002", None)
+        assert max_gap(alice, reference("v0001", MSGS, alice.token_ids)) < TOL
+        assert max_gap(bob, reference("v0002", MSGS, bob.token_ids)) < TOL
+        assert max_gap(shared, reference(None, MSGS, shared.token_ids)) < TOL  # scopes' layers off for it
+    assert r.answer(MSGS, seed=5, scope="person:cli:nobody").adapter_version is None  # no adapter yet: the base
+    assert sum(n.startswith("scope-") for n in r.model.peft_config) == 1  # the least recently used let go
+
+    set_current(adapters_dir, "v0002")  # the shared lineage moves on; the scopes keep theirs
+    assert r.answer(MSGS, seed=5).adapter_version == "v0002"
+    again = r.answer_many([MSGS, MSGS], seed=5, scope="person:cli:alice")
+    assert [a.adapter_version for a in again] == ["v0001", "v0001"]
+    assert max_gap(again[0], reference("v0001", MSGS, again[0].token_ids)) < TOL
+    assert r.sample([MSGS], seed=5, scope="person:cli:bob")[0].adapter_version == "v0002"
+
+    broken = give("person:cli:carol", "v0001")
+    (broken / "v0001").mkdir()  # named by CURRENT, but holds no adapter
+    with caplog.at_level(logging.WARNING):
+        assert r.answer(MSGS, seed=5, scope="person:cli:carol").adapter_version is None
+        assert r.answer(MSGS, seed=5, scope="person:cli:carol").adapter_version is None
+    assert sum("scope person:cli:carol" in m for m in caplog.messages) == 1  # said once
+    assert r.answer(MSGS, seed=5).adapter_version == "v0002"  # the rest goes on

@@ -27,6 +27,7 @@ def test_a_rating_trains_its_raters_or_its_channels_lineage_as_configured():
     assert scopes.scope_key("person", "slack", "U1", "C1") == "person:slack:U1"
     assert scopes.scope_key("channel", "slack", "U1", "C1") == "channel:slack:C1"
     assert scopes.scope_key("channel", "cli", "local", None) == "person:cli:local"  # no conversation: the person's
+    assert scopes.scope_key("person", "slack", None, "C1") == "shared"  # a sender the platform does not name
     assert scopes.lineage("m", "shared") == "m"  # the shared scope is the model's lineage as before scopes
     name = scopes.lineage("m", "person:slack:U1")
     assert name == "m@person:slack:U1" and scopes.split(name) == ("m", "person:slack:U1")

@@ -170,9 +170,9 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
     batches: list[int] = []
     real = r.answer_many
 
-    def counted(conversations, *args):
+    def counted(conversations, *args, **kw):
         batches.append(len(conversations))
-        return real(conversations, *args)
+        return real(conversations, *args, **kw)
 
     r.answer_many = counted
     convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(6)]
@@ -193,3 +193,33 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
     assert sum(batches[:2]) == 6 and max(batches) == 4  # six waiting, four at most at once
     assert [a.token_ids for a in same] == [r.answer(c).token_ids for c in convs]
     assert len(mixed[0].token_ids) <= 3 and mixed[1].token_ids == same[1].token_ids
+
+
+def test_a_request_naming_a_scope_is_answered_by_that_scopes_adapter(served, tiny_model_dir):
+    from rlfleet.shared import scopes
+
+    client, _, registry = served
+    name = client.models.list().data[0].id
+    base = ask(client).model_extra["rlfleet"]
+    alice = AdapterRegistry(registry.dir.parent, scopes.lineage(registry.slug, "person:slack:U1"))
+    torch.manual_seed(11)  # alice's own version, written where her scope's run would write it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(alice.path("v0001"))
+    alice.set_current("v0001")
+
+    by_name = ask(client, model=f"{name}@person:slack:U1").model_extra["rlfleet"]
+    by_header = ask(client, extra_headers={"X-Rlfleet-Scope": "person:slack:U1"}).model_extra["rlfleet"]
+    assert by_name["adapter_version"] == by_header["adapter_version"] == "v0001"
+    assert by_name["token_ids"] == by_header["token_ids"] != base["token_ids"]  # greedy: her weights answered
+    shared = ask(client).model_extra["rlfleet"]  # the shared lineage has no version: the base, as before
+    assert shared["adapter_version"] is None and shared["token_ids"] == base["token_ids"]
+    nobody = ask(client, extra_headers={"X-Rlfleet-Scope": "person:slack:U2"}).model_extra["rlfleet"]
+    assert nobody["adapter_version"] is None and nobody["token_ids"] == base["token_ids"]
+
+    with pytest.raises(openai.BadRequestError, match="is not a scope"):
+        ask(client, extra_headers={"X-Rlfleet-Scope": "person:myspace:U1"})
+    with pytest.raises(openai.BadRequestError, match="asks for scope"):
+        ask(client, model=f"{name}@person:slack:U1", extra_headers={"X-Rlfleet-Scope": "person:slack:U2"})
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        ask(client, model="other@person:slack:U1")

@@ -277,7 +277,7 @@ def build_app(state: WebApp) -> web.Application:
         def generate() -> Any:
             try:
                 return state.responder.answer(messages, on_text=lambda t: loop.call_soon_threadsafe(
-                    pieces.put_nowait, t))
+                    pieces.put_nowait, t), scope=state.cfg.scope_key_of(ME.source, ME.id, ask.conversation))
             finally:
                 loop.call_soon_threadsafe(pieces.put_nowait, None)
 

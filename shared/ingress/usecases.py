@@ -87,7 +87,9 @@ class Turn:
     context: Sequence[tuple[bool, str]] = ()
 
 
-Answerer = Callable[[list[dict]], Awaitable[Completion]]
+# The responder of a front end: the prompt and the scope key whose adapter answers (shared/scopes.py;
+# None: the shared one) -> the answer.
+Answerer = Callable[[list[dict], str | None], Awaitable[Completion]]
 PostAnswer = Callable[[str], Awaitable[str | None]]  # posts the answer's text; its message ref, if any
 SayFailure = Callable[[str], Awaitable[None]]
 
@@ -108,6 +110,7 @@ class UseCases:
         cooldown_s: int | None = None,
         context_messages: int = 0,
         wait_s: float = 8.0,
+        scope_of: Callable[[Actor, str], str | None] | None = None,
     ) -> None:
         self.table = permissions if callable(permissions) else (lambda: permissions)
         self.model = model
@@ -118,6 +121,7 @@ class UseCases:
         self.cooldown_s = cooldown_s
         self.context_messages = context_messages
         self.wait_s = wait_s
+        self.scope_of = scope_of  # whose adapter answers someone in a conversation (None: the shared one)
 
     def decide(self, who: Actor, action: Action) -> Decision:
         return self.table().decide(who, action)
@@ -169,7 +173,8 @@ class UseCases:
             raise RuntimeError("this front end has no responder")
         messages = self.prompt(turn.context, turn.text)
         try:
-            completion = await self.answerer(messages)
+            scope = self.scope_of(turn.who, turn.conversation) if self.scope_of is not None else None
+            completion = await self.answerer(messages, scope)
         except RlfleetError as exc:
             log.warning("no answer: %s", exc)
             await fail(f"(no answer: {exc})")
