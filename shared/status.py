@@ -211,11 +211,12 @@ def build_status(cfg: Config, store: Store, conn: redis.Redis | None, slug: str)
     return gather_status(cfg, store, conn, slug).to_dict()
 
 
-def status_dict(cfg: Config, handle: QueueHandle | None) -> dict:
-    """The status of this data dir's model, as ``rlfleet status`` and the chat's ``/rl status`` show it."""
+def status_dict(cfg: Config, handle: QueueHandle | None, scope: str | None = None) -> dict:
+    """The status of this data dir's model, as ``rlfleet status`` and the chat's ``/rl status`` show it;
+    of one scope's lineage with ``scope`` (a scope key: shared/scopes.py)."""
     from .models import model_slug
 
-    slug = model_slug(cfg.model)
+    slug = scopes.lineage(model_slug(cfg.model), scope or scopes.SHARED)
     return build_status(cfg, Store(cfg.db_url), handle.redis if handle else None, slug)
 
 

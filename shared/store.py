@@ -319,11 +319,14 @@ class Store(RunLedger):
 
     # ---- dataset export / import (shared/ratings_io.py) ------------------------------------------
 
-    def rated_pairs(self, model: str | None = None, all_states: bool = False) -> list[tuple[RatingRow, CaptureRow]]:
-        """Ratings with their captures, oldest first: the active ones, or every one with ``all_states``."""
+    def rated_pairs(self, model: str | None = None, all_states: bool = False,
+                    with_scopes: bool = False) -> list[tuple[RatingRow, CaptureRow]]:
+        """Ratings with their captures, oldest first: the active ones, or every one with ``all_states``;
+        of lineage ``model`` (and, ``with_scopes``, of its scopes' lineages too: shared/scopes.py)."""
         q = select(RatingRow, CaptureRow).join(CaptureRow, RatingRow.capture_id == CaptureRow.id)
         if model is not None:
-            q = q.where(RatingRow.train_model == model)
+            q = q.where((RatingRow.train_model == model) | (RatingRow.train_model.like(_scopes_of(model), escape="\\"))
+                        if with_scopes else RatingRow.train_model == model)
         if not all_states:
             q = q.where(RatingRow.state == "active")
         with self.session() as s:
@@ -445,7 +448,7 @@ class Store(RunLedger):
     def scope_lineages(self, model: str) -> list[str]:
         """The lineages of ``model``'s scopes other than the shared one that hold ratings or runs
         (shared/scopes.py), by name."""
-        like = model.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "@%"
+        like = _scopes_of(model)
         with self.session() as s:
             rated = s.scalars(select(RatingRow.train_model).where(RatingRow.train_model.like(like, escape="\\"))
                               .distinct()).all()
@@ -626,6 +629,11 @@ class BrowsedRating:
         asked = next((m.get("content", "") for m in reversed(c.prompt or []) if m.get("role") == "user"), "")
         return cls(r.id, c.id, c.conversation, as_utc(r.created), r.source, r.actor, r.value, r.stars, r.reward,
                    r.comment, r.state, version, str(asked), c.response)
+
+
+def _scopes_of(model: str) -> str:
+    """A LIKE pattern (escape ``\\``) for the lineages of ``model``'s scopes (shared/scopes.py)."""
+    return model.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "@%"
 
 
 class _Skip(Exception):

@@ -62,7 +62,7 @@ HELD_OUT = ["clocks", "bees", "pears", "tides"]
 
 
 def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_home, tiny_model_dir, monkeypatch,
-                                                                       single_thread, tiny_trainer):
+                                                                       single_thread, tiny_trainer, tmp_path):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
     cfg.train.scope = "person"
@@ -120,3 +120,17 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
         assert scope["adapter"] == {"current": "v0001", "versions": 1}
         assert scope["ratings"] == {"total": 16, "good": 8, "bad": 8, "pending": 0}
         assert scope["training"]["state"] == "idle" and scope["lineage"].endswith("@" + key)
+
+    cli = CliRunner()
+    alone = json.loads(cli.invoke(app, ["status", "--json", "--scope", "person:cli:alice"]).output)
+    assert alone["adapter"]["current"] == "v0001" and alone["ratings"]["total"] == 16 and alone["scopes"] == {}
+    history = json.loads(cli.invoke(app, ["history", "--json", "--scope", "person:cli:bob"]).output)
+    assert [v["version"] for v in history] == ["v0001"]
+    out = tmp_path / "all.jsonl"
+    assert cli.invoke(app, ["export", "ratings", str(out)]).exit_code == 0  # a backup holds every scope
+    assert sorted({json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()}) == ["alice", "bob"]
+    assert len(out.read_text().splitlines()) == 32
+    assert cli.invoke(app, ["export", "ratings", str(out), "--scope", "person:cli:bob"]).exit_code == 0
+    assert {json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()} == {"bob"}
+    bad = cli.invoke(app, ["status", "--scope", "person:nowhere:x"])
+    assert bad.exit_code != 0 and "is not a scope" in str(bad.exception)  # main() prints it as one line

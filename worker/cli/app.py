@@ -40,6 +40,24 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+ScopeOpt = Annotated[str | None, typer.Option(
+    "--scope", help="One scope's own adapter and ratings (`person:slack:U024BE7LH`, `channel:discord:1180…`; "
+                    "docs/scopes.md); default: the shared one.")]
+
+
+def scope_arg(scope: str | None) -> str | None:
+    """``--scope`` checked: a scope key, or a clear error."""
+    from typing import get_args
+
+    from rlfleet.shared import scopes
+    from rlfleet.shared.events import Source
+
+    if scope is None:
+        return None
+    try:
+        return scopes.parse_key(scope, get_args(Source))
+    except ValueError as exc:
+        raise BadInput(f"--scope: {exc}") from None
 
 
 @app.callback()

@@ -18,7 +18,19 @@ from rlfleet.shared.queue import queue_for
 from rlfleet.shared.status import status_dict
 from rlfleet.shared.status_view import history_rows, versions_table
 
-from .app import JsonOpt, app, command_config, dispatch, emit, err, one_line, out, work_if_nobody_does
+from .app import (
+    JsonOpt,
+    ScopeOpt,
+    app,
+    command_config,
+    dispatch,
+    emit,
+    err,
+    one_line,
+    out,
+    scope_arg,
+    work_if_nobody_does,
+)
 
 export_app = typer.Typer(help="Take the improved model or the ratings out of rlfleet.", no_args_is_help=True)
 import_app = typer.Typer(help="Bring ratings in (from `rlfleet export ratings`).", no_args_is_help=True)
@@ -55,18 +67,23 @@ def export_ratings_cmd(
     dest: Annotated[Path, typer.Argument(help="JSONL file to write (a folder with --format datasets).")],
     all_states: Annotated[bool, typer.Option("--all", help="Also undone and replaced ratings.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="jsonl | datasets (Hugging Face, save_to_disk)")] = "jsonl",
+    scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every rating with its prompt and answer: TRL KTO's prompt / completion / label shape, plus the
-    comment and provenance. Nothing is sent anywhere; the file is yours."""
+    comment and provenance (every scope's: --scope for one). Nothing is sent anywhere; the file is yours."""
+    from rlfleet.shared import scopes
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.ratings_io import to_example, write_dataset, write_jsonl
     from rlfleet.shared.store import Store
 
     if fmt not in ("jsonl", "datasets"):
         raise BadInput(f"unknown --format {fmt!r}: use jsonl or datasets")
+    key = scope_arg(scope)
     cfg = command_config(read_only=True)
-    pairs = Store(cfg.db_url).rated_pairs(model_slug(cfg.model), all_states=all_states)
+    slug = model_slug(cfg.model)
+    pairs = Store(cfg.db_url).rated_pairs(scopes.lineage(slug, key or scopes.SHARED), all_states=all_states,
+                                          with_scopes=key is None)
     examples = [to_example(r, c) for r, c in pairs]
     n = write_jsonl(examples, dest) if fmt == "jsonl" else write_dataset(examples, dest)
     emit({"ok": True, "message": f"wrote {n} ratings to {dest}", "path": str(dest), "count": n}, as_json)
@@ -150,11 +167,11 @@ def _dead_line(d: dict) -> dict:
 
 
 @app.command()
-def history(as_json: JsonOpt = False) -> None:
+def history(as_json: JsonOpt = False, scope: ScopeOpt = None) -> None:
     """Every adapter version: ratings used (+ replayed), held-out margin before/after, KL, accepted tokens, verdict."""
     cfg = command_config(read_only=True)
     with queue_for(cfg) as q:
-        st = status_dict(cfg, q)
+        st = status_dict(cfg, q, scope_arg(scope))
     versions = st["adapter"]["versions"]
     if as_json:
         out.print_json(json.dumps(history_rows(versions), default=str))

@@ -8,15 +8,16 @@ from rlfleet.shared.queue import queue_for
 from rlfleet.shared.status import status_dict
 from rlfleet.shared.status_view import render_status
 
-from .app import JsonOpt, app, command_config, out
+from .app import JsonOpt, ScopeOpt, app, command_config, out, scope_arg
 
 
 @app.command()
-def status(as_json: JsonOpt = False) -> None:
-    """Ratings, baseline, adapter versions, training state, queue and workers."""
+def status(as_json: JsonOpt = False, scope: ScopeOpt = None) -> None:
+    """Ratings, baseline, adapter versions, training state, queue and workers (and each scope's
+    adapter: --scope for one scope's whole status)."""
     cfg = command_config(read_only=True)
     with queue_for(cfg) as q:
-        st = status_dict(cfg, q)
+        st = status_dict(cfg, q, scope_arg(scope))
     if as_json:
         out.print_json(json.dumps(st, default=str))
     else:
