@@ -18,6 +18,7 @@ import inspect
 import logging
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -176,6 +177,7 @@ class LocalResponder:
         self.max_adapters = max_adapters
         self._scoped: OrderedDict[tuple, str] = OrderedDict()
         self._scoped_failed: set[tuple] = set()
+        self._tuner_layers: list | None = None  # the model's LoRA layers, found once per set of adapters
         self._eos_ids = self._end_token_ids()
         # transformers renames generate's and forward's `past_key_values` to `cache` (the old name
         # warns, then goes): the name this release's model takes
@@ -275,6 +277,7 @@ class LocalResponder:
         return (version, None, None, None)
 
     def _switch(self, version: str | None) -> None:
+        self._tuner_layers = None  # the adapters loaded change: their layers are found again
         if version is None:
             if self._peft is not None:
                 self._base = self._peft.unload()  # removes the LoRA layers in place; the base is intact
@@ -336,8 +339,20 @@ class LocalResponder:
             return _Selected(self._base, None, nullcontext(), key)
         if name is None:  # the base while adapters are loaded: their layers off for the call
             return _Selected(self._peft, None, self._peft.disable_adapter(), key)
-        self._peft.set_adapter(name)
+        self._activate(name)
         return _Selected(self._peft, version, nullcontext(), key)
+
+    def _activate(self, name: str) -> None:
+        """Make the loaded adapter ``name`` the one that answers. peft's ``set_adapter`` also sets
+        ``requires_grad`` on every adapter weight (tens of ms a switch on the default model: see
+        bench.scopes); answering needs only each LoRA layer's active name."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if self._tuner_layers is None:
+            self._tuner_layers = [m for m in self._peft.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in self._tuner_layers:
+            layer._active_adapter = [name]
+        self._peft.base_model.active_adapter = name
 
     def _scope_adapter(self, scope: str) -> tuple[str | None, str | None]:
         """``(version, peft name)`` of the adapter ``scope``'s ``CURRENT`` names, loaded if it is not
@@ -355,21 +370,39 @@ class LocalResponder:
             return version, name
         if key in self._scoped_failed:
             return None, None
-        name = "scope-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         try:
-            self._load_named(folder / version, name)
+            name = self._load_scope(folder / version, key)
         except Exception as exc:  # a broken adapter answers as the base model, never takes the chat down
             self._scoped_failed.add(key)
             log.warning("cannot load adapter %s of scope %s from %s (%s: %s); answering it with the base model",
                         version, scope, folder, type(exc).__name__, exc)
             return None, None
         self._scoped[key] = name
-        self._peft.set_adapter(name)
-        while len(self._scoped) > self.max_adapters:
-            _, old = self._scoped.popitem(last=False)
-            if old in self._peft.peft_config:
-                self._peft.delete_adapter(old)
         return version, name
+
+    def _load_scope(self, folder: Path, key: tuple) -> str:
+        """The adapter in ``folder`` loaded for the scope state ``key``; its peft name. At capacity, the
+        least recently used scope's slot takes its weights in place (peft's hotswap: a fraction of a
+        fresh load, which builds every LoRA layer again) or, when the shapes differ, is let go first."""
+        while len(self._scoped) >= self.max_adapters:
+            _, slot = self._scoped.popitem(last=False)
+            if len(self._scoped) < self.max_adapters and slot in self._peft.peft_config:
+                try:
+                    from peft.utils.hotswap import hotswap_adapter
+
+                    with quiet_peft():
+                        hotswap_adapter(self._peft, str(folder), adapter_name=slot, torch_device=self.device)
+                    return slot
+                except Exception:  # another rank or other layers: a fresh load below
+                    log.debug("hotswap into %s failed; loading %s afresh", slot, folder, exc_info=True)
+            if slot in self._peft.peft_config:
+                with warnings.catch_warnings():  # "was active, now deleted": the next answer activates its own
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._peft.delete_adapter(slot)
+                self._tuner_layers = None
+        name = "scope-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        self._load_named(folder, name)
+        return name
 
     def _load_named(self, folder: Path, name: str) -> None:
         """The adapter in ``folder`` into the model under ``name``, beside those loaded."""
@@ -393,6 +426,8 @@ class LocalResponder:
                     if name in self._peft.peft_config:
                         self._peft.delete_adapter(name)
                     raise
+                finally:
+                    self._tuner_layers = None
         self._peft.eval()
 
     def _repair_base(self) -> None:

@@ -181,6 +181,33 @@ def test_with_person_scopes_each_asker_is_answered_by_and_rates_into_their_own_s
             with r.store.session() as s:
                 (rating,) = s.scalars(select(RatingRow)).all()
             assert rating.train_model == scopes.lineage(model_slug(r.cfg.model), f"person:slack:{OWNER}")
+            # their own adapter is theirs to run, no admin needed: train, status, then the cooldown
+            await r.command(OWNER, "train")
+            assert "training run" in await r.reply(2)  # their 1 pending rating, in their own scope
+            assert r.handle.train.count == 1 and f"person_slack_{OWNER}" in r.handle.train.job_ids[0]
+            await r.command(OWNER, "status")
+            assert (await r.reply(3)).startswith("your adapter: serving the base model")
+            await r.command(OWNER, "rollback")
+            assert (await r.reply(4)).startswith("one command per")
+    run(go())
+
+
+def test_in_a_channel_scope_the_channels_adapter_answers_and_only_admins_run_it(queued_home):
+    from rlfleet.shared.ingress.replies import admins_only
+
+    async def go():
+        async with rig(queued_home, scope="person", channel_scopes={CHANNEL: "channel"}) as r:
+            await r.mention(OWNER, "q1")
+            assert r.llm.scopes == [f"channel:slack:{CHANNEL}"]
+            await r.command(OWNER, "good")
+            assert (await r.reply(1)).startswith("rated good")
+            await r.command(OWNER, "train")
+            assert await r.reply(2) == admins_only("train")
+            await r.command(ADMIN, "train")
+            assert "training run" in await r.reply(3)  # the channel's one pending rating, its own run
+            assert f"channel_slack_{CHANNEL}" in r.handle.train.job_ids[0]
+            await r.command(OWNER, "status")
+            assert (await r.reply(4)).startswith("this channel's adapter: serving the base model")
     run(go())
 
 

@@ -387,14 +387,18 @@ def test_each_scope_is_answered_by_its_own_adapter_beside_the_shared_one(tiny, a
     give("person:cli:alice", "v0001", store / "v0001")
     give("person:cli:bob", "v0002", store / "v0002")
     r = make(tiny, adapters_dir, max_adapters=1)  # one scope's adapter loaded at a time: the other reloads
+    slots = []
     for _ in range(2):
         alice = r.answer(MSGS, seed=5, scope="person:cli:alice")
+        slots.append(list(r.model.peft_config))
         bob = r.answer(MSGS, seed=5, scope="person:cli:bob")
+        slots.append(list(r.model.peft_config))
         shared = r.answer(MSGS, seed=5)  # CURRENT of the shared lineage: none, the base
         assert (alice.adapter_version, bob.adapter_version, shared.adapter_version) == ("v0001", "v0002", None)
         assert max_gap(alice, reference("v0001", MSGS, alice.token_ids)) < TOL
         assert max_gap(bob, reference("v0002", MSGS, bob.token_ids)) < TOL
         assert max_gap(shared, reference(None, MSGS, shared.token_ids)) < TOL  # scopes' layers off for it
+    assert all(names == slots[0] and len(names) == 1 for names in slots)  # one slot, its weights swapped in place
     assert r.answer(MSGS, seed=5, scope="person:cli:nobody").adapter_version is None  # no adapter yet: the base
     assert sum(n.startswith("scope-") for n in r.model.peft_config) == 1  # the least recently used let go
 

@@ -19,6 +19,7 @@ from rlfleet.shared.applied import Applied
 from rlfleet.shared.errors import BadInput, RlfleetError
 from rlfleet.shared.events import Capture, Command, Rating, Undo, parse_event
 from rlfleet.shared.job_result import JobResult
+from rlfleet.shared.status import publish_snapshot
 
 from .context import Context
 from .trigger import Countdown, maybe_trigger
@@ -99,7 +100,11 @@ def _apply_run(ctx: Context, conn: redis.Redis, run: list[tuple[bytes, DataEvent
         out[ev.event_id] = JobResult.from_dict(answer)
     # the threshold is checked once per batch and lineage, not once per rating
     for lineage, (event_id, new_ratings) in last_new.items():
-        word = trigger(ctx, conn, new_ratings) if lineage == ctx.slug else maybe_trigger(ctx.scoped(lineage), conn)
+        if lineage == ctx.slug:
+            word = trigger(ctx, conn, new_ratings)
+        else:  # a scope's: its own threshold, and its own status for `/rl status` (shared/scopes.py)
+            word = maybe_trigger(ctx.scoped(lineage), conn)
+            publish_snapshot(ctx.cfg, ctx.store, conn, lineage)
         out[event_id] = out[event_id].with_extra(training=word)
     return out
 

@@ -3,15 +3,18 @@ version in step with the store. Each command answers with a :class:`JobResult`; 
 
 from __future__ import annotations
 
+from typing import get_args
+
 import redis
 
+from rlfleet.shared import scopes
 from rlfleet.shared.config import Config
-from rlfleet.shared.events import Command
+from rlfleet.shared.events import Command, Source
 from rlfleet.shared.job_result import JobResult
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.runs import ratings_until_run
-from rlfleet.shared.status import build_status
+from rlfleet.shared.status import build_status, publish_snapshot
 from rlfleet.shared.store import Store
 
 from .context import Context
@@ -20,7 +23,22 @@ from .trigger import maybe_trigger
 
 
 def run_command(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
-    """Carry out a command the ingress that sent it has already permitted (shared/permissions.py)."""
+    """Carry out a command the ingress that sent it has already permitted (shared/permissions.py); with
+    ``args.scope``, on that scope's own adapter (shared/scopes.py)."""
+    if cmd.args.get("scope") is not None:
+        try:
+            key = scopes.parse_key(str(cmd.args["scope"]), get_args(Source))
+        except ValueError as exc:
+            return JobResult.failed(str(exc))
+        ctx = ctx.scoped(scopes.lineage(ctx.slug, key))
+        try:
+            return _run(ctx, conn, cmd)
+        finally:
+            publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)  # what that scope's `/rl status` reads
+    return _run(ctx, conn, cmd)
+
+
+def _run(ctx: Context, conn: redis.Redis, cmd: Command) -> JobResult:
     if cmd.name == "status":
         return JobResult.done("status", status=build_status(ctx.cfg, ctx.store, conn, ctx.slug))
     if cmd.name == "train":

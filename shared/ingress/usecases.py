@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import redis
 
+from .. import scopes
 from ..errors import RlfleetError
 from ..events import Capture, Command, FinishReason, Message, Rating, Undo, well_formed
 from ..inbox import Ticket
@@ -29,6 +30,11 @@ from ..posted import Posted, PostedMessages
 from ..queue import QueueHandle, enqueue_event, status_key, wait_for
 from .grammar import HELP, parse_rl
 from .replies import NOT_YOURS, NOTHING_TO_RATE, WHY_USAGE, admins_only, status_line, worker_answer
+
+# The commands that act on the adapter of the scope they are said in (shared/scopes.py), and those of
+# them a person may run on an adapter of their own (a `person` scope) without being an admin.
+SCOPED_VERBS = frozenset({"status", "train", "rollback", "reset", "pause", "resume"})
+OWN_SCOPE_VERBS = frozenset({"status", "train", "rollback", "reset"})
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +204,16 @@ class UseCases:
             return self.why(who, conversation, cmd.arg, reply_to=reply_to)
         if verb == "undo":
             return self.undo(who)
+        scope = self.scope_of(who, conversation) if self.scope_of is not None and who.id is not None else None
+        if scope is not None and scope != scopes.SHARED and verb in SCOPED_VERBS:
+            if scope == scopes.scope_key("person", who.source, who.id, None) and verb in OWN_SCOPE_VERBS:
+                return self._own_command(who, scope, verb, cmd.arg)
+            if verb == "status":  # a channel's adapter: what the channel's ratings train
+                if not self.decide(who, verb).allowed:
+                    return None
+                return Reply("this channel's adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, scope))))
+            args: dict[str, Any] = {"scope": scope, **({"version": cmd.arg} if verb == "rollback" and cmd.arg else {})}
+            return self.command(who, verb, args)  # the admins' (a channel's adapter is everyone's there)
         if verb == "help" or verb == "status":
             if not self.decide(who, verb).allowed:
                 return None
@@ -205,6 +221,20 @@ class UseCases:
                 return Reply(status_line(self.snapshot()))
             return Reply((f"unknown command {cmd.unknown!r}. " if cmd.unknown else "") + HELP)
         return self.command(who, verb, {"version": cmd.arg} if verb == "rollback" and cmd.arg else {})
+
+    def _own_command(self, who: Actor, key: str, verb: str, arg: str | None) -> Outcome:
+        """``/rl status|train|rollback|reset`` on ``who``'s own adapter: theirs to run, no admin needed."""
+        if not self.decide(who, "rate").allowed:  # a bot, or someone this front end does not hear
+            return None
+        if verb == "status":
+            return Reply("your adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, key))))
+        wait = self._cooldown(who)
+        if wait:
+            return Reply(f"one command per {self.cooldown_s} s: try again in {wait} s")
+        args: dict[str, Any] = {"scope": key}
+        if verb == "rollback" and arg:
+            args["version"] = arg
+        return Send(Command(source=who.source, actor=who.id, name=verb, args=args))
 
     def rate(self, who: Actor, conversation: str | None, value: Value, comment: str | None = None, *,
              reply_to: str | None = None, target: str = "last", event_id: str | None = None,
@@ -303,9 +333,9 @@ class UseCases:
         return Reply(worker_answer(result), ask_why=bare_thumbs_down and (result is None or bool(result.get("ok"))),
                      recorded=result is not None and bool(result.get("ok")))
 
-    def snapshot(self) -> dict | None:
-        """The worker's last published status, or None."""
-        raw = self.handle.redis.get(status_key(self.slug)) if self.handle is not None else None
+    def snapshot(self, lineage: str | None = None) -> dict | None:
+        """The worker's last published status (of one scope's ``lineage``), or None."""
+        raw = self.handle.redis.get(status_key(lineage or self.slug)) if self.handle is not None else None
         return json.loads(raw) if raw else None
 
     # ---- helpers ---------------------------------------------------------------------------------------
