@@ -134,3 +134,16 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
     assert {json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()} == {"bob"}
     bad = cli.invoke(app, ["status", "--scope", "person:nowhere:x"])
     assert bad.exit_code != 0 and "is not a scope" in str(bad.exception)  # main() prints it as one line
+
+    # forgetting alice deletes her ratings, the answers given to her and her adapter; bob keeps his
+    assert "needs --yes" in str(cli.invoke(app, ["forget", "cli:alice"]).exception)  # not a terminal: no prompt
+    assert "is not SOURCE:ID" in str(cli.invoke(app, ["forget", "alice", "--yes"]).exception)
+    gone = json.loads(cli.invoke(app, ["forget", "cli:alice", "--yes", "--json"]).output)
+    assert (gone["ratings"], gone["captures"], gone["adapter_versions"]) == (16, 16, ["v0001"])
+    assert gone["trained_elsewhere"] == {} and "forgot cli:alice" in gone["message"]
+    assert not regs["alice"].dir.exists() and regs["bob"].current() == "v0001"
+    assert {r.actor for r, _ in store.rated_pairs(slug, all_states=True, with_scopes=True)} == {"bob"}
+    left = json.loads(cli.invoke(app, ["status", "--json"]).output)
+    assert set(left["scopes"]) == {"person:cli:bob"}
+    again = json.loads(cli.invoke(app, ["forget", "cli:alice", "--yes", "--json"]).output)
+    assert (again["ratings"], again["captures"], again["adapter_versions"]) == (0, 0, [])

@@ -330,3 +330,26 @@ def test_a_database_from_before_rewards_migrates_with_its_ratings_as_peoples(db_
                 "'2026-11-01 00:00:00')")
     store = Store(db_url)
     assert store.pending_count("m") == 1 and [r.reward for r, _ in store.pending_ratings("m", 5)] == [None]
+
+
+def test_forgetting_a_person_says_which_adapters_already_learned_from_them(store, tmp_path):
+    from sqlalchemy import update
+
+    from rlfleet.shared.forget import forget
+    from rlfleet.shared.schema import RatingRow
+
+    mine, theirs, other = cap(owner="local"), cap(owner="bob"), cap(owner="carol")
+    for c in (mine, theirs, other):
+        store.apply_capture(c)
+    store.apply_rating(Rating(target=mine.capture_id, value=1), MODEL)  # local's own answer
+    store.apply_rating(Rating(actor="local", target=theirs.capture_id, value=-1, scope="any"), MODEL)
+    store.apply_rating(Rating(actor="carol", target=other.capture_id, value=1), MODEL)
+    run = store.create_run(MODEL)
+    with store.session() as s:  # a shared run trained on local's two ratings
+        s.execute(update(RatingRow).where(RatingRow.actor == "local").values(run_id=run))
+    done = forget(store, tmp_path, MODEL, "cli", "local")
+    assert (done.ratings, done.captures, done.versions) == (2, 1, [])
+    assert done.trained_elsewhere == {MODEL: 2} and "keep what they learned" in done.message()
+    assert [(r.actor, c.owner) for r, c in store.rated_pairs(all_states=True)] == [("carol", "carol")]
+    with store.session() as s:
+        assert {c.owner for c in s.query(CaptureRow)} == {"bob", "carol"}  # bob's answer stays, unrated

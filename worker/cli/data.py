@@ -197,3 +197,36 @@ def reset(
     cfg = command_config()
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="reset", args={"purge_ratings": purge_ratings})), as_json)
+
+
+@app.command()
+def forget(
+    person: Annotated[str, typer.Argument(help="SOURCE:ID: the platform and its own user id, e.g. slack:U024BE7LH "
+                                               "(cli:local for this machine's user).")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete one person's data: their ratings, the answers given to them (with any rating of those), and
+    their own adapter (docs/scopes.md), then say what was deleted and what already learned from it."""
+    from typing import get_args
+
+    from rlfleet.shared.events import Source
+    from rlfleet.shared.forget import Busy
+    from rlfleet.shared.forget import forget as forget_person
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.store import Store
+
+    source, sep, actor = person.partition(":")
+    if not sep or source not in get_args(Source) or not actor.strip():
+        raise BadInput(f"{person[:80]!r} is not SOURCE:ID (the source one of {', '.join(get_args(Source))})")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise BadInput("forget needs --yes when not run interactively")
+        if not typer.confirm(f"DELETE every rating, answer and adapter of {source}:{actor}?"):
+            raise typer.Exit(1)
+    cfg = command_config()
+    try:
+        done = forget_person(Store(cfg.db_url), cfg.adapters_root, model_slug(cfg.model), source, actor)
+    except Busy as exc:
+        raise BadInput(str(exc)) from None
+    emit({"ok": True, "message": done.message(), **done.as_dict()}, as_json)
