@@ -16,8 +16,9 @@ linear layer, the presets' rank) with random weights, written where a scope's ru
   scope, against the same requests spread round robin over the loaded scopes (one answer at a time
   each, in alternation so that the machine's noise falls on both); the figure is the ratio.
 
-Not measured here: the training queue's fairness between scopes (runs of different scopes queue first
-come, first served today: docs/scopes.md).
+Not measured here: the training queue's fairness between scopes (each scope holds at most one queued
+run, so a quiet scope waits behind at most one run of a busy one: docs/scopes.md, tested in
+tests/test_scopes.py).
 
     python -m bench.scopes [--model smollm2-135m] [--scopes 100] [--loaded 8] [--requests 32] [--threads N]
                            [--json] [--no-record]

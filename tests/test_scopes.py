@@ -147,3 +147,41 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
     assert set(left["scopes"]) == {"person:cli:bob"}
     again = json.loads(cli.invoke(app, ["forget", "cli:alice", "--yes", "--json"]).output)
     assert (again["ratings"], again["captures"], again["adapter_versions"]) == (0, 0, [])
+
+
+def test_a_busy_scope_never_queues_ahead_of_a_quiet_one_twice(queued_home, rconn):
+    """The training queue takes scopes in turn: each lineage holds at most one queued or running run
+    (its training lock), so a quiet scope whose ratings reach its threshold waits behind at most one run
+    of each busy neighbour, however many ratings the neighbour adds meanwhile."""
+    from rlfleet.shared.queue import train_lock_key
+    from rlfleet.worker.context import context
+    from rlfleet.worker.trigger import maybe_trigger
+
+    cfg = load_config()
+    cfg.train.scope, cfg.train.threshold = "channel", 2
+    cfg.save()
+    ctx = context()
+    busy, quiet = (ctx.scoped(scopes.lineage(ctx.slug, f"channel:slack:{c}")) for c in ("C-busy", "C-quiet"))
+
+    def rate(scoped, n: int) -> None:
+        for _ in range(n):
+            c = Capture(source="slack", owner="U1", conversation="x", prompt=[{"role": "user", "content": "q"}],
+                        response="a", model="m")
+            ctx.store.apply_many([c, Rating(source="slack", actor="U1", target=c.capture_id, value=1)], scoped.slug)
+
+    queue = Queue(TRAIN_QUEUE, connection=rconn)
+    rate(busy, 2)
+    assert maybe_trigger(busy, rconn).startswith("training run")
+    rate(quiet, 2)
+    assert maybe_trigger(quiet, rconn).startswith("training run")
+    for _ in range(3):  # the busy channel goes on rating: no second run of its own jumps the queue
+        rate(busy, 2)
+        assert "already" in maybe_trigger(busy, rconn)
+    assert [j.args[1] for j in queue.jobs] == [busy.slug, quiet.slug]
+    # the busy channel's run ends (its job taken, its lock let go): its next run queues behind the quiet one's
+    queue.jobs[0].delete()
+    rconn.delete(train_lock_key(busy.slug))
+    ctx.store.fail_run(ctx.store.latest_run(busy.slug).id, "taken by the test", state="skipped")
+    rate(busy, 2)
+    assert maybe_trigger(busy, rconn, force=True).startswith("training run")
+    assert [j.args[1] for j in queue.jobs] == [quiet.slug, busy.slug]
