@@ -188,3 +188,22 @@ def test_rlfleet_push_is_the_retry(setup):
     assert res.exit_code == 2 and "failed" in res.output
     with pytest.raises(BadInput, match="no push target 'nope'"):
         CliRunner().invoke(app, ["push", "--target", "nope"], catch_exceptions=False)
+
+
+def test_a_scopes_version_goes_to_vllm_under_a_name_of_its_own(setup):
+    from rlfleet.shared import scopes
+
+    cfg, registry, conn = setup
+    alice = AdapterRegistry(cfg.adapters_root, scopes.lineage("tiny", "person:slack:U1"))
+    _adapter(alice.path("v0001"), 5)
+    with in_thread(FakeVLLM()) as vllm:
+        targets = [PushTarget(name="gpu", kind="vllm", url=vllm.url), PushTarget(name="by-hand", kind="manual")]
+        registry.set_current("v0001")
+        assert _push(cfg, registry, conn, *targets)["ok"]
+        alice.set_current("v0001")
+        result = _push(cfg, alice, conn, *targets)
+        assert result["ok"] and [r["target"] for r in result["results"]] == ["gpu"]  # one LoRA per name: vLLM only
+        assert vllm.loaded == {"rlfleet": str(registry.path("v0001")),
+                               "rlfleet-person:slack:U1": str(alice.path("v0001"))}  # side by side
+        alice.set_current(None)  # her rollback to the base: her name goes, the shared one stays
+        assert _push(cfg, alice, conn, *targets)["ok"] and list(vllm.loaded) == ["rlfleet"]

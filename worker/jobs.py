@@ -33,5 +33,5 @@ def train(run_id: int, slug: str) -> dict:
 
 def push_served(slug: str, only: str | None = None) -> dict:
     """The served adapter to the inference servers (queued by worker/push_schedule.py)."""
-    ctx = context()
+    ctx = context().scoped(slug)  # the model's shared adapter, or a scope's own (shared/scopes.py)
     return run_push(ctx.cfg, ctx.registry, current_job().connection, only).to_dict()

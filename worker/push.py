@@ -110,8 +110,13 @@ def _take_down(t: PushTarget, method: str, path: str, body: dict, refused: str) 
 # ---- vLLM -------------------------------------------------------------------------------------------
 
 
-def push_vllm(t: PushTarget, version: str | None, adapter_dir: Path | None, adapters_root: Path) -> str:
+def push_vllm(t: PushTarget, version: str | None, adapter_dir: Path | None, adapters_root: Path,
+              scope: str | None = None) -> str:
+    """The served version to vLLM as one LoRA name: ``rlfleet`` (or the target's ``model``) for the
+    shared adapter, ``<that>-<scope key>`` for a scope's own (shared/scopes.py), side by side."""
     name = t.model or VLLM_NAME
+    if scope is not None:
+        name = f"{name}-{scope}"
     if version is None:
         _take_down(t, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, f"vLLM refused to unload {name}")
         return f"unloaded {name} from vLLM: clients get the base model by its own name"
@@ -227,13 +232,15 @@ def manual_step(t: PushTarget, version: str | None) -> str:
             f"llama.cpp's convert_hf_to_gguf.py, then `lms import rlfleet-{version}.gguf`")
 
 
-def push_one(t: PushTarget, cfg: Config, version: str | None, adapter_dir: Path | None) -> PushResult:
+def push_one(t: PushTarget, cfg: Config, version: str | None, adapter_dir: Path | None,
+             scope: str | None = None) -> PushResult:
+    """``version`` (of ``scope``'s own adapter, when given: vLLM targets only) to target ``t``."""
     try:
         if t.kind in ("lmstudio", "manual"):
             return PushResult(t.name, t.kind, version, None, manual_step(t, version), time.time())
         check_url(t, cfg.allow_remote_push)
         if t.kind == "vllm":
-            msg = push_vllm(t, version, adapter_dir, cfg.adapters_root)
+            msg = push_vllm(t, version, adapter_dir, cfg.adapters_root, scope)
         else:
             msg = push_ollama(t, cfg, version, adapter_dir)
         return PushResult(t.name, t.kind, version, True, msg, time.time())

@@ -20,7 +20,7 @@ from .context import Context
 
 def schedule_push(ctx: Context, conn: redis.Redis) -> None:
     """Queue a push of whatever is served now; it runs beside the rest, so it never delays promotion."""
-    if not ctx.cfg.push or scopes.is_scoped(ctx.slug):  # a scope's own versions are not pushed yet (docs/scopes.md)
+    if not ctx.cfg.push:
         return
     Queue(EVENTS_QUEUE, connection=conn).enqueue(
         PUSH_JOB, ctx.slug, job_timeout=3600, result_ttl=24 * 3600, failure_ttl=7 * 24 * 3600,
@@ -34,7 +34,10 @@ def run_push(cfg: Config, registry: AdapterRegistry, conn: redis.Redis, only: st
     targets = [t for t in cfg.push if only in (None, t.name)]
     version = registry.current()
     adapter_dir = registry.path(version) if version else None
-    results = [push_one(t, cfg, version, adapter_dir) for t in targets]
+    scope = scopes.split(registry.slug)[1] if scopes.is_scoped(registry.slug) else None
+    if scope is not None:  # a scope's versions go where a server holds many LoRAs side by side
+        targets = [t for t in targets if t.kind == "vllm"]
+    results = [push_one(t, cfg, version, adapter_dir, scope) for t in targets]
     for r in results:
         conn.hset(push_key(registry.slug), r.target, json.dumps(r.as_dict()))
     failed = [r for r in results if r.ok is False]
