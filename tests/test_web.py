@@ -492,3 +492,36 @@ def test_a_running_run_shows_its_step_speed_and_time_left(queued_home, web_model
             finally:
                 await browser.close()
     asyncio.run(go())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_the_dashboard_lists_each_scopes_own_adapter_as_text(queued_home, web_model_dir, monkeypatch):
+    from playwright.async_api import async_playwright, expect
+
+    from rlfleet.shared import scopes
+    from rlfleet.shared.models import model_slug
+
+    async def go():
+        async with web_rig(queued_home, web_model_dir, monkeypatch) as (state, url), async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                await log_in(page, url, state.token)
+                await page.goto(url + "/dashboard")
+                await expect(page.locator("#total")).to_have_text("0")
+                assert await page.locator("#scopes").is_hidden()  # every rating shared: no scopes section
+                # a person's own adapter appears (a platform id is text, however it reads)
+                key = f"person:telegram:{HOSTILE}"
+                store = Store(state.cfg.db_url)
+                for value in (1, -1, 1):
+                    c = Capture(source="telegram", owner=HOSTILE, conversation="c",
+                                prompt=[{"role": "user", "content": "q"}], response="a", model="m")
+                    store.apply_many([c, Rating(source="telegram", actor=HOSTILE, target=c.capture_id, value=value)],
+                                     scopes.lineage(model_slug(state.cfg.model), key))
+                row = page.locator("#scopes-table tbody tr")
+                await expect(row).to_have_count(1, timeout=30_000)
+                assert await row.locator("td").all_inner_texts() == [key, "base model", "0", "3 (2 · 1)", "3", "idle"]
+                assert await page.evaluate("window.__pwned") is None
+            finally:
+                await browser.close()
+    asyncio.run(go())

@@ -81,6 +81,21 @@ function fleet(st) {
   }
 }
 
+function scopesTable(st) {  // each person's or channel's own adapter (docs/scopes.md)
+  const entries = Object.entries(st.scopes || {}).sort(([a], [b]) => a.localeCompare(b));
+  $("#scopes").hidden = entries.length === 0;
+  const body = $("#scopes-table tbody"); body.textContent = "";
+  for (const [key, sc] of entries) {
+    const tr = document.createElement("tr");
+    const r = sc.ratings || {};
+    for (const cell of [key, (sc.adapter || {}).current || "base model", (sc.adapter || {}).versions,
+                        `${r.total} (${r.good} · ${r.bad})`, r.pending, (sc.training || {}).state]) {
+      const td = document.createElement("td"); td.textContent = cell === undefined ? "" : String(cell); tr.append(td);
+    }
+    body.append(tr);
+  }
+}
+
 function fmt(v, digits) { return typeof v === "number" ? v.toFixed(digits) : ""; }
 
 function versions(history, current) {
@@ -153,7 +168,7 @@ async function refresh() {
   text("#model", st.model);
   const current = (st.adapter || {}).current;
   text("#serving", current ? `adapter ${current}` : "base model");
-  ratings(st); training(st); fleet(st);
+  ratings(st); training(st); fleet(st); scopesTable(st);
   versions(d.history, current);
   draw(d);
   document.body.dataset.updated = d.now;
