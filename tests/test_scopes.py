@@ -148,6 +148,12 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
     again = json.loads(cli.invoke(app, ["forget", "cli:alice", "--yes", "--json"]).output)
     assert (again["ratings"], again["captures"], again["adapter_versions"]) == (0, 0, [])
 
+    # the data dir's owner (an admin) acts on any scope's adapter from the command line
+    back = json.loads(cli.invoke(app, ["rollback", "base", "--scope", "person:cli:bob", "--json"]).output)
+    assert back["ok"] and regs["bob"].current() is None
+    assert json.loads(cli.invoke(app, ["promote", "v0001", "--scope", "person:cli:bob", "--json"]).output)["ok"]
+    assert regs["bob"].current() == "v0001" and AdapterRegistry(cfg.adapters_root, slug).current() is None
+
 
 def test_a_busy_scope_never_queues_ahead_of_a_quiet_one_twice(queued_home, rconn):
     """The training queue takes scopes in turn: each lineage holds at most one queued or running run

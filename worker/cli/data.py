@@ -185,9 +185,11 @@ def history(as_json: JsonOpt = False, scope: ScopeOpt = None) -> None:
 def reset(
     purge_ratings: Annotated[bool, typer.Option("--purge-ratings", help="Also delete every rating.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Go back to the base model and start a fresh adapter lineage (ratings stay unless purged)."""
+    key = scope_arg(scope)
     if not yes:
         if not sys.stdin.isatty():
             raise BadInput("reset needs --yes when not run interactively")
@@ -196,7 +198,8 @@ def reset(
             raise typer.Exit(1)
     cfg = command_config()
     with queue_for(cfg) as q:
-        emit(dispatch(q, cfg, Command(name="reset", args={"purge_ratings": purge_ratings})), as_json)
+        args = {"purge_ratings": purge_ratings, **({"scope": key} if key else {})}
+        emit(dispatch(q, cfg, Command(name="reset", args=args)), as_json)
 
 
 @app.command()

@@ -13,24 +13,32 @@ from rlfleet.shared.errors import BadInput
 from rlfleet.shared.events import Command
 from rlfleet.shared.queue import QueueHandle, queue_for
 
-from .app import JsonOpt, app, command_config, dispatch, emit, err, out
+from .app import JsonOpt, ScopeOpt, app, command_config, dispatch, emit, err, out, scope_arg
+
+
+def _args(scope: str | None, **args: object) -> dict:
+    """A command's arguments, with the scope whose adapter it acts on (docs/scopes.md) when given."""
+    key = scope_arg(scope)
+    return {**args, **({"scope": key} if key is not None else {})}
 
 
 @app.command()
 def train(
     wait: Annotated[bool, typer.Option("--wait", help="Stay until the run ends (runs it here if no worker).")] = False,
+    scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a training run now on the pending ratings (below the threshold too)."""
+    args = _args(scope)
     cfg = command_config()
     with queue_for(cfg) as q:
-        result = dispatch(q, cfg, Command(name="train"))
+        result = dispatch(q, cfg, Command(name="train", args=args))
         if not (wait and result.get("ok")):
             if result.get("ok") and not as_json and not _train_worker_alive(q):
                 result["message"] += "; it runs when `rlfleet up` or `rlfleet chat` is running (or use --wait)"
             emit(result, as_json)
             return
-        emit(_wait_for_training(cfg, q, as_json), as_json)
+        emit(_wait_for_training(cfg, q, as_json, args.get("scope")), as_json)
 
 
 def _train_worker_alive(handle: QueueHandle) -> bool:
@@ -40,16 +48,17 @@ def _train_worker_alive(handle: QueueHandle) -> bool:
     return serving(handle.redis, TRAIN_QUEUE)
 
 
-def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool) -> dict:
+def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object = None) -> dict:
     import threading
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rlfleet.shared import scopes
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.status import training_state
     from rlfleet.shared.store import Store
 
-    slug = model_slug(cfg.model)
+    slug = scopes.lineage(model_slug(cfg.model), str(scope or scopes.SHARED))
     store = Store(cfg.db_url)
     run = store.latest_run(slug)
     run_id = run.id if run else None
@@ -101,41 +110,47 @@ def rollback(
     version: Annotated[
         str | None, typer.Argument(help="Version to serve (v0003), or 'base'. Default: the parent.")
     ] = None,
+    scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Serve an earlier adapter version (instant)."""
+    args = _args(scope, version=version)
     cfg = command_config()
     with queue_for(cfg) as q:
-        emit(dispatch(q, cfg, Command(name="rollback", args={"version": version})), as_json)
+        emit(dispatch(q, cfg, Command(name="rollback", args=args)), as_json)
 
 
 @app.command()
-def pause(as_json: JsonOpt = False) -> None:
+def pause(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
     """Pause automatic training: ratings are still recorded, but no run starts by itself when they reach
     the threshold (`rlfleet train` still starts one). Lasts across restarts, until `rlfleet resume`."""
+    args = _args(scope)
     cfg = command_config()
     with queue_for(cfg) as q:
-        emit(dispatch(q, cfg, Command(name="pause")), as_json)
+        emit(dispatch(q, cfg, Command(name="pause", args=args)), as_json)
 
 
 @app.command()
-def resume(as_json: JsonOpt = False) -> None:
+def resume(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
     """Resume automatic training; a run starts at once if the pending ratings already reach the threshold."""
+    args = _args(scope)
     cfg = command_config()
     with queue_for(cfg) as q:
-        emit(dispatch(q, cfg, Command(name="resume")), as_json)
+        emit(dispatch(q, cfg, Command(name="resume", args=args)), as_json)
 
 
 @app.command()
 def promote(
     version: Annotated[str, typer.Argument(help="Version to serve (v0003).")],
     force: Annotated[bool, typer.Option("--force", help="Serve it even though the gate rejected it.")] = False,
+    scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Serve a version; one the evaluation gate rejected only with --force."""
+    args = _args(scope, version=version, force=force)
     cfg = command_config()
     with queue_for(cfg) as q:
-        emit(dispatch(q, cfg, Command(name="promote", args={"version": version, "force": force})), as_json)
+        emit(dispatch(q, cfg, Command(name="promote", args=args)), as_json)
 
 
 @app.command()
