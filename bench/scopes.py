@@ -16,12 +16,14 @@ linear layer, the presets' rank) with random weights, written where a scope's ru
   adapter, against the same requests spread round robin over the loaded scopes (one answer at a
   time each, in alternation so that the machine's noise falls on both); the figure is the ratio.
 
-Not measured here: the training queue's fairness between scopes (each scope holds at most one queued
-run, so a quiet scope waits behind at most one run of a busy one: docs/scopes.md, tested in
-tests/test_scopes.py).
+* queue fairness: `--neighbours` busy scopes queue a run again the moment their last one ends; a
+  quiet scope reaches its threshold at each point of their cycle in turn; the figure is the most
+  runs that start before the quiet scope's own (through the real trigger, store and queue on an
+  embedded Redis; the runs themselves are taken from the queue in order and ended at once, since
+  the figure is the queue's order, not a run's length: multiply by a run's time for seconds).
 
-    python -m bench.scopes [--model smollm2-135m] [--scopes 100] [--loaded 8] [--requests 32] [--threads N]
-                           [--json] [--no-record]
+    python -m bench.scopes [--model smollm2-135m] [--scopes 100] [--loaded 8] [--requests 32] [--neighbours 4]
+                           [--threads N] [--json] [--no-record]
 """
 
 from __future__ import annotations
@@ -67,6 +69,79 @@ def write_adapters(ref, root: Path, slug: str, n: int, rank: int, seed: int) -> 
     return keys
 
 
+def queue_fairness(model: str, neighbours: int) -> dict:
+    """The most training runs that start between a quiet scope's threshold and its own run, with
+    ``neighbours`` busy scopes, over every point of their cycle (see the module's docstring)."""
+    from rq import Queue
+
+    from rlfleet.shared import scopes
+    from rlfleet.shared.config import Config, TrainSettings
+    from rlfleet.shared.events import Capture, Rating
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.queue import TRAIN_QUEUE, open_queue, train_lock_key
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.context import Context
+    from rlfleet.worker.trigger import maybe_trigger
+
+    home = Path(tempfile.mkdtemp(prefix="bench-scopes-queue-"))
+    cfg = Config(home=home, model=model, train=TrainSettings(threshold=2, scope="channel"))
+    cfg.save()
+    handle = open_queue(cfg)
+    slug, store = model_slug(model), Store(cfg.db_url)
+    queue = Queue(TRAIN_QUEUE, connection=handle.redis)
+
+    def ctx_of(key: str) -> Context:
+        name = scopes.lineage(slug, key)
+        return Context(cfg, store, name, AdapterRegistry(cfg.adapters_root, name), 0.0)
+
+    def rate(ctx: Context) -> None:
+        for _ in range(2):
+            c = Capture(source="slack", owner="U", conversation="c", prompt=[{"role": "user", "content": "q"}],
+                        response="a", model=model)
+            store.apply_many([c, Rating(source="slack", actor="U", target=c.capture_id, value=1)], ctx.slug)
+
+    def run_head() -> str:
+        """The worker takes the queue's first run and ends it; its lineage."""
+        job = queue.jobs[0]
+        run_id, lineage = job.args
+        job.delete()
+        store.fail_run(run_id, "bench: ended at once", state="skipped")
+        handle.redis.delete(train_lock_key(lineage))
+        return lineage
+
+    waits = []
+    try:
+        busy = [ctx_of(f"channel:slack:busy-{i}") for i in range(neighbours)]
+        for offset in range(neighbours + 1):
+            quiet = ctx_of(f"channel:slack:quiet-{offset}")
+            for b in busy:
+                rate(b)
+                maybe_trigger(b, handle.redis, force=True)
+            for _ in range(offset):  # the busy scopes go round: each run ends and queues again at once
+                ended = run_head()
+                b = next(b for b in busy if b.slug == ended)
+                rate(b)
+                maybe_trigger(b, handle.redis, force=True)
+            rate(quiet)
+            assert (maybe_trigger(quiet, handle.redis) or "").startswith("training run")
+            ahead = 0
+            while True:
+                ended = run_head()
+                if ended == quiet.slug:
+                    break
+                ahead += 1
+                b = next(b for b in busy if b.slug == ended)
+                rate(b)
+                maybe_trigger(b, handle.redis, force=True)
+            waits.append(ahead)
+            while queue.count:  # the busy scopes' runs left: the next point starts from an empty queue
+                run_head()
+    finally:
+        handle.close()
+    return {"neighbours": neighbours, "runs_ahead_max": max(waits), "runs_ahead": waits}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = parser("bench.scopes", __doc__)
     ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
@@ -78,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--neighbours", type=int, default=4, help="busy scopes for the queue's fairness (default 4)")
     output_options(ap)
     args = ap.parse_args(argv)
     if args.loaded < 1 or args.scopes <= args.loaded or args.requests < 1 or args.rank < 1:
@@ -133,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
             responder.answer(ask, seed=i, scope=scope)
             sides[side] += time.perf_counter() - t
     aps = {side: args.requests / s for side, s in sides.items()}
+    fair = queue_fairness(args.model, args.neighbours)
 
     figures = {
         "model": args.model, "device": device, "scopes": args.scopes, "loaded": args.loaded, "rank": args.rank,
@@ -142,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         "switch_disk_ms_median": statistics.median(disk_ms), "switch_disk_ms_max": max(disk_ms),
         "aps_one_scope": aps["one scope"], "aps_spread": aps["spread"],
         "spread_ratio": aps["spread"] / aps["one scope"],
+        "queue_neighbours": args.neighbours, "queue_runs_ahead_max": fair["runs_ahead_max"],
+        "queue_runs_ahead": fair["runs_ahead"],
     }
     rows = [
         ["resident memory, no scope adapter loaded", f"{before:,.0f} MiB", ""],
@@ -153,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
         ["answers/s, one scope", f"{aps['one scope']:.2f}", ""],
         [f"answers/s, spread over {args.loaded} scopes", f"{aps['spread']:.2f}",
          f"**{figures['spread_ratio']:.2f}×** of one scope"],
+        [f"runs ahead of a quiet scope, {args.neighbours} busy neighbours (most)", str(fair["runs_ahead_max"]),
+         f"over {len(fair['runs_ahead'])} points of their cycle: {fair['runs_ahead']}"],
     ]
     text = markdown_table(["figure", "measured", ""], rows) + (
         f"\n\n{args.scopes} scope adapters (rank {args.rank}, every linear layer) written in {written_s:.0f} s; "
