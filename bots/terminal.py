@@ -308,16 +308,10 @@ def run_chat(cfg: Config, dispatch: Dispatch, workers: Workers | None = None, re
         if workers:
             workers.start()
         if responder is None:
-            from rlfleet.shared.models import serving_device
-            from rlfleet.shared.registry import AdapterRegistry
-            from rlfleet.shared.responder import LocalResponder
+            from rlfleet.shared.responder import responder_for
 
             with console.status(f"loading {cfg.model}…"):
-                responder = LocalResponder(
-                    ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=serving_device(cfg.train.device),
-                    max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature,
-                    top_p=cfg.chat.top_p, system_prompt=cfg.chat.system_prompt,
-                )
+                responder = responder_for(cfg)
         chat_loop(cfg, handle, responder, ref.slug, dispatch)
     except RlfleetError:
         raise

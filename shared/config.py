@@ -40,6 +40,9 @@ class TrainSettings(BaseModel):
     # "person", each rater their own; "channel", each conversation its own. Per platform and channel:
     # [bots.<platform>] scope and channel_scopes.
     scope: Scope = "shared"
+    # Where a scope's adapter starts: "base", the base model; "shared", the team's current adapter (a
+    # scope with no version of its own is answered by it, and its first run trains on top of a copy).
+    scope_parent: Literal["base", "shared"] = "base"
     threshold: int = Field(32, ge=1, le=100_000, description="pending ratings that start a run")
     max_ratings: int = Field(512, ge=1, description="cap on ratings one run consumes")
     # Earlier ratings a run trains on again so that it does not forget them (worker/replay.py), as a

@@ -203,6 +203,16 @@ class RunLedger:
             base.paused = paused
             return changed
 
+    def add_copied_version(self, model: str, version: str, metrics: dict) -> None:
+        """Record ``version`` of lineage ``model`` as served without a run of its own (a scope's copy of
+        the shared adapter it starts from: shared/scopes.py)."""
+        with self.session() as s:
+            base = self._baseline(s, model)
+            s.execute(update(AdapterVersion).where(AdapterVersion.model == model, AdapterVersion.status == "active")
+                      .values(status="candidate"))
+            s.add(AdapterVersion(model=model, version=version, status="active", parent=None, run_id=None,
+                                 lineage=base.lineage, metrics=metrics, created=datetime.now(timezone.utc)))
+
     def versions(self, model: str) -> list[AdapterVersion]:
         with self.session() as s:
             return list(

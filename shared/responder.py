@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import scopes
+from .config import Config
 from .events import FinishReason
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
@@ -148,6 +149,7 @@ class LocalResponder:
         top_p: float = 0.9,
         system_prompt: str | None = None,
         max_adapters: int = 8,
+        scope_fallback: bool = False,
     ) -> None:
         if max_adapters < 1:
             raise ValueError("max_adapters must be at least 1")
@@ -175,6 +177,7 @@ class LocalResponder:
         # Scopes' adapters loaded beside CURRENT's (shared/scopes.py), least recently used first: their
         # weights' identity -> the name peft holds them under; at most max_adapters of them.
         self.max_adapters = max_adapters
+        self.scope_fallback = scope_fallback  # a scope with no version of its own: the shared one answers
         self._scoped: OrderedDict[tuple, str] = OrderedDict()
         self._scoped_failed: set[tuple] = set()
         self._tuner_layers: list | None = None  # the model's LoRA layers, found once per set of adapters
@@ -332,7 +335,7 @@ class LocalResponder:
         version = name = None
         if scope is not None and scope != scopes.SHARED:
             version, name = self._scope_adapter(scope)
-        elif self._active is not None:
+        if name is None and (scope is None or scope == scopes.SHARED or self.scope_fallback):
             version = name = self._active
         key = (name, self._key if name == self._active else None)  # what a TurnCache's keys were made under
         if self._peft is None:
@@ -713,3 +716,16 @@ def seeded_rng(seed: int | None, device: str) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.manual_seed(seed)
         yield
+
+
+def responder_for(cfg: Config) -> LocalResponder:
+    """The data dir's model as its chat settings answer with it: what `rlfleet serve`, `rlfleet chat`
+    and `rlfleet web` hold."""
+    from .models import resolve_model, serving_device
+    from .registry import AdapterRegistry
+
+    ref = resolve_model(cfg.model)
+    return LocalResponder(ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir,
+                          device=serving_device(cfg.train.device), max_new_tokens=cfg.chat.max_new_tokens,
+                          temperature=cfg.chat.temperature, top_p=cfg.chat.top_p,
+                          system_prompt=cfg.chat.system_prompt, scope_fallback=cfg.train.scope_parent == "shared")

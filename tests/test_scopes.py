@@ -191,3 +191,49 @@ def test_a_busy_scope_never_queues_ahead_of_a_quiet_one_twice(queued_home, rconn
     rate(busy, 2)
     assert maybe_trigger(busy, rconn, force=True).startswith("training run")
     assert [j.args[1] for j in queue.jobs] == [quiet.slug, busy.slug]
+
+
+def test_a_scope_can_start_from_the_teams_adapter(queued_home, tiny_model_dir, monkeypatch, single_thread):
+    """``train.scope_parent = "shared"``: before a person has a version, the team's adapter answers them,
+    and their first run trains on top of a copy of it, which stays their rollback target."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.shared.responder import responder_for
+
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    cfg = load_config()
+    cfg.train.scope, cfg.train.scope_parent, cfg.train.threshold, cfg.train.steps = "person", "shared", 4, 2
+    cfg.train.gate, cfg.train.explore, cfg.train.hindsight = False, 0, 0.0
+    cfg.save()
+    slug = model_slug(cfg.model)
+    team = AdapterRegistry(cfg.adapters_root, slug)
+    torch.manual_seed(3)
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora).save_pretrained(team.path("v0001"))
+    team.set_current("v0001")
+
+    responder = responder_for(cfg)
+    ask = [{"role": "user", "content": "hello"}]
+    assert responder.answer(ask, seed=1, scope="person:cli:carol").adapter_version == "v0001"  # the team's
+    responder.scope_fallback = False
+    assert responder.answer(ask, seed=1, scope="person:cli:carol").adapter_version is None  # scope_parent base
+
+    handle = open_queue(cfg)
+    try:
+        for i in range(4):
+            cap = Capture(source="cli", owner="carol", conversation="c", model="external",
+                          prompt=[{"role": "user", "content": f"q{i}"}], response=GOOD if i % 2 else BAD)
+            assert dispatch(handle, cfg, cap)["ok"]
+            assert dispatch(handle, cfg, Rating(source="cli", actor="carol", target=cap.capture_id,
+                                                value=1 if i % 2 else -1))["ok"]
+        SimpleWorker([Queue(TRAIN_QUEUE, connection=handle.redis)], connection=handle.redis).work(burst=True)
+    finally:
+        handle.close()
+    carol = AdapterRegistry(cfg.adapters_root, scopes.lineage(slug, "person:cli:carol"))
+    assert carol.versions() == ["v0001", "v0002"] and carol.current() == "v0002"
+    assert carol.meta("v0001")["copied_from"] == f"{slug} v0001" and carol.meta("v0002")["parent"] == "v0001"
+    assert (carol.path("v0001") / "adapter_model.safetensors").read_bytes() == \
+        (team.path("v0001") / "adapter_model.safetensors").read_bytes()
+    assert team.current() == "v0001" and team.versions() == ["v0001"]  # the team's adapter: untouched

@@ -35,6 +35,7 @@ from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample
+from .scope_start import start_from_shared
 from .trainer_cache import get_trainer
 from .training.loop import NothingToLearn, halfway_steps
 from .training.rewards import rating_reward, star_centres
@@ -87,7 +88,7 @@ def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) ->
 
 
 def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
-    parent = ctx.registry.current()
+    parent = ctx.registry.current() or start_from_shared(ctx)
     ctx.store.start_run(run_id, parent)
     board = ProgressBoard.start(conn, ctx.slug, run_id)
     rows = ctx.store.pending_ratings(ctx.slug, ctx.cfg.train.max_ratings)

@@ -32,15 +32,9 @@ def is_loopback(host: str) -> bool:
 
 def local_responder(cfg: Config) -> Any:
     """The model answering in the browser: the base plus the current adapter, hot-swapped per answer."""
-    from rlfleet.shared.models import resolve_model, serving_device
-    from rlfleet.shared.registry import AdapterRegistry
-    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.shared.responder import responder_for
 
-    ref = resolve_model(cfg.model)
-    return LocalResponder(ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir,
-                          device=serving_device(cfg.train.device), max_new_tokens=cfg.chat.max_new_tokens,
-                          temperature=cfg.chat.temperature, top_p=cfg.chat.top_p,
-                          system_prompt=cfg.chat.system_prompt)
+    return responder_for(cfg)
 
 
 def announce(cfg: Config, host: str, port: int, made: bool) -> None:

@@ -71,9 +71,7 @@ def serve(
     import asyncio
     from urllib.parse import urlparse
 
-    from rlfleet.shared.models import resolve_model, serving_device
-    from rlfleet.shared.registry import AdapterRegistry
-    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.shared.responder import responder_for
     from rlfleet.shared.serve import serve as serve_forever
 
     _log_to_stderr()
@@ -84,13 +82,8 @@ def serve(
     port = port if port is not None else (url.port if local and url.port else 8000)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach it can use the model")
-    ref = resolve_model(cfg.model)
     with err.status(f"loading {cfg.model}…"):
-        responder = LocalResponder(
-            ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir, device=serving_device(cfg.train.device),
-            max_new_tokens=cfg.chat.max_new_tokens, temperature=cfg.chat.temperature, top_p=cfg.chat.top_p,
-            system_prompt=cfg.chat.system_prompt,
-        )
+        responder = responder_for(cfg)
     out.print(f"serving {cfg.model} ({responder.active_version or 'base'}) on http://{host}:{port}/v1")
     asyncio.run(serve_forever(responder, cfg.model, host, port))
 
