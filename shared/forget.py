@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 
 from . import scopes
 from .registry import AdapterRegistry
@@ -61,9 +61,11 @@ def forget(store: Store, adapters_root: Path, slug: str, source: str, actor: str
         trained = Counter(s.scalars(select(RatingRow.train_model).where(
             doomed, RatingRow.run_id.is_not(None), RatingRow.train_model != lineage)))
         out.trained_elsewhere = dict(trained)
-        out.ratings = s.execute(delete(RatingRow).where(doomed)).rowcount or 0
-        out.captures = s.execute(delete(CaptureRow).where(CaptureRow.source == source,
-                                                          CaptureRow.owner == actor)).rowcount or 0
+        captured = (CaptureRow.source == source) & (CaptureRow.owner == actor)
+        out.ratings = s.scalar(select(func.count()).select_from(RatingRow).where(doomed)) or 0
+        out.captures = s.scalar(select(func.count()).select_from(CaptureRow).where(captured)) or 0
+        s.execute(delete(RatingRow).where(doomed))
+        s.execute(delete(CaptureRow).where(captured))
         out.versions = sorted(s.scalars(select(AdapterVersion.version).where(AdapterVersion.model == lineage)))
         s.execute(delete(AdapterVersion).where(AdapterVersion.model == lineage))
         s.execute(delete(TrainRun).where(TrainRun.model == lineage))
