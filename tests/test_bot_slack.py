@@ -169,6 +169,7 @@ def test_rl_good_bad_undo_by_the_owner(queued_home):
 
 def test_with_person_scopes_each_asker_is_answered_by_and_rates_into_their_own_scope(queued_home):
     from rlfleet.shared import scopes
+    from rlfleet.shared.ingress.replies import admins_only
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.schema import RatingRow
 
@@ -189,6 +190,16 @@ def test_with_person_scopes_each_asker_is_answered_by_and_rates_into_their_own_s
             assert (await r.reply(3)).startswith("your adapter: serving the base model")
             await r.command(OWNER, "rollback")
             assert (await r.reply(4)).startswith("one command per")
+            # anyone else's adapter is the admins': named by its scope
+            await r.command(RATER, f"reset person:slack:{OWNER}")
+            assert await r.reply(5) == admins_only("reset")
+            await r.command(ADMIN, "reset person:myspace:x")
+            assert "is not a scope" in await r.reply(6)
+            await r.command(ADMIN, f"reset person:slack:{OWNER}")
+            assert (await r.reply(7)).startswith("reset to the base model")
+            owner_lineage = scopes.lineage(model_slug(r.cfg.model), f"person:slack:{OWNER}")
+            assert r.store.baseline(owner_lineage)[1] == 1  # a fresh lineage of OWNER's adapter
+            assert r.store.baseline(model_slug(r.cfg.model))[1] == 0  # the shared one untouched
     run(go())
 
 

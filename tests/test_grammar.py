@@ -14,7 +14,9 @@ from rlfleet.shared.ingress.replies import NOT_YET_RECORDED, status_line, worker
     ("rl undo", "undo", None), ("+1", "good", None), ("rollback v0003", "rollback", "v0003"),
     ("STATUS", "status", None), ("", "help", None), ("dance", "help", None), ("x" * 5000, "help", None),
     ("/rl why too long", "why", "too long"), ("because", "why", None),
-    ("/rl pause", "pause", None), ("PAUSE for a while", "pause", None), ("rl resume", "resume", None),
+    ("/rl pause", "pause", None), ("PAUSE for a while", "pause", "for a while"),
+    ("/rl reset person:slack:U1", "reset", "person:slack:U1"),
+    ("status channel:slack:C1", "status", "channel:slack:C1"), ("rl resume", "resume", None),
     ("pauses", "help", None), ("unpause", "help", None),
 ])
 def test_parse_rl(text, verb, arg):

@@ -26,7 +26,8 @@ HELP = (
     "/rl 1-5 [comment]: rate it in stars (4-5 is a 👍, 1-3 a 👎)\n"
     "/rl why <reason>: say (or change) why, on your last rating here\n"
     "/rl undo: take back your last rating · /rl status: the model, ratings, training\n"
-    "admins: /rl train · /rl rollback [version] · /rl reset\n"
+    "admins: /rl train · /rl rollback [version] · /rl reset (add a scope, person:slack:U123 or "
+    "channel:slack:C123, to act on that adapter)\n"
     "admins: /rl pause · /rl resume: no training run starts by itself while paused (ratings are still kept, "
     "/rl train still runs)\n"
     "or react to an answer with 👍 / 👎 (remove the reaction to undo)"
@@ -36,7 +37,7 @@ HELP = (
 @dataclass(frozen=True)
 class RlCommand:
     verb: Verb
-    arg: str | None = None  # the comment of good/bad, the reason of why, the version of rollback
+    arg: str | None = None  # the comment of good/bad, the reason of why, an admin verb's scope and version
     unknown: str | None = None  # what was typed when it was not a command we know
     stars: int | None = None  # a star rating (`/rl 4`): good or bad by the stars, with them
 
@@ -72,7 +73,7 @@ def parse_rl(text: str) -> RlCommand:
         return RlCommand("good" if thumb_of(stars) > 0 else "bad", arg, stars=stars)
     if verb is None:
         return RlCommand("help", unknown=head[:40])
-    if verb in ("good", "bad", "why", "rollback"):
+    if verb in ("good", "bad", "why", "status") or verb in ADMIN_VERBS:  # status, admin verbs: a scope, a version
         return RlCommand(verb, arg)
     return RlCommand(verb)
 

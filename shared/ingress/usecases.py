@@ -16,13 +16,13 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import redis
 
 from .. import scopes
 from ..errors import RlfleetError
-from ..events import Capture, Command, FinishReason, Message, Rating, Undo, well_formed
+from ..events import Capture, Command, FinishReason, Message, Rating, Source, Undo, well_formed
 from ..inbox import Ticket
 from ..models import model_slug
 from ..permissions import Action, Actor, Decision, PermissionTable
@@ -98,6 +98,15 @@ class Turn:
 Answerer = Callable[[list[dict], str | None], Awaitable[Completion]]
 PostAnswer = Callable[[str], Awaitable[str | None]]  # posts the answer's text; its message ref, if any
 SayFailure = Callable[[str], Awaitable[None]]
+
+
+def _named_scope(arg: str | None) -> tuple[str | None, str | None]:
+    """``(scope key, the rest)`` when a command's argument starts with one (``person:…``, ``channel:…``,
+    ``shared``), else ``(None, arg)``."""
+    head, _, rest = (arg or "").partition(" ")
+    if head == scopes.SHARED or head.startswith(("person:", "channel:")):
+        return head, rest.strip() or None
+    return None, arg
 
 
 class UseCases:
@@ -204,6 +213,16 @@ class UseCases:
             return self.why(who, conversation, cmd.arg, reply_to=reply_to)
         if verb == "undo":
             return self.undo(who)
+        named, arg = _named_scope(cmd.arg) if verb in SCOPED_VERBS else (None, cmd.arg)
+        if named is not None:  # `/rl reset person:slack:U123`: an admin acting on any scope's adapter
+            try:
+                key = scopes.parse_key(named, get_args(Source))
+            except ValueError as exc:
+                return Reply(str(exc))
+            if verb == "status":
+                return None if not self.decide(who, "status").allowed else Reply(
+                    f"{key}'s adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, key))))
+            return self.command(who, verb, {"scope": key, **({"version": arg} if verb == "rollback" and arg else {})})
         scope = self.scope_of(who, conversation) if self.scope_of is not None and who.id is not None else None
         if scope is not None and scope != scopes.SHARED and verb in SCOPED_VERBS:
             if scope == scopes.scope_key("person", who.source, who.id, None) and verb in OWN_SCOPE_VERBS:
