@@ -337,7 +337,8 @@ class LocalResponder:
             version, name = self._scope_adapter(scope)
         if name is None and (scope is None or scope == scopes.SHARED or self.scope_fallback):
             version = name = self._active
-        key = (name, self._key if name == self._active else None)  # what a TurnCache's keys were made under
+        # what a TurnCache's keys were made under (a scope's slot name stays when its weights are swapped)
+        key = (scope, name, version, self._key if name == self._active else None)
         if self._peft is None:
             return _Selected(self._base, None, nullcontext(), key)
         if name is None:  # the base while adapters are loaded: their layers off for the call
