@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 from aiohttp import web
 from slack_bolt.async_app import AsyncApp
@@ -259,6 +260,22 @@ def register_buttons(app: AsyncApp, core: BotCore) -> None:
         await on_button(ack, body, respond, -1)
 
 
+def bolt_request(body: str, headers: dict[str, str | Sequence[str]], query: str = "") -> AsyncBoltRequest:
+    """Bolt's request for a signed HTTP body. Bolt reads any form body holding the word "payload" as
+    an interactive payload (`slack_bolt.request.internals.parse_body`), so `/rl bad the payload is
+    wrong` would arrive empty and be refused: a form without a ``payload`` field is read as the form."""
+    req = AsyncBoltRequest(body=body, query=query, headers=headers)
+    if not req.body and "payload" in body and not body.lstrip().startswith("{"):
+        form = dict(parse_qsl(body, keep_blank_values=True))
+        if "payload" not in form:
+            from slack_bolt.context.async_context import AsyncBoltContext
+            from slack_bolt.request.async_internals import build_async_context
+
+            req.body = form
+            req.context = build_async_context(AsyncBoltContext({}), form)
+    return req
+
+
 def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
     """Bolt behind aiohttp, with a clear 400 for a body that is not JSON or a form (bolt would raise)."""
     from slack_bolt.adapter.aiohttp import to_aiohttp_response
@@ -267,7 +284,7 @@ def http_app(app: AsyncApp, path: str = "/slack/events") -> web.Application:
         body = await request.text()
         try:
             # a dict from the pairs: a repeated header ends as bolt's own loop over them leaves it (the last)
-            req = AsyncBoltRequest(body=body, query=request.query_string, headers=dict(request.headers.items()))
+            req = bolt_request(body, dict(request.headers.items()), request.query_string)
         except (ValueError, TypeError, KeyError, AttributeError):  # bolt reads fields before it verifies
             return web.json_response({"error": "malformed payload"}, status=400)
         return await to_aiohttp_response(await app.async_dispatch(req))

@@ -18,7 +18,7 @@ from slack_sdk.signature import SignatureVerifier
 from sqlalchemy import select
 
 from rlfleet.bots.core import BotCore
-from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION, STARS_ACTION, build_app, http_app
+from rlfleet.bots.slack import BAD_ACTION, GOOD_ACTION, STARS_ACTION, bolt_request, build_app, http_app
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.ingress.replies import NOT_YOURS
 from rlfleet.shared.schema import CaptureRow, RatingRow
@@ -35,7 +35,7 @@ class Signed:
     headers: dict[str, str]
 
     def bolt(self) -> AsyncBoltRequest:
-        return AsyncBoltRequest(body=self.body, headers=self.headers)
+        return bolt_request(self.body, self.headers)  # what the HTTP endpoint hands bolt
 
 
 class SlackRig:
@@ -219,6 +219,17 @@ def test_in_a_channel_scope_the_channels_adapter_answers_and_only_admins_run_it(
             assert f"channel_slack_{CHANNEL}" in r.handle.train.job_ids[0]
             await r.command(OWNER, "status")
             assert (await r.reply(4)).startswith("this channel's adapter: serving the base model")
+    run(go())
+
+
+def test_a_comment_with_the_word_payload_is_a_comment(queued_home):
+    """Bolt reads a form body holding "payload" as an interactive payload; the command still arrives."""
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "q1")
+            assert (await r.command(OWNER, "bad the payload is wrong")).status == 200
+            assert (await r.reply(1)).startswith("rated bad")
+            assert r.ratings() == [(OWNER, -1, "active")]
     run(go())
 
 
