@@ -301,31 +301,12 @@ class LocalResponder:
             self._peft, self._active, self._key = None, None, None
             self._scoped.clear()
 
-        from peft import PeftModel  # imported late: costs seconds, and the base model needs none
-
+        old = self._active
+        self._load_named(folder, version)
         with quiet_peft():
-            if self._peft is None:
-                try:
-                    self._peft = PeftModel.from_pretrained(
-                        self._base, str(folder), adapter_name=version, is_trainable=False,
-                        torch_device=self.device,
-                    )
-                except Exception:
-                    self._repair_base()
-                    raise
-            else:
-                old = self._active
-                try:
-                    self._peft.load_adapter(str(folder), adapter_name=version, is_trainable=False,
-                                            torch_device=self.device)
-                except Exception:
-                    if version in self._peft.peft_config:
-                        self._peft.delete_adapter(version)
-                    raise
-                self._peft.set_adapter(version)
-                if old is not None and old != version and old in self._peft.peft_config:
-                    self._peft.delete_adapter(old)
-        self._peft.eval()
+            self._peft.set_adapter(version)
+            if old is not None and old != version and old in self._peft.peft_config:
+                self._peft.delete_adapter(old)
         self._active = version
 
     def _select(self, scope: str | None) -> _Selected:
@@ -409,11 +390,13 @@ class LocalResponder:
         return name
 
     def _load_named(self, folder: Path, name: str) -> None:
-        """The adapter in ``folder`` into the model under ``name``, beside those loaded."""
+        """The adapter in ``folder`` into the model under ``name``, beside those loaded (the first one
+        wraps the base in a PeftModel; a failed load leaves the model as it was)."""
         if not (folder / ADAPTER_CONFIG).is_file():
             raise FileNotFoundError(f"{folder / ADAPTER_CONFIG} is missing")
-        from peft import PeftModel
+        from peft import PeftModel  # imported late: costs seconds, and the base model needs none
 
+        self._tuner_layers = None  # the LoRA layers are found again after any load
         with quiet_peft():
             if self._peft is None:
                 try:
@@ -430,8 +413,6 @@ class LocalResponder:
                     if name in self._peft.peft_config:
                         self._peft.delete_adapter(name)
                     raise
-                finally:
-                    self._tuner_layers = None
         self._peft.eval()
 
     def _repair_base(self) -> None:

@@ -219,20 +219,13 @@ class UseCases:
                 key = scopes.parse_key(named, get_args(Source))
             except ValueError as exc:
                 return Reply(str(exc))
-            if verb == "status":
-                return None if not self.decide(who, "status").allowed else Reply(
-                    f"{key}'s adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, key))))
-            return self.command(who, verb, {"scope": key, **({"version": arg} if verb == "rollback" and arg else {})})
+            return self._on_scope(who, verb, key, arg, own=False, label=f"{key}'s adapter")
         scope = self.scope_of(who, conversation) if self.scope_of is not None and who.id is not None else None
         if scope is not None and scope != scopes.SHARED and verb in SCOPED_VERBS:
-            if scope == scopes.scope_key("person", who.source, who.id, None) and verb in OWN_SCOPE_VERBS:
-                return self._own_command(who, scope, verb, cmd.arg)
-            if verb == "status":  # a channel's adapter: what the channel's ratings train
-                if not self.decide(who, verb).allowed:
-                    return None
-                return Reply("this channel's adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, scope))))
-            args: dict[str, Any] = {"scope": scope, **({"version": cmd.arg} if verb == "rollback" and cmd.arg else {})}
-            return self.command(who, verb, args)  # the admins' (a channel's adapter is everyone's there)
+            # a person's own adapter is theirs to run; a channel's is everyone's there, so the admins'
+            own = scope == scopes.scope_key("person", who.source, who.id, None) and verb in OWN_SCOPE_VERBS
+            return self._on_scope(who, verb, scope, cmd.arg, own=own,
+                                  label="your adapter" if own else "this channel's adapter")
         if verb == "help" or verb == "status":
             if not self.decide(who, verb).allowed:
                 return None
@@ -241,18 +234,22 @@ class UseCases:
             return Reply((f"unknown command {cmd.unknown!r}. " if cmd.unknown else "") + HELP)
         return self.command(who, verb, {"version": cmd.arg} if verb == "rollback" and cmd.arg else {})
 
-    def _own_command(self, who: Actor, key: str, verb: str, arg: str | None) -> Outcome:
-        """``/rl status|train|rollback|reset`` on ``who``'s own adapter: theirs to run, no admin needed."""
-        if not self.decide(who, "rate").allowed:  # a bot, or someone this front end does not hear
-            return None
+    def _on_scope(self, who: Actor, verb: Action, key: str, arg: str | None, *, own: bool, label: str) -> Outcome:
+        """``/rl <verb>`` on scope ``key``'s adapter (``arg``: rollback's version). ``own``: ``who``'s
+        own adapter, theirs to run with no admin needed; else the admins' (``command``'s rules)."""
         if verb == "status":
-            return Reply("your adapter: " + status_line(self.snapshot(scopes.lineage(self.slug, key))))
+            # on one's own adapter, whoever may rate may ask (a bot, or someone unheard, may not)
+            if not self.decide(who, "rate" if own else "status").allowed:
+                return None
+            return Reply(f"{label}: " + status_line(self.snapshot(scopes.lineage(self.slug, key))))
+        args: dict[str, Any] = {"scope": key, **({"version": arg} if verb == "rollback" and arg else {})}
+        if not own:
+            return self.command(who, verb, args)
+        if not self.decide(who, "rate").allowed:
+            return None
         wait = self._cooldown(who)
         if wait:
             return Reply(f"one command per {self.cooldown_s} s: try again in {wait} s")
-        args: dict[str, Any] = {"scope": key}
-        if verb == "rollback" and arg:
-            args["version"] = arg
         return Send(Command(source=who.source, actor=who.id, name=verb, args=args))
 
     def rate(self, who: Actor, conversation: str | None, value: Value, comment: str | None = None, *,
