@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--redis", default=None,
                     help="a Redis URL this may flush (default: the embedded one, started for this run)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for one run (default 900)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads per worker (default: torch's choice, every core)")
     output_options(ap)
     args = ap.parse_args(argv)
     # Stopped with SIGTERM (timeout, kill): unwind through `finally`, which stops the workers.
@@ -92,6 +94,8 @@ def _measure(args, home: Path, console) -> dict:
     chosen = {"RLFLEET_HOME": str(home), "RLFLEET_MODEL": args.model}
     if args.redis:
         chosen["REDIS_URL"] = args.redis
+    if args.threads:
+        chosen.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     os.environ.pop("REDIS_URL", None)
     os.environ.update(chosen)
     env = {**os.environ, **chosen}
@@ -182,7 +186,8 @@ def _measure(args, home: Path, console) -> dict:
                            "ratings trained", "steps", "train tokens/s"], rows)
     figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "runs": runs}
     publish(figures, text, args, f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · "
-            f"{args.device} · first run's last rating {args.first_after:.0f} s after start")
+            f"{args.device} · first run's last rating {args.first_after:.0f} s after start"
+            + (f" · threads {args.threads}" if args.threads else ""))
     return figures
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import inspect
+import logging
 import os
 import re
 import warnings
@@ -21,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import gguf_copy
 from .errors import ModelUnavailable
+
+log = logging.getLogger(__name__)
 
 _ALIASES = {
     # alias: (python package holding the file, file name, slug)
@@ -121,11 +126,20 @@ def serving_device(preference: str = "auto") -> str:
 
 
 def load_tokenizer(ref: ModelRef) -> Any:
+    copy = _finished_copy(ref)
+    if copy is not None:
+        try:
+            return _tokenizer_from(ref, str(copy), {})
+        except ModelUnavailable as exc:
+            gguf_copy.drop(copy, exc)
+    return _tokenizer_from(ref, ref.path, {"gguf_file": ref.gguf_file} if ref.gguf_file else {})
+
+
+def _tokenizer_from(ref: ModelRef, path: str, kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
     try:
-        tok = AutoTokenizer.from_pretrained(ref.path, **kwargs)
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot load the tokenizer of {ref.spec}: {_first_line(exc)}") from None
     if tok.pad_token_id is None:
@@ -134,23 +148,70 @@ def load_tokenizer(ref: ModelRef) -> Any:
 
 
 def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
-    """Load the base model in ``dtype`` (fp32 by default: GGUF weights are dequantised to it)."""
+    """Load the base model in ``dtype`` (fp32 by default: GGUF weights are dequantised to it). A GGUF
+    model is read from its dequantised copy (:mod:`.gguf_copy`), written by its first load."""
+    copy = _finished_copy(ref)
+    if copy is not None:
+        try:
+            return _model_from(ref, str(copy), {}, device, dtype)
+        except ModelUnavailable as exc:
+            gguf_copy.drop(copy, exc)
+    model = _model_from(ref, ref.path, {"gguf_file": ref.gguf_file} if ref.gguf_file else {}, device, dtype)
+    if ref.gguf_file and (dtype is None or str(dtype) == "torch.float32"):
+        _keep_copy(ref, model)
+    return model
+
+
+def _finished_copy(ref: ModelRef) -> Path | None:
+    """The folder of a GGUF model's finished copy; None: not a GGUF, copies are off, or none yet."""
+    root = gguf_copy.cache_root() if ref.gguf_file else None
+    if root is None or ref.gguf_file is None:
+        return None
+    folder = gguf_copy.copy_folder(Path(ref.path) / ref.gguf_file, ref.slug, root)
+    return folder if gguf_copy.is_model_folder(folder) else None
+
+
+def _keep_copy(ref: ModelRef, model: Any) -> None:
+    """Write the just-dequantised ``model`` and its tokenizer as the GGUF's copy, once; a copy that
+    cannot be written is skipped with a warning (the next load reads the GGUF again)."""
+    root = gguf_copy.cache_root()
+    if root is None or ref.gguf_file is None:
+        return
+    dest = gguf_copy.copy_folder(Path(ref.path) / ref.gguf_file, ref.slug, root)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        _tokenizer_from(ref, ref.path, {"gguf_file": ref.gguf_file}).save_pretrained(str(tmp))
+
+    try:
+        gguf_copy.write_copy(dest, write)
+    except Exception as exc:  # a full or read-only disk costs speed, never the load
+        log.warning("could not keep a dequantised copy of %s in %s (%s: %s); each load reads the GGUF",
+                    ref.spec, dest.parent, type(exc).__name__, _first_line(exc))
+
+
+def save_model_folder(ref: ModelRef, folder: Path) -> None:
+    """``ref``'s fp32 weights (a GGUF dequantised) and tokenizer as a Hugging Face folder."""
+    load_model(ref, "cpu").save_pretrained(str(folder))
+    load_tokenizer(ref).save_pretrained(str(folder))
+
+
+def _model_from(ref: ModelRef, path: str, kwargs: dict[str, Any], device: str, dtype: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    kwargs: dict[str, Any] = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Our callers show their own "loading" line; transformers' per-tensor bars would flood worker
     # logs and fight the chat's spinner for the terminal.
     hf_logging.disable_progress_bar()
     try:
         with _no_gguf_bar():
-            model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype or torch.float32, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot load model {ref.spec}: {_first_line(exc)}") from None
     quantizer = getattr(model, "hf_quantizer", None)
-    if ref.gguf_file and quantizer is not None:
+    if kwargs.get("gguf_file") and quantizer is not None:
         # The GGUF weights are dequantised on load: a plain model in `dtype`. transformers still marks
         # it quantized, and trainers that check (TRL's, the Trainer) then refuse to train it.
         quantizer.remove_quantization_config(model)
@@ -159,6 +220,12 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
     model.to(device)  # type: ignore[arg-type, unused-ignore]
     model.eval()
     return model
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword ``model``'s forward takes its key/value cache under: transformers renames
+    ``past_key_values`` to ``cache`` (the old name warns, then goes)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 @contextmanager

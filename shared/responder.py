@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any
 from . import scopes
 from .config import Config
 from .events import FinishReason
-from .models import ModelRef, load_model, load_tokenizer, quiet_peft
+from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
 
 log = logging.getLogger(__name__)
@@ -182,10 +181,7 @@ class LocalResponder:
         self._scoped_failed: set[tuple] = set()
         self._tuner_layers: list | None = None  # the model's LoRA layers, found once per set of adapters
         self._eos_ids = self._end_token_ids()
-        # transformers renames generate's and forward's `past_key_values` to `cache` (the old name
-        # warns, then goes): the name this release's model takes
-        self._cache_arg = "cache" if "cache" in inspect.signature(type(self._base).forward).parameters \
-            else "past_key_values"
+        self._cache_arg = cache_argument(self._base)
         self.refresh()
 
     # ------------------------------------------------------------------ adapter selection

@@ -3,13 +3,17 @@ transformers). One module so it is loaded once; about two minutes on a 2-core CP
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from rlfleet.shared.models import resolve_model
+from rlfleet.shared.gguf_copy import copy_folder
+from rlfleet.shared.models import load_model, load_tokenizer, resolve_model
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import LocalResponder
 from rlfleet.worker.presets import preset
@@ -27,7 +31,17 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ref():
+def model_copies(tmp_path_factory) -> Iterator[Path]:
+    """A cache of dequantised copies of this module's own: its first load reads the GGUF and writes the
+    copy, the other one reads the copy."""
+    root = tmp_path_factory.mktemp("model-copies")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLFLEET_MODEL_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def ref(model_copies):
     try:
         return resolve_model("smollm2-135m")
     except Exception as exc:  # the wheel is part of the README's install command
@@ -54,6 +68,35 @@ def test_default_model_answers_with_raw_logprobs(answered):
         assert a.text.strip() and a.new_tokens == len(a.token_ids) == len(a.logprobs)
         assert all(lp <= 0.0 for lp in a.logprobs)
     assert "paris" in answers[0].text.lower()  # coherent, not noise: the GGUF loaded right
+
+
+def test_the_gguf_is_dequantised_once_then_read_from_its_copy(ref, model_copies, trainer, answered):
+    _, responder, _ = answered
+    (copy,) = [p for p in model_copies.iterdir() if not p.name.startswith(".")]  # no half-written folder
+    assert copy.name.startswith(ref.slug) and (copy / "model.safetensors").is_file()
+    # one of the two loaded the GGUF, the other the copy: the very same weights
+    mine, theirs = trainer.base.state_dict(), responder._base.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    text = "Héllo wörld,  ça va? 你好 <|im_start|>"
+    assert trainer.tokenizer(text)["input_ids"] == responder.tokenizer(text)["input_ids"]
+    assert trainer.tokenizer.apply_chat_template(chat := [{"role": "user", "content": text}], tokenize=False) \
+        == responder.tokenizer.apply_chat_template(chat, tokenize=False)
+    t0 = time.perf_counter()
+    load_model(ref)
+    assert time.perf_counter() - t0 < 10  # read from the copy: the GGUF's dequantising takes longer
+
+
+def test_a_copy_that_does_not_load_is_dropped_and_the_gguf_read(ref, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RLFLEET_MODEL_CACHE", str(tmp_path))
+    broken = copy_folder(Path(ref.path) / str(ref.gguf_file), ref.slug, tmp_path)
+    broken.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_text("not what it should be")
+    with caplog.at_level(logging.WARNING):
+        tok = load_tokenizer(ref)
+    assert tok("Paris")["input_ids"] and not broken.exists()
+    assert "did not load" in caplog.text and "loading the GGUF file instead" in caplog.text
 
 
 def test_trainer_reproduces_the_recorded_behaviour_logprobs(trainer, answered):
@@ -102,7 +145,8 @@ def test_the_dequantised_gguf_is_a_plain_trainable_model(trainer, answered, tmp_
     pytest.importorskip("trl", reason="the KTO baseline needs TRL: pip install -e '.[bench]'")
     from bench.learning.kto import KtoTrainer
 
-    assert not trainer.base.is_quantized and getattr(trainer.base.config, "quantization_config", None) is None
+    assert not getattr(trainer.base, "is_quantized", False)  # read from its copy, it has no such mark at all
+    assert getattr(trainer.base.config, "quantization_config", None) is None
     _, _, answers = answered
     samples = [
         TrainSample(i, a.messages, a.text, r, behaviour_logprobs=a.logprobs, behaviour_token_ids=a.token_ids)

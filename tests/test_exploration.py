@@ -228,12 +228,12 @@ def test_sample_honours_temperature_and_top_p(backend_name, tiny_trainer, reques
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1.0) != greedy
 
 
-def _run(backend, samples, cfg, out, captured=(), history=()):
+def _run(backend, samples, cfg, out, captured=(), history=(), progress=None):
     from rlfleet.worker.training.loop import RunRequest, run_training
     from rlfleet.worker.training.policy_gradient import PolicyGradient
 
     return run_training(backend, PolicyGradient(), RunRequest(samples, None, cfg, None, out, captured=captured,
-                                                                history=history))
+                                                                history=history, progress=progress))
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])
@@ -255,7 +255,9 @@ def test_a_run_over_the_bar_explores_k_answers_per_prompt_that_are_not_ratings(b
         return real_train(self, backend, session, data, cfg, report)
 
     monkeypatch.setattr(policy_gradient.PolicyGradient, "train", spy)
-    result = _run(backend, samples, cfg, tmp_path / "explored")
+    phases: list[str] = []
+    result = _run(backend, samples, cfg, tmp_path / "explored", progress=lambda p: phases.append(p.phase))
+    assert phases[:2] == ["exploring", "reference"]  # status says what the run is doing before its steps
     m = result.metrics
     assert m["reward_model_auc"] == 1.0
     assert m["explored"] == 2 * 3

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.worker.batching import Encoded, collate, encode_sample, ended_as_recorded, micro_batches
+from rlfleet.worker.batching import (
+    Encoded,
+    collate,
+    encode_sample,
+    ended_as_recorded,
+    micro_batches,
+    shared_prefix,
+)
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.presets import TrainConfig, preset
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
@@ -204,6 +211,87 @@ def test_token_logprobs_match_a_full_forward(trainer):
         del trainer.base.config.final_logit_softcapping
     for a, b in zip(fast, slow, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_a_shared_prompt_is_counted_once_in_the_token_budget():
+    system = list(range(100, 140))  # 40 tokens every sample begins with (a system prompt)
+    encoded = [Encoded(input_ids=system + [7 + i, 8, 9] + [5] * (4 + i % 3), prompt_len=43) for i in range(12)]
+    plain = micro_batches(encoded, 200)
+    shared = micro_batches(encoded, 200, share_prefix=True)
+    assert sorted(i for b in shared for i in b) == list(range(12))
+    assert len(shared) < len(plain)  # 40 + 12 * ~9 fits where 12 * ~49 does not
+    for b in shared:
+        longest = max(encoded[i].length for i in b)
+        assert shared_prefix([encoded[i] for i in b]) + len(b) * (longest - 40) <= 200 or len(b) == 1
+    # a prefix stops before the first response token's context: its hidden state is computed per row
+    short = [Encoded(input_ids=system + [1, 2], prompt_len=20), Encoded(input_ids=system + [3, 4], prompt_len=30)]
+    assert shared_prefix(short) == 19
+    assert shared_prefix([Encoded(input_ids=[1] * 10 + [2], prompt_len=10)] * 2) == 0  # under the minimum
+
+
+def test_a_batch_sharing_its_prompt_gets_the_same_logprobs_and_gradients(trainer, tok, monkeypatch):
+    """The shared prefix runs once and its keys and values serve every row: the log-probs and the
+    gradient of the LoRA weights are those of a full pass per row."""
+    import rlfleet.worker.training.torch_backend as backend
+
+    system = {"role": "system", "content": "You are a terse assistant for a game of cards; answer in a word."}
+    samples = [TrainSample(i, [system, *chat(f"Card {t}?")], r, 1.0)
+               for i, (t, r) in enumerate([("ace", "hit"), ("two", "stay now"), ("king", "hit me please")])]
+    encoded = [encode_sample(tok, s, 256) for s in samples]
+    groups, batches = trainer.batches(encoded, 4096)
+    assert len(groups) == 1
+    batch = batches[0]
+    assert backend._shared_prefix(batch["input_ids"], batch["attention_mask"], batch["response_mask"]) >= 16
+
+    def pass_(share: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not share:
+            monkeypatch.setattr(backend, "_shared_prefix", lambda *a: 0)
+        torch.manual_seed(0)
+        with trainer.adapter(None, LEARN, trainable=True) as model:
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # a LoRA that is not the base, so the prefix's keys depend on it
+                    p.data.normal_(0, 0.05)
+            params = [p for p in model.parameters() if p.requires_grad]
+            lp = trainer._logprobs(batch)
+            (lp * batch["response_mask"]).sum().backward()
+            grad = torch.cat([p.grad.flatten() for p in params])
+        monkeypatch.undo()
+        return lp.detach(), grad
+
+    shared_lp, shared_grad = pass_(True)
+    full_lp, full_grad = pass_(False)
+    assert torch.allclose(shared_lp, full_lp, atol=1e-5)
+    assert float(full_grad.norm()) > 0
+    assert float((shared_grad - full_grad).norm() / full_grad.norm()) < 1e-4
+
+
+def test_the_gates_sums_are_those_of_a_full_pass_per_answer(trainer, tok):
+    """score_rows reads only the answer positions (a shared prompt once): its per-answer sums of token
+    log-prob, entropy and KL to the base are what a plain forward of each answer alone gives."""
+    system = {"role": "system", "content": "You are a terse assistant for a game of cards; answer in a word."}
+    samples = [TrainSample(i, [system, *chat(q)], r, 0.0)
+               for i, (q, r) in enumerate([("Card ace?", "hit"), ("Card two?", "stay now"), ("Go?", "go go")])]
+    encoded = [encode_sample(tok, s, 256) for s in samples]
+    groups, batches = trainer.batches(encoded, 4096)
+    torch.manual_seed(1)
+    with trainer.adapter(None, LEARN, trainable=True) as model:
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.05)
+        got = trainer.score_rows(batches[0], with_kl=True)
+        for i, row in zip(groups[0], got, strict=True):
+            e = encoded[i]
+            ids = torch.tensor([e.input_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits[0, e.prompt_len - 1 : -1], -1)
+                with model.disable_adapter():
+                    ref = torch.log_softmax(model(input_ids=ids).logits[0, e.prompt_len - 1 : -1], -1)
+            target = torch.tensor(e.input_ids[e.prompt_len :])
+            assert row.tokens == e.n_response
+            assert row.logprob == pytest.approx(float(lp.gather(-1, target[:, None]).sum()), abs=1e-4)
+            assert row.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-4)
+            assert row.kl == pytest.approx(float((lp.exp() * (lp - ref)).sum()), abs=1e-4)
+            assert row.kl > 1e-4  # the adapter is not the base: the KL is measured, not 0
 
 
 # -- training runs ----------------------------------------------------------------------------

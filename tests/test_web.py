@@ -449,6 +449,7 @@ def test_rlfleet_web_makes_a_private_token_and_serves_behind_it_with_its_workers
             proc.kill()
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
 def test_a_running_run_shows_its_step_speed_and_time_left(queued_home, web_model_dir, monkeypatch):
     """The dashboard's live run: what a training worker reports (its ProgressBoard in Redis, the run
     running in the store, the training lock held) shown as step, tokens/s and an ETA from the steps the

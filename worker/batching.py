@@ -94,19 +94,48 @@ def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encod
     return Encoded(input_ids=prompt + response, prompt_len=len(prompt), behaviour_logprobs=behaviour)
 
 
-def micro_batches(encoded: Sequence[Encoded], max_tokens_per_batch: int) -> list[list[int]]:
+# Below this many tokens a shared prefix is not worth a pass of its own (:func:`shared_prefix`).
+MIN_SHARED_PREFIX = 16
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def shared_prefix(items: Sequence[Encoded]) -> int:
+    """The tokens every one of ``items`` begins with that a trainer can encode once for all of them:
+    their common prefix, up to the position before the earliest first response token (its hidden
+    state predicts that token, so it must be computed per row); 0 below :data:`MIN_SHARED_PREFIX` or
+    for a single item."""
+    if len(items) < 2:
+        return 0
+    first = items[0].input_ids
+    p = min(min(e.prompt_len for e in items) - 1, *(common_prefix(first, e.input_ids) for e in items[1:]))
+    return p if p >= MIN_SHARED_PREFIX else 0
+
+
+def micro_batches(
+    encoded: Sequence[Encoded], max_tokens_per_batch: int, share_prefix: bool = False
+) -> list[list[int]]:
     """Indices grouped into micro-batches of similar length.
 
-    Sorted by length, then packed while ``batch size * longest length`` (the padded token count)
-    stays within the budget: similar lengths waste little on padding. A sample longer than the
-    budget gets a batch of its own.
+    Sorted by length, then packed while the tokens a pass computes stay within the budget: ``batch
+    size * longest length`` (the padded token count), or with ``share_prefix`` (a backend that encodes a
+    batch's :func:`shared_prefix` once) ``prefix + batch size * (longest - prefix)``. Similar lengths
+    waste little on padding. A sample longer than the budget gets a batch of its own.
     """
     order = sorted(range(len(encoded)), key=lambda i: (encoded[i].length, i))
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = encoded[i].length  # sorted ascending: the newcomer is the longest
-        if current and (len(current) + 1) * longest > max_tokens_per_batch:
+        p = shared_prefix([encoded[j] for j in (*current, i)]) if share_prefix and current else 0
+        if current and p + (len(current) + 1) * (longest - p) > max_tokens_per_batch:
             batches.append(current)
             current = []
         current.append(i)

@@ -40,7 +40,7 @@ class Progress:
     total: int
     tokens_per_s: float
     loss: float | None = None
-    phase: str = "training"  # loading | reference | training | saving
+    phase: str = "training"  # loading | exploring | reference | training | saving (| evaluating)
 
 
 @dataclass

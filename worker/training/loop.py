@@ -141,6 +141,8 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
     with backend.adapter(run.parent_adapter, cfg, trainable=True, precision=cfg.precision) as session:
         precision = backend.precision
+        if cfg.explore > 0:  # the reward model is fitted and answers sampled before the reference pass
+            report(Progress(0, cfg.steps, 0.0, phase="exploring"))
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
         reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),

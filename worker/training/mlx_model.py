@@ -2,8 +2,8 @@
 
 - The model is loaded by mlx_lm from a Hugging Face folder with safetensors weights. A GGUF model
   (the default model is one) or a folder without safetensors is first converted once, with
-  transformers, into a cache folder (``~/.cache/rlfleet/hf/<slug>-<hash>``), written to a temporary
-  folder and renamed into place.
+  transformers, into a cache folder (``~/.cache/rlfleet/hf/<slug>-<hash>``, the one the torch loader
+  keeps a GGUF's dequantised copy in), written to a temporary folder and renamed into place.
 - Adapters are plain peft adapters (``adapter_config.json`` + ``adapter_model.safetensors`` with
   peft's key names and shapes), so the registry keeps one format: an MLX-trained version is served
   by the torch responder, exported, and continued by either backend. peft's ``lora_A.weight`` is
@@ -13,18 +13,16 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlfleet.shared.errors import ModelUnavailable
-from rlfleet.shared.models import ModelRef, load_tokenizer
+from rlfleet.shared.gguf_copy import cache_root, copy_folder, default_root, is_model_folder, write_copy
+from rlfleet.shared.models import ModelRef, save_model_folder
 from rlfleet.shared.registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 INSTALL_HINT = "pip install -e '.[mlx]'"
@@ -42,73 +40,32 @@ def require_mlx() -> None:
         ) from None
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "rlfleet" / "hf"
-
-
-def _has_safetensors(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
-
-
 def hf_folder(ref: ModelRef, cache_dir: Path | None = None) -> Path:
     """A Hugging Face folder with safetensors weights that mlx_lm can load for ``ref``.
 
     A local folder that already is one is used as is; a hub id already in the Hugging Face cache
     is used from there; anything else (a GGUF file, ``.bin`` weights, a hub id not cached) is
-    loaded once with transformers in fp32 and saved into ``cache_dir`` (atomically: a temporary
-    folder renamed into place, so a crash or a concurrent conversion never leaves half a model).
+    loaded once with transformers in fp32 and saved into ``cache_dir`` (default: the cache the torch
+    loader keeps a GGUF's dequantised copy in, :mod:`rlfleet.shared.gguf_copy`; written atomically, so
+    a crash or a concurrent conversion never leaves half a model).
     """
     if ref.gguf_file is None:
         local = Path(ref.path)
         if local.is_dir():
-            if _has_safetensors(local):
+            if is_model_folder(local):
                 return local
         else:
             with contextlib.suppress(Exception):
                 from huggingface_hub import snapshot_download
 
                 cached = Path(snapshot_download(ref.path, local_files_only=True))
-                if _has_safetensors(cached):
+                if is_model_folder(cached):
                     return cached
-    key = str(Path(ref.path) / (ref.gguf_file or ""))
-    source = Path(key)
-    if source.is_file():  # a changed file under the same name gets a new conversion
-        st = source.stat()
-        key += f":{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    dest = Path(cache_dir or cache_root()) / f"{ref.slug}-{digest}"
-    if _has_safetensors(dest):
+    root = Path(cache_dir) if cache_dir else (cache_root() or default_root())
+    dest = copy_folder(Path(ref.path) / (ref.gguf_file or ""), ref.slug, root)
+    if is_model_folder(dest):
         return dest
-    return _convert(ref, dest)
-
-
-def _convert(ref: ModelRef, dest: Path) -> Path:
-    from rlfleet.shared.models import load_model
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    try:
-        model = load_model(ref, "cpu")  # fp32, GGUF dequantised: what the torch trainer trains on
-        if ref.gguf_file:
-            # The weights are plain fp32 tensors by now, but transformers still marks the model as
-            # GGUF-quantised and refuses to save it; the mark (and its config entry) is all there is.
-            model.hf_quantizer = None
-            for holder in (model, model.config):
-                if hasattr(holder, "quantization_config"):
-                    delattr(holder, "quantization_config")
-            model.config.__dict__.pop("quantization_config", None)
-        model.save_pretrained(str(tmp))
-        del model
-        load_tokenizer(ref).save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not _has_safetensors(dest):  # not a concurrent conversion that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return write_copy(dest, lambda tmp: save_model_folder(ref, tmp))
 
 
 def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:

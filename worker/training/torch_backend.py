@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfleet.shared.models import ModelRef, load_model, load_tokenizer, quiet_peft
+from rlfleet.shared.models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
-from ..batching import Encoded, _ids, collate, micro_batches
+from ..batching import MIN_SHARED_PREFIX, Encoded, _ids, collate, micro_batches
 from ..objective import (
     entropy_excess,
     hindsight_kl,
@@ -203,7 +203,7 @@ class Trainer(TrainerInterface):
     # -- tensors ----------------------------------------------------------------------------------
 
     def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[dict]]:
-        groups = micro_batches(encoded, budget)
+        groups = micro_batches(encoded, budget, share_prefix=True)
         pad = self.tokenizer.pad_token_id
         tensors = [
             {k: v.to(self.device) for k, v in collate([encoded[i] for i in g], pad).items()} for g in groups
@@ -233,14 +233,16 @@ class Trainer(TrainerInterface):
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         config = getattr(lm, "config", None)
         plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
+        p = _shared_prefix(ids, attn, resp)
+        pred_mask = pred_mask[:, p:]  # the positions the pass below computes: p onwards
         if body is not None and isinstance(head, torch.nn.Linear) and plain_head:
             with self.autocast():
-                hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                hidden = _forward(body, ids, attn, p).last_hidden_state
             hidden = hidden[:, :-1][pred_mask].to(head.weight.dtype)
             logits = head(hidden).float()  # outside autocast: the log-softmax needs fp32 logits
         else:
             with self.autocast():
-                full = lm(input_ids=ids, attention_mask=attn, use_cache=False).logits
+                full = _forward(lm, ids, attn, p).logits
             logits = full[:, :-1][pred_mask].float()
         return logits, targets
 
@@ -414,24 +416,27 @@ class Trainer(TrainerInterface):
 
     @torch.no_grad()
     def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[TokenSums]:
-        model = self._active()
-        logp, rows, targets = _answer_log_softmax(model, batch)
+        # The output head on answer positions only (and a shared prompt once): the prompt's
+        # vocabulary-sized rows are never read.
+        logits, targets = self._response_logits(batch)
+        logp = torch.log_softmax(logits, dim=-1)
+        rows = batch["response_mask"][:, 1:].nonzero()[:, 0].cpu()  # row-major: the logits' order
         if with_kl:
             with self.reference():
-                ref, _, _ = _answer_log_softmax(model, batch)
+                ref = torch.log_softmax(self._response_logits(batch)[0], dim=-1)
             kl = (logp.exp() * (logp - ref)).sum(-1)
         else:
             kl = torch.zeros(logp.shape[0])
         ent = -(logp.exp() * logp).sum(-1)
         tok = logp.gather(-1, targets[:, None]).squeeze(-1)
-        sums = [[0.0, 0.0, 0.0, 0] for _ in range(batch["input_ids"].shape[0])]
-        for k, row in enumerate(rows.tolist()):
-            s = sums[row]
-            s[0] += float(tok[k])
-            s[1] += float(ent[k])
-            s[2] += float(kl[k])
-            s[3] += 1
-        return [TokenSums(lp, e, d, int(n)) for lp, e, d, n in sums]
+        n_rows = batch["input_ids"].shape[0]
+
+        def per_row(values: Tensor) -> list[float]:
+            return torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, values.double().cpu()).tolist()
+
+        counts = torch.bincount(rows, minlength=n_rows).tolist()
+        return [TokenSums(lp, e, d, int(n))
+                for lp, e, d, n in zip(per_row(tok), per_row(ent), per_row(kl), counts, strict=True)]
 
     @torch.no_grad()
     def sample(
@@ -456,10 +461,29 @@ class Trainer(TrainerInterface):
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def _answer_log_softmax(model: Any, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
-    """Log-softmax rows ``[N, V]`` for every predicted answer token, the batch row of each, targets."""
-    ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    pred = resp[:, 1:]
-    rows = pred.nonzero()[:, 0]
-    return torch.log_softmax(logits[pred].float(), dim=-1), rows.cpu(), ids[:, 1:][pred]
+def _shared_prefix(ids: Tensor, attn: Tensor, resp: Tensor) -> int:
+    """The tokens every row of a right-padded batch begins with, up to the position before the earliest
+    response token (:func:`rlfleet.worker.batching.shared_prefix` on tensors); 0 when not worth it."""
+    if ids.shape[0] < 2:
+        return 0
+    same = ((ids == ids[:1]) & attn.bool()).all(dim=0)
+    common = int(same.long().cumprod(0).sum())
+    first_response = int(torch.where(resp.any(dim=1), resp.long().argmax(dim=1), attn.sum(dim=1)).min())
+    p = min(common, first_response - 1)
+    return p if p >= MIN_SHARED_PREFIX else 0
+
+
+def _forward(model: Any, ids: Tensor, attn: Tensor, prefix: int) -> Any:
+    """``model``'s output over positions ``prefix`` onwards of every row. The first ``prefix`` tokens,
+    the same in every row, run once and their keys and values are shared by the rows: the prompt a
+    batch has in common (a system prompt, an environment's instructions) costs one row, not one per
+    sample. Gradients flow through the shared keys and values as through a full pass."""
+    if prefix == 0:
+        return model(input_ids=ids, attention_mask=attn, use_cache=False)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    arg = cache_argument(model)
+    model(input_ids=ids[:1, :prefix], use_cache=True, **{arg: cache})
+    cache.batch_repeat_interleave(ids.shape[0])
+    return model(input_ids=ids[:, prefix:], attention_mask=attn, use_cache=True, **{arg: cache})

@@ -1,0 +1,83 @@
+"""A GGUF model's dequantised copy: made once, loaded from then on.
+
+transformers reads a GGUF file by parsing every metadata field in Python and dequantising every
+tensor, on each load: about half a minute for the default model on a CPU, paid again by every process
+that answers or trains (the chat, each bot, the worker's first run, an environment agent). The first
+load writes what it produced, the fp32 weights as safetensors and the tokenizer, into a cache folder
+(``$RLFLEET_MODEL_CACHE``, else ``$XDG_CACHE_HOME/rlfleet/hf``, else ``~/.cache/rlfleet/hf``), and
+later loads read that folder in well under a second. The weights are the very tensors the GGUF
+dequantises to, so answers and training are the same either way.
+
+The folder is named for the GGUF file's path, size and modification time (a changed file gets a new
+copy), written to a temporary folder and renamed into place (a crash or a second process converting
+at the same time never leaves half a model). ``RLFLEET_MODEL_CACHE=off`` turns the copy off; a copy
+that cannot be written (a full or read-only disk) or read is skipped with a warning, and the GGUF is
+loaded as before. The MLX backend reads the same folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "RLFLEET_MODEL_CACHE"
+OFF = {"off", "0", "false", "no"}
+
+
+def cache_root() -> Path | None:
+    """Where copies are kept; None when ``RLFLEET_MODEL_CACHE`` turns them off."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen.lower() in OFF:
+        return None
+    return Path(chosen).expanduser() if chosen else default_root()
+
+
+def default_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "rlfleet" / "hf"
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A Hugging Face folder with safetensors weights (what a finished copy holds)."""
+    return (folder / "config.json").is_file() and any(folder.glob("model*.safetensors"))
+
+
+def copy_folder(source: Path, slug: str, root: Path) -> Path:
+    """Where the copy of the GGUF file ``source`` lives under ``root``: named for the file's path,
+    size and modification time."""
+    key = str(source)
+    if source.is_file():
+        st = source.stat()
+        key += f":{st.st_size}:{st.st_mtime_ns}"
+    return root / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def write_copy(dest: Path, write: Callable[[Path], None]) -> Path:
+    """Have ``write`` fill a temporary folder beside ``dest`` and rename it into place; ``dest``. A
+    copy another process finished first is kept (and this one dropped)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not is_model_folder(dest):  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def drop(folder: Path, why: BaseException) -> None:
+    """A copy that does not load: removed (the next load writes it again), and said once in the log."""
+    log.warning("the model copy %s did not load (%s: %s); loading the GGUF file instead", folder,
+                type(why).__name__, str(why).splitlines()[0] if str(why) else "")
+    shutil.rmtree(folder, ignore_errors=True)
