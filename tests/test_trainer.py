@@ -265,6 +265,33 @@ def test_a_batch_sharing_its_prompt_gets_the_same_logprobs_and_gradients(trainer
     assert float((shared_grad - full_grad).norm() / full_grad.norm()) < 1e-4
 
 
+def test_a_model_that_takes_no_shared_cache_trains_each_row_whole(trainer, tok, monkeypatch, caplog):
+    import rlfleet.worker.training.torch_backend as backend
+
+    system = {"role": "system", "content": "You are a terse assistant for a game of cards; answer in a word."}
+    encoded = [encode_sample(tok, TrainSample(i, [system, *chat(q)], "hit", 1.0), 256)
+               for i, q in enumerate(["Card ace?", "Card two?"])]
+    _, batches = trainer.batches(encoded, 4096)
+    with torch.no_grad():
+        want = trainer._logprobs(batches[0])
+    real = backend._forward
+
+    def no_cache(model, ids, attn, prefix):
+        if prefix:
+            raise TypeError("forward() got an unexpected keyword argument 'cache'")
+        return real(model, ids, attn, prefix)
+
+    monkeypatch.setattr(backend, "_forward", no_cache)
+    try:
+        with torch.no_grad(), caplog.at_level("WARNING"):
+            got = trainer._logprobs(batches[0])
+            again = trainer._logprobs(batches[0])
+        assert torch.allclose(got, want, atol=1e-5) and torch.allclose(again, want, atol=1e-5)
+        assert caplog.text.count("cannot share a prompt's keys and values") == 1  # said once, then not tried
+    finally:
+        trainer._share_prefix = True
+
+
 def test_the_gates_sums_are_those_of_a_full_pass_per_answer(trainer, tok):
     """score_rows reads only the answer positions (a shared prompt once): its per-answer sums of token
     log-prob, entropy and KL to the base are what a plain forward of each answer alone gives."""

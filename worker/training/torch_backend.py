@@ -13,6 +13,7 @@ run's behaviour, reference and policy log-probs then share those numerics (see
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
 from .precision import effective
 from .teachers import TeacherCache
+
+log = logging.getLogger(__name__)
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -82,6 +85,7 @@ class Trainer(TrainerInterface):
         self._hindsight = 0.0
         self._teachers = TeacherCache(tokenizer)
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
+        self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
 
     @property
     def n_params(self) -> int:
@@ -233,17 +237,26 @@ class Trainer(TrainerInterface):
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         config = getattr(lm, "config", None)
         plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
-        p = _shared_prefix(ids, attn, resp)
-        pred_mask = pred_mask[:, p:]  # the positions the pass below computes: p onwards
-        if body is not None and isinstance(head, torch.nn.Linear) and plain_head:
+        split = body is not None and isinstance(head, torch.nn.Linear) and plain_head
+        p = _shared_prefix(ids, attn, resp) if self._share_prefix else 0
+        try:
             with self.autocast():
-                hidden = _forward(body, ids, attn, p).last_hidden_state
-            hidden = hidden[:, :-1][pred_mask].to(head.weight.dtype)
+                out = _forward(body if split else lm, ids, attn, p)
+        except (TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+            if p == 0:
+                raise
+            # An architecture whose forward takes no key/value cache this way: every row whole, as before.
+            log.warning("%s cannot share a prompt's keys and values (%s: %s); training encodes each row whole",
+                        self.ref.spec, type(exc).__name__, exc)
+            self._share_prefix, p = False, 0
+            with self.autocast():
+                out = _forward(body if split else lm, ids, attn, 0)
+        pred_mask = pred_mask[:, p:]  # the positions the pass computed: p onwards
+        if split:
+            hidden = out.last_hidden_state[:, :-1][pred_mask].to(head.weight.dtype)
             logits = head(hidden).float()  # outside autocast: the log-softmax needs fp32 logits
         else:
-            with self.autocast():
-                full = _forward(lm, ids, attn, p).logits
-            logits = full[:, :-1][pred_mask].float()
+            logits = out.logits[:, :-1][pred_mask].float()
         return logits, targets
 
     def _scatter(self, batch: dict[str, Tensor], values: Tensor) -> Tensor:
