@@ -252,7 +252,7 @@ class Trainer(TrainerInterface):
             with self.autocast():
                 out = _forward(body if split else lm, ids, attn, 0)
         pred_mask = pred_mask[:, p:]  # the positions the pass computed: p onwards
-        if split:
+        if split and head is not None:
             hidden = out.last_hidden_state[:, :-1][pred_mask].to(head.weight.dtype)
             logits = head(hidden).float()  # outside autocast: the log-softmax needs fp32 logits
         else:
