@@ -239,6 +239,9 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 await rate_by_api(http, url, "three", stars=5)
                 await expect(page.locator("#total")).to_have_text("3", timeout=30_000)
                 assert await page.locator("#threshold").evaluate("e => e.value") == 3
+                # a local folder by its own name in the header, the whole path on hover
+                await expect(page.locator("#model")).to_have_text(web_model_dir.name)
+                assert await page.locator("#model").get_attribute("title") == str(web_model_dir)
                 assert await page.evaluate(drawn, "#timeline-chart") == [2, 1]  # drawn in the same refresh
                 def accept(dialog) -> None:
                     asyncio.ensure_future(dialog.accept())

@@ -151,7 +151,7 @@ function startOver(conversation) {
 async function main() {
   const about = await (await fetch("/api/about", { credentials: "same-origin" })).json();
   reasons = about.reasons;
-  $("#model").textContent = about.model;
+  showModel(about.model);
   $("#version").textContent = about.version ? `adapter ${about.version}` : "base model";
   state = load(about.conversation);
   for (const t of state.turns) t.role === "user" ? userTurn(t.content) : answerTurn(t);

@@ -9,3 +9,13 @@ async function post(path, body) {
   if (r.status === 401) { location.reload(); return { ok: false, message: "logged out" }; }
   return r.json().catch(() => ({ ok: false, message: `HTTP ${r.status}` }));
 }
+
+// The header's model: a local folder by its own name (a path would fill the bar), the whole spec on hover.
+function showModel(spec) {
+  const el = $("#model");
+  if (!el || !spec) return;
+  const local = /^[/.~]/.test(spec) || /^[A-Za-z]:\\/.test(spec);
+  const parts = spec.replace(/:[^/\\:]+\.gguf$/, "").split(/[/\\]/).filter(Boolean);
+  el.textContent = local && parts.length ? parts[parts.length - 1] : spec;
+  el.title = spec;
+}

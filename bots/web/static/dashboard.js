@@ -165,7 +165,7 @@ async function refresh() {
   if (r.status === 401) { location.reload(); return; }
   const d = await r.json();
   const st = d.status;
-  text("#model", st.model);
+  showModel(st.model);
   const current = (st.adapter || {}).current;
   text("#serving", current ? `adapter ${current}` : "base model");
   ratings(st); training(st); fleet(st); scopesTable(st);
