@@ -191,6 +191,8 @@ def test_then_switch_at_and_replay_options():
     assert (args.then, args.switch_at, args.replay) == ("question", 8, 0.0)
     assert parse(["--preference", "short:3", "--explore", "4"]).explore == 4
     assert parse(["--preference", "short:3"]).explore is None  # the config's train.explore
+    assert [parse(["--preference", "short:3", *a]).rewrite for a in ([], ["--rewrite"], ["--no-rewrite"])] == \
+        [None, True, False]  # None: the config's train.rewrite
     assert parse(["--preference", "short:3", "--beta", "0.1"]).beta == 0.1
     assert parse(["--preference", "short:3"]).beta is None  # the preset's KL weight
     args = parse(["--preference", "short:3", "--kl-top-k", "32", "--unlikelihood", "1.5"])

@@ -96,6 +96,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "(default: the config's; 0: off)")
     ap.add_argument("--teacher", metavar="MODEL", help="train.teacher for the runs: a stronger hindsight teacher "
                     "sharing the model's tokenizer, a local folder or hub id (default: the model itself)")
+    ap.add_argument("--rewrite", action=argparse.BooleanOptionalAction, default=None,
+                    help="train.rewrite for the runs: the teacher writes an answer under each 👎's words, "
+                    "trained as liked where the reward model scores it above the original (default: the "
+                    "config's, off)")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"],
                     help="override train.precision, the training forward passes' precision (default: the "
                     "config's, auto: bf16 where the CPU or GPU does it natively)")
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("balance", args.balance), ("neg_fade", args.neg_fade),
                                    ("advantage", args.advantage), ("precision", args.precision),
                                    ("hindsight", args.hindsight), ("teacher", args.teacher),
+                                   ("rewrite", args.rewrite),
                                    ("replay", args.replay), ("explore", args.explore),
                                    ("explore_cuts", args.explore_cuts),
                                    ("explore_minibatches", args.explore_minibatches),

@@ -369,7 +369,7 @@ def rating_event(cases: UseCases, capture_id: str, value: int, comment: str | No
 # no override, and the preset changes between commits: the label says what really ran).
 TRAIN_KEYS = ("lr", "steps", "beta", "kl_top_k", "unlikelihood", "entropy_hinge", "advantage", "balance",
               "neg_fade", "explore", "explore_weight", "explore_cuts", "explore_minibatches", "hindsight",
-              "teacher")
+              "teacher", "rewrite")
 
 
 def _checkpoint_line(c: Checkpoint) -> str:
