@@ -162,22 +162,26 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
     return model
 
 
-def _finished_copy(ref: ModelRef) -> Path | None:
-    """The folder of a GGUF model's finished copy; None: not a GGUF, copies are off, or none yet."""
+def _copy_dest(ref: ModelRef) -> Path | None:
+    """Where a GGUF model's dequantised copy lives; None: not a GGUF, or copies are off."""
     root = gguf_copy.cache_root() if ref.gguf_file else None
     if root is None or ref.gguf_file is None:
         return None
-    folder = gguf_copy.copy_folder(Path(ref.path) / ref.gguf_file, ref.slug, root)
-    return folder if gguf_copy.is_model_folder(folder) else None
+    return gguf_copy.copy_folder(Path(ref.path) / ref.gguf_file, ref.slug, root)
+
+
+def _finished_copy(ref: ModelRef) -> Path | None:
+    """The folder of a GGUF model's finished copy; None: not a GGUF, copies are off, or none yet."""
+    folder = _copy_dest(ref)
+    return folder if folder is not None and gguf_copy.is_model_folder(folder) else None
 
 
 def _keep_copy(ref: ModelRef, model: Any) -> None:
     """Write the just-dequantised ``model`` and its tokenizer as the GGUF's copy, once; a copy that
     cannot be written is skipped with a warning (the next load reads the GGUF again)."""
-    root = gguf_copy.cache_root()
-    if root is None or ref.gguf_file is None:
+    dest = _copy_dest(ref)
+    if dest is None:
         return
-    dest = gguf_copy.copy_folder(Path(ref.path) / ref.gguf_file, ref.slug, root)
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp))

@@ -232,8 +232,6 @@ def test_a_shared_prompt_is_counted_once_in_the_token_budget():
 def test_a_batch_sharing_its_prompt_gets_the_same_logprobs_and_gradients(trainer, tok, monkeypatch):
     """The shared prefix runs once and its keys and values serve every row: the log-probs and the
     gradient of the LoRA weights are those of a full pass per row."""
-    import rlfleet.worker.training.torch_backend as backend
-
     system = {"role": "system", "content": "You are a terse assistant for a game of cards; answer in a word."}
     samples = [TrainSample(i, [system, *chat(f"Card {t}?")], r, 1.0)
                for i, (t, r) in enumerate([("ace", "hit"), ("two", "stay now"), ("king", "hit me please")])]
@@ -241,11 +239,11 @@ def test_a_batch_sharing_its_prompt_gets_the_same_logprobs_and_gradients(trainer
     groups, batches = trainer.batches(encoded, 4096)
     assert len(groups) == 1
     batch = batches[0]
-    assert backend._shared_prefix(batch["input_ids"], batch["attention_mask"], batch["response_mask"]) >= 16
+    assert int(batch["shared_prefix"]) >= 16
 
     def pass_(share: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not share:
-            monkeypatch.setattr(backend, "_shared_prefix", lambda *a: 0)
+            monkeypatch.setattr(trainer, "_share_prefix", False)
         torch.manual_seed(0)
         with trainer.adapter(None, LEARN, trainable=True) as model:
             for name, p in model.named_parameters():

@@ -25,7 +25,7 @@ from rlfleet.shared.models import ModelRef, cache_argument, load_model, load_tok
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
-from ..batching import MIN_SHARED_PREFIX, Encoded, _ids, collate, micro_batches
+from ..batching import Encoded, _ids, collate, micro_batches, shared_prefix
 from ..objective import (
     entropy_excess,
     hindsight_kl,
@@ -209,9 +209,13 @@ class Trainer(TrainerInterface):
     def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[dict]]:
         groups = micro_batches(encoded, budget, share_prefix=True)
         pad = self.tokenizer.pad_token_id
-        tensors = [
-            {k: v.to(self.device) for k, v in collate([encoded[i] for i in g], pad).items()} for g in groups
-        ]
+        tensors = []
+        for g in groups:
+            items = [encoded[i] for i in g]
+            batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
+            # what every pass over the batch encodes once (a CPU scalar: read without a device sync)
+            batch["shared_prefix"] = torch.tensor(shared_prefix(items))
+            tensors.append(batch)
         return groups, tensors
 
     def vector(self, values: Sequence[float]) -> Tensor:
@@ -238,7 +242,7 @@ class Trainer(TrainerInterface):
         config = getattr(lm, "config", None)
         plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
         split = body is not None and isinstance(head, torch.nn.Linear) and plain_head
-        p = _shared_prefix(ids, attn, resp) if self._share_prefix else 0
+        p = int(batch.get("shared_prefix", 0)) if self._share_prefix else 0
         try:
             with self.autocast():
                 out = _forward(body if split else lm, ids, attn, p)
@@ -472,18 +476,6 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
-
-
-def _shared_prefix(ids: Tensor, attn: Tensor, resp: Tensor) -> int:
-    """The tokens every row of a right-padded batch begins with, up to the position before the earliest
-    response token (:func:`rlfleet.worker.batching.shared_prefix` on tensors); 0 when not worth it."""
-    if ids.shape[0] < 2:
-        return 0
-    same = ((ids == ids[:1]) & attn.bool()).all(dim=0)
-    common = int(same.long().cumprod(0).sum())
-    first_response = int(torch.where(resp.any(dim=1), resp.long().argmax(dim=1), attn.sum(dim=1)).min())
-    p = min(common, first_response - 1)
-    return p if p >= MIN_SHARED_PREFIX else 0
 
 
 def _forward(model: Any, ids: Tensor, attn: Tensor, prefix: int) -> Any:
