@@ -18,12 +18,13 @@ seed SEED + i, each side in its own process, one after the other:
 
 Figures: episodes/s over the episode loop (acting, stepping, storing and the inline training runs; the
 model load is reported apart), peak resident memory of each side's process (VmHWM, load included; for
-ours the embedded Redis server is a process of its own, a few MB, not counted), and their ratios
-(ours / LlamaGym). The learning curve: win rate and mean return per block of ``--block`` episodes
-with 95 % intervals (Wilson for the rate, normal for the mean). For ours, a held-out win rate on
-``--heldout`` fixed env seeds never trained on (played after the loop: not in the timing or the
-peak), by the served version and by the base, with the 95 % interval of their difference: "learns"
-means that interval lies above 0. If LlamaGym cannot run, its error is printed and ours still reported.
+ours the embedded Redis server is a process of its own, a few MB, not counted), and their ratios (ours /
+LlamaGym); with ``--background`` ours' peak adds the training worker's process. The learning curve: win
+rate and mean return per block of ``--block`` episodes with 95 % intervals (Wilson for the rate, normal
+for the mean). For ours, a held-out win rate on ``--heldout`` fixed env seeds never trained on (played
+after the loop: not in the timing or the peak), by the served version and by the base, with the 95 %
+interval of their difference: "learns" means that interval lies above 0. If LlamaGym cannot run, its
+error is printed and ours still reported.
 """
 
 from __future__ import annotations
@@ -186,7 +187,10 @@ def ours_child(args: argparse.Namespace) -> dict:
             # background runs still training when the loop ends: waited for, and timed apart
             runs += [run_row(args.episodes, stats) for stats in agent.wait()]
             drained = time.perf_counter()
-            peak = peak_rss_bytes()
+            # with --background the runs train in the worker process the agent started: its memory counts
+            workers = agent._workers.procs.values() if agent._workers is not None else []
+            worker_peak = sum(peak_rss_bytes(p.pid) for p in workers if p.poll() is None)
+            peak = peak_rss_bytes() + worker_peak
             served = agent.registry.current()
             heldout = None
             if args.heldout:
@@ -203,7 +207,7 @@ def ours_child(args: argparse.Namespace) -> dict:
     return {"side": "ours", "episodes": len(returns), "returns": returns, "turns": turns, "hits": hits,
             "actions": actions, "runs": runs, "served": served, "load_s": loaded - started,
             "loop_s": finished - loaded, "drain_s": drained - finished, "act_s": act_s, "close_s": train_s,
-            "peak_rss_bytes": peak,
+            "peak_rss_bytes": peak, "worker_peak_rss_bytes": worker_peak,
             "heldout": heldout, "versions": _versions()}
 
 

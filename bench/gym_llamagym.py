@@ -65,7 +65,10 @@ HYPERPARAMS = {  # the example's, but for the model (a local folder here) and 8-
 
 
 class BlackjackPrompts:
-    """The example's ``BlackjackAgent`` methods, verbatim (bench/gym.py gives rlfleet's agent the same)."""
+    """The example's ``BlackjackAgent`` methods, verbatim (bench/gym.py gives rlfleet's agent the same),
+    but for one guard: the example returns any digit after "Action: ", and Blackjack-v1 asserts on an
+    action other than 0 or 1 (a sampled "Action: 2" ended a 1,000-episode run at episode 78), so such
+    an answer stays (0), what the example does with an answer it cannot read."""
 
     def get_system_prompt(self) -> str:
         return """You are an expert blackjack player. Every turn, you'll see your current sum, the dealer's showing card value, and whether you have a usable ace. Win by exceeding the dealer's hand but not exceeding 21.
@@ -77,7 +80,8 @@ Decide whether to stay with your current sum by writing "Action: 0" or accept an
     def extract_action(self, response: str):
         match = re.compile(r"Action: (\d)").search(response)
         if match:
-            return int(match.group(1))
+            action = int(match.group(1))
+            return action if action in (0, 1) else 0
 
         digits = [char for char in response if char.isdigit()]
         if len(digits) == 0 or digits[-1] not in ("0", "1"):
@@ -136,8 +140,9 @@ class ChatML:
         return queries, responses, rewards
 
 
-def peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """The peak resident memory (VmHWM) of process ``pid`` (default: this one)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0

@@ -15,8 +15,9 @@ HANDLE_EVENT = "rlfleet.worker.jobs.handle_event"  # one event per job: only job
 DRAIN_JOB = "rlfleet.worker.jobs.drain_events"  # applies the inbox's events (shared/inbox.py)
 TRAIN_JOB = "rlfleet.worker.jobs.train"  # one training run: (run id, model slug)
 PUSH_JOB = "rlfleet.worker.jobs.push_served"  # the served adapter to the inference servers: (model slug)
+GYM_RUN_JOB = "rlfleet.worker.jobs.gym_run"  # an environment agent's run: (GymRunRequest JSON)
 
-ALL = (HANDLE_EVENT, DRAIN_JOB, TRAIN_JOB, PUSH_JOB)
+ALL = (HANDLE_EVENT, DRAIN_JOB, TRAIN_JOB, PUSH_JOB, GYM_RUN_JOB)
 
 
 def train_job_id(slug: str, run_id: int) -> str:

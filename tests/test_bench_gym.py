@@ -79,3 +79,12 @@ def test_a_llamagym_failure_is_said_and_ours_still_reported():
     assert "ours (rlfleet.gym)" in text and "LlamaGym 0.1.1" not in text.split("\n\n")[0]
     assert fig["targets"] == {"learns": None, "speed_3x": None, "half_memory": None}
     assert "≥ 3× LlamaGym's episodes/s not measured" in text
+
+
+def test_the_example_agent_reads_only_blackjack_s_two_actions():
+    """LlamaGym's parser returns any digit after "Action: "; Blackjack-v1 asserts on one it lacks."""
+    from bench.gym_llamagym import BlackjackPrompts
+
+    read = BlackjackPrompts().extract_action
+    assert [read("Action: 1"), read("Action: 0"), read("I hit. Action: 2"), read("hit me"), read("no idea")] == [
+        1, 0, 0, 1, 0]

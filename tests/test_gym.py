@@ -5,6 +5,7 @@ without losing what was recorded."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -341,6 +342,8 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
     agent = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=4,
                  device="cpu", env="pick-bg", background=True, steps=4)
     acted_while_training, handed_out = 0, []
+    assert agent._workers is not None  # no training worker listened on the queue: the agent started one
+    children = list(agent._workers.procs.values())
     try:
         for episode in range(6):
             agent.act(episode)
@@ -364,6 +367,8 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
     finally:
         agent.close()
     runs = handed_out + rest
+    assert children and all(p.poll() is not None for p in children)  # close() stopped the worker it started
+    assert all(r["trained_by_pid"] not in (None, os.getpid()) for r in runs)  # trained in the worker process
     assert acted_while_training >= 1  # the loop went on while a run trained
     assert len(runs) == 3 and [r["run_id"] for r in runs] == sorted(r["run_id"] for r in runs)  # each once, in order
     assert all(r["episodes"] == 2 for r in runs)
@@ -372,3 +377,77 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
     store = Store(agent.cfg.db_url)
     with store.session() as s:
         assert s.query(CaptureRow).filter(CaptureRow.source == "gym").count() >= 4  # the failed batch's too
+
+
+def test_a_training_worker_killed_mid_run_is_raised_in_the_loop_and_the_next_batch_trains(
+        queued_home, tiny_model_dir, single_thread):
+    """SIGKILL the worker the agent started while it trains: the run fails with the reason, its episodes
+    stay stored, the worker is started again and the next batch trains and is served."""
+    import signal
+    import time
+
+    from rq.job import Job, JobStatus
+
+    from rlfleet.shared.job_names import train_job_id
+    from rlfleet.shared.queue import progress_key
+
+    agent = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=4,
+                 device="cpu", env="pick-kill", background=True, steps=24)
+    try:
+        for episode in range(2):
+            agent.act(episode)
+            agent.assign_reward(float(episode % 2))
+            agent.terminate_episode()
+        conn = agent._redis()
+        deadline = time.monotonic() + 120
+        while agent.store.latest_run(agent.slug) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run_id = agent.store.latest_run(agent.slug).id
+        job = Job.fetch(train_job_id(agent.slug, run_id), connection=conn)
+        while int(conn.hget(progress_key(agent.slug), "step") or 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the worker is inside the run's updates
+        assert job.get_status(refresh=True) == JobStatus.STARTED
+        agent._workers.procs["train"].send_signal(signal.SIGKILL)
+        with pytest.raises(GymError, match=r"background training run failed .*training worker failed on run"):
+            agent.wait()
+        for episode in range(2):
+            agent.act(episode)
+            agent.assign_reward(float(episode % 2))
+            agent.terminate_episode()
+        runs = agent.wait()
+    finally:
+        agent.close()
+    assert len(runs) == 1 and runs[0]["promoted"], runs
+    assert agent.registry.current() == runs[0]["version"]
+    assert agent.store.get_run(run_id).state == "failed"
+    with Store(agent.cfg.db_url).session() as s:
+        assert s.query(CaptureRow).filter(CaptureRow.source == "gym").count() == 4  # the killed run's too
+
+
+def test_a_run_crosses_to_the_worker_and_back_as_plain_data(home):
+    """What the agent enqueues and what the worker hands back: samples and config as JSON, the
+    candidate (its integer-keyed advantages included) as the job's result; a batch with nothing to learn
+    comes back as NothingToLearn."""
+    from rlfleet.gym.worker_run import GymRunRequest, candidate_result
+    from rlfleet.shared.config import load_config
+    from rlfleet.shared.job_result import JobResult
+    from rlfleet.worker.orchestrate import Candidate
+    from rlfleet.worker.samples import TrainSample
+    from rlfleet.worker.training.loop import NothingToLearn
+
+    cfg = load_config(home).model_copy(update={"train": load_config(home).train.model_copy(update={"steps": 7})})
+    sample = TrainSample(rating_id=3, prompt=[{"role": "user", "content": "A or B?"}], response="A", reward=0.5,
+                         behaviour_logprobs=[-0.1], behaviour_token_ids=[65], baseline=0.25)
+    wire = GymRunRequest.of(cfg, 12, "v0001", [sample]).model_dump_json()
+    req = GymRunRequest.model_validate_json(wire)
+    assert TrainSample(**req.samples[0]) == sample and req.run_id == 12 and req.parent == "v0001"
+    assert type(cfg).model_validate(req.config).train.steps == 7
+    c = Candidate(version="v0002", parent="v0001", metrics={"loss": 0.1}, advantages={3: 0.25}, new_ema=0.1,
+                  promote=True, reason=None)
+    from dataclasses import asdict
+
+    assert candidate_result(JobResult.done("trained", candidate=asdict(c), pid=1).to_dict()) == c
+    assert candidate_result({**JobResult.done("x", candidate=asdict(c)).to_dict(),
+                             "candidate": {**asdict(c), "advantages": {"3": 0.25}}}) == c  # JSON's string keys
+    with pytest.raises(NothingToLearn, match="every advantage is 0"):
+        candidate_result(JobResult.failed("every advantage is 0", skipped=True).to_dict())

@@ -31,6 +31,14 @@ def train(run_id: int, slug: str) -> dict:
     return run_training_job(context(), current_job().connection, run_id, slug).to_dict()
 
 
+def gym_run(payload: str) -> dict:
+    """An environment agent's run (rlfleet.gym's ``background=True``): train and commit its candidate;
+    the agent judges and serves it (worker/gym/worker_run.py)."""
+    from rlfleet.gym.worker_run import run_in_worker
+
+    return run_in_worker(current_job().connection, payload)
+
+
 def push_served(slug: str, only: str | None = None) -> dict:
     """The served adapter to the inference servers (queued by worker/push_schedule.py)."""
     ctx = context().scoped(slug)  # the model's shared adapter, or a scope's own (shared/scopes.py)

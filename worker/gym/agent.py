@@ -21,9 +21,14 @@ parent did on the same seeds and sampling seeds, and is promoted unless its mean
 noise (:mod:`rlfleet.gym.heldout`); without one, a run is promoted when its own checks pass (finite
 loss, KL bound).
 
-With ``background=True`` a full batch trains in a thread of the agent's process while the loop goes on
-acting with the served version (each answer reads ``CURRENT``, so it switches when the run is
-promoted); batches that fill up meanwhile train next, in order. ``terminate_episode`` then hands out a
+With ``background=True`` a full batch trains in the training worker while the loop goes on acting
+with the served version (each answer reads ``CURRENT``, so it switches when the run is promoted): the
+worker that serves this data dir's queue (``rlfleet up``, ``rlfleet worker --queue train``, or one on
+another machine sharing the Redis, database and data dir), or else one the agent starts as its child
+process and stops in :meth:`Agent.close` (its log: ``<home>/logs/worker-train.log``). The worker
+trains and commits the candidate (:mod:`rlfleet.gym.worker_run`); a thread of the agent waits for it,
+plays the held-out episodes and serves it, so the environment and the agent's methods never leave its
+process. Batches that fill up meanwhile train next, in order. ``terminate_episode`` then hands out a
 finished run's statistics, one per call, and ``wait()`` the rest.
 """
 
@@ -39,22 +44,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
+from rq import Queue, Worker
 
 from rlfleet.shared.config import Config, TrainSettings, data_dir, load_config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Message, Rating, well_formed
+from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
-from rlfleet.shared.queue import QueueHandle, open_queue, progress_key
+from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import TurnCache
 from rlfleet.shared.status import publish_snapshot
 from rlfleet.shared.store import Store
+from rlfleet.shared.workers import forget_dead_workers
 from rlfleet.worker.context import Context
-from rlfleet.worker.orchestrate import ProgressBoard, RunInputs, conclude, gate_config, train_candidate
+from rlfleet.worker.orchestrate import Candidate, ProgressBoard, RunInputs, conclude, gate_config, train_candidate
 from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.training.loop import NothingToLearn
+from rlfleet.worker.trigger import LOCK_TTL
 
 from .heldout import ReturnsVerdict, judge_returns, play_lockstep
+from .worker_run import GymRunRequest, candidate_result
 
 Baseline = Literal["batch", "ema"]
 SOURCE = "gym"
@@ -129,7 +139,8 @@ class Agent:
     ``episodes_per_update``: closed episodes per training run; ``gamma``: the discount over turns;
     ``baseline``: ``"batch"`` (the batch's mean return per step) or ``"ema"`` (the model's reward EMA);
     ``env``: the environment's name, stored with every step (default: the class's name).
-    ``background``: train in a thread while the loop goes on acting (see the module's docstring).
+    ``background``: train in the training worker while the loop goes on acting (see the module's
+    docstring).
     ``heldout_env``: a Gymnasium environment (or a function making one) for the gate: each candidate
     plays ``heldout_episodes`` episodes from seeds ``heldout_seed``, ``heldout_seed + 1``, ... (at most
     ``heldout_max_steps`` steps each; an ``extract_action`` that raises ends the episode with what it
@@ -177,6 +188,7 @@ class Agent:
         self.store = Store(self.cfg.db_url)
         self.registry = AdapterRegistry(self.cfg.adapters_root, self.slug)
         self._queue: QueueHandle | None = None
+        self._workers: Any = None  # the training worker this agent started (background=True), if any
 
         from rlfleet.shared.responder import LocalResponder  # imports torch: after the cheap checks
 
@@ -189,6 +201,8 @@ class Agent:
         self._batch: list[Episode] = self._untrained_episodes()
         self.resumed_episodes = len(self._batch)  # stored by an earlier agent, trained with the next batch
         self._answers = 0  # seeds the steps' sampling: a run repeats with the same settings
+        if background:
+            self._ensure_worker()  # now: its model loads while the first batch is played
 
     # ------------------------------------------------------------------ the three methods to write
 
@@ -345,7 +359,10 @@ class Agent:
         started = time.perf_counter()
         checked = ""
         try:
-            candidate = train_candidate(ctx, run_id, inputs, parent, gate_config(self.cfg), board)
+            if self.background:
+                candidate, stats["trained_by_pid"] = self._candidate_from_worker(conn, run_id, parent, samples)
+            else:
+                candidate = train_candidate(ctx, run_id, inputs, parent, gate_config(self.cfg), board)
             if self.heldout_env is not None and candidate.promote:
                 verdict = self.judge(candidate.version, parent)
                 candidate.metrics["heldout_returns"] = verdict.as_dict()
@@ -372,6 +389,49 @@ class Agent:
                 "mean_kl": m.get("final_mean_kl"), "mean_advantage": m.get("mean_advantage"),
                 "accepted_seq_frac": m.get("accepted_seq_frac"), "reason": candidate.reason,
                 "seconds": time.perf_counter() - started}
+
+    def _candidate_from_worker(self, conn: Any, run_id: int, parent: str | None,
+                               samples: list[TrainSample]) -> tuple[Candidate, int | None]:
+        """Run ``run_id`` in the training worker and wait for its candidate; and the worker's pid. The job
+        has a rating run's job id, so a worker's recovery tells a live run from one its worker died in."""
+        from rq.job import JobStatus
+
+        payload = GymRunRequest.of(self.cfg, run_id, parent, samples).model_dump_json()
+        job = Queue(TRAIN_QUEUE, connection=conn).enqueue(
+            GYM_RUN_JOB, payload, job_id=train_job_id(self.slug, run_id), job_timeout=LOCK_TTL,
+            result_ttl=24 * 3600, failure_ttl=7 * 24 * 3600, description=f"{self.env}: train run {run_id}")
+        checked = time.monotonic()
+        while True:
+            status = job.get_status(refresh=True)
+            if status == JobStatus.FINISHED:
+                result = job.return_value(refresh=True) or {}
+                return candidate_result(result), result.get("pid")
+            if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+                last = job.latest_result()
+                lines = (last.exc_string or "").strip().splitlines() if last else []
+                raise GymError(f"the training worker failed on run {run_id}: {lines[-1] if lines else status}")
+            if time.monotonic() - checked > 5.0:  # the worker it was queued for went away: start one
+                self._ensure_worker()
+                checked = time.monotonic()
+            time.sleep(0.2)
+
+    def _ensure_worker(self) -> None:
+        """A training worker on this data dir's queue: one that runs already, else a child of ours
+        (started again when it dies; given up on after quick deaths in a row, which is raised)."""
+        if self._workers is not None:
+            gave_up = [line for line in self._workers.state().values() if "not restarted" in line]
+            if gave_up:
+                raise GymError(f"the training worker this agent started {gave_up[0]}: see "
+                               f"{self._workers.log_path('train')}")
+            return
+        conn = self._redis()
+        forget_dead_workers(conn)
+        if any(TRAIN_QUEUE in w.queue_names() for w in Worker.all(connection=conn)):
+            return
+        from rlfleet.worker.cli.fleet import BackgroundWorkers
+
+        self._workers = BackgroundWorkers(self.cfg, which=("train",))
+        self._workers.start()
 
     # ------------------------------------------------------------------ the environment's gate
 
@@ -413,6 +473,9 @@ class Agent:
         have started)."""
         if self._runner is not None:
             self._runner.join()
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None
         if self._queue is not None:
             self._queue.close()
             self._queue = None
