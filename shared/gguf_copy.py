@@ -9,10 +9,11 @@ later loads read that folder in well under a second. The weights are the very te
 dequantises to, so answers and training are the same either way.
 
 The folder is named for the GGUF file's path, size and modification time (a changed file gets a new
-copy), written to a temporary folder and renamed into place (a crash or a second process converting
-at the same time never leaves half a model). ``RLFLEET_MODEL_CACHE=off`` turns the copy off; a copy
-that cannot be written (a full or read-only disk) or read is skipped with a warning, and the GGUF is
-loaded as before. The MLX backend reads the same folder.
+copy, and the copies of its earlier contents are removed once the new one is in place: each holds
+the file's path in ``SOURCE``), written to a temporary folder and renamed into place (a crash or a
+second process converting at the same time never leaves half a model). ``RLFLEET_MODEL_CACHE=off``
+turns the copy off; a copy that cannot be written (a full or read-only disk) or read is skipped with
+a warning, and the GGUF is loaded as before. The MLX backend reads the same folder.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ENV = "RLFLEET_MODEL_CACHE"
+SOURCE = "rlfleet-source.txt"  # in a copy: the path of the GGUF file it was made from
 OFF = {"off", "0", "false", "no"}
 
 
@@ -59,13 +61,16 @@ def copy_folder(source: Path, slug: str, root: Path) -> Path:
     return root / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
-def write_copy(dest: Path, write: Callable[[Path], None]) -> Path:
+def write_copy(dest: Path, write: Callable[[Path], None], source: Path | None = None) -> Path:
     """Have ``write`` fill a temporary folder beside ``dest`` and rename it into place; ``dest``. A
-    copy another process finished first is kept (and this one dropped)."""
+    copy another process finished first is kept (and this one dropped). Given the GGUF file's path
+    (``source``), the copies of its earlier contents are removed after."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         write(tmp)
+        if source is not None:
+            (tmp / SOURCE).write_text(str(source))
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -73,7 +78,27 @@ def write_copy(dest: Path, write: Callable[[Path], None]) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if source is not None:
+        for stale in stale_copies(dest, source):
+            log.info("removing %s, the copy of an earlier %s", stale, source)
+            shutil.rmtree(stale, ignore_errors=True)
     return dest
+
+
+def stale_copies(dest: Path, source: Path) -> list[Path]:
+    """The other finished copies beside ``dest`` made from the same GGUF path: of contents it no longer
+    has (a process still reading one keeps its open files; the next load uses ``dest``)."""
+    out = []
+    for folder in dest.parent.iterdir():
+        if folder == dest or folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            made_from = (folder / SOURCE).read_text()
+        except OSError:
+            continue
+        if made_from == str(source):
+            out.append(folder)
+    return out
 
 
 def drop(folder: Path, why: BaseException) -> None:

@@ -188,7 +188,7 @@ def _keep_copy(ref: ModelRef, model: Any) -> None:
         _tokenizer_from(ref, ref.path, {"gguf_file": ref.gguf_file}).save_pretrained(str(tmp))
 
     try:
-        gguf_copy.write_copy(dest, write)
+        gguf_copy.write_copy(dest, write, Path(ref.path) / str(ref.gguf_file))
     except Exception as exc:  # a full or read-only disk costs speed, never the load
         log.warning("could not keep a dequantised copy of %s in %s (%s: %s); each load reads the GGUF",
                     ref.spec, dest.parent, type(exc).__name__, _first_line(exc))

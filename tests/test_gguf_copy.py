@@ -52,3 +52,20 @@ def test_a_copy_appears_whole_or_not_at_all(tmp_path):
     # a second process that converted at the same time: the copy already there is kept
     assert write_copy(dest, lambda folder: fill(folder, "b")) == dest
     assert (dest / "model.safetensors").read_text() == "a" and sorted(os.listdir(dest.parent)) == ["m-1234"]
+
+
+def test_a_new_copy_of_a_changed_gguf_removes_the_copies_of_its_earlier_contents_only(tmp_path):
+    root = tmp_path / "cache"
+    gguf, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    gguf.write_bytes(b"GGUF one")
+    other.write_bytes(b"GGUF other")
+    first = write_copy(copy_folder(gguf, "m", root), fill, gguf)
+    theirs = write_copy(copy_folder(other, "m", root), fill, other)
+    unmarked = root / "m-unmarked"  # a copy from before copies named their source: left alone
+    unmarked.mkdir()
+    fill(unmarked)
+    gguf.write_bytes(b"GGUF two, longer")
+    second = write_copy(copy_folder(gguf, "m", root), fill, gguf)
+    assert second != first and is_model_folder(second) and not first.exists()
+    assert is_model_folder(theirs) and is_model_folder(unmarked)
+    assert sorted(p.name for p in root.iterdir()) == sorted([second.name, theirs.name, "m-unmarked"])

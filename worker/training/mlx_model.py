@@ -65,7 +65,7 @@ def hf_folder(ref: ModelRef, cache_dir: Path | None = None) -> Path:
     dest = copy_folder(Path(ref.path) / (ref.gguf_file or ""), ref.slug, root)
     if is_model_folder(dest):
         return dest
-    return write_copy(dest, lambda tmp: save_model_folder(ref, tmp))
+    return write_copy(dest, lambda tmp: save_model_folder(ref, tmp), Path(ref.path) / (ref.gguf_file or ""))
 
 
 def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
