@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background children: they stop when that process is gone
 
@@ -36,3 +39,27 @@ def stop_with_parent(poll: float = 2.0) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def child_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process of ours on the data dir ``home``."""
+    env = dict(os.environ)
+    env["RLFLEET_HOME"] = str(home)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def spawn_child(argv: list[str], home: Path, log_path: Path) -> subprocess.Popen:
+    """``python -m *argv`` on the data dir ``home`` as a background child of this process, its output
+    appended to ``log_path``; it stops when this process is gone (:func:`stop_with_parent`)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            env=child_env(home, {PARENT_ENV: str(os.getpid())}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which stops it in order
+        )

@@ -343,7 +343,7 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
                  device="cpu", env="pick-bg", background=True, steps=4)
     acted_while_training, handed_out = 0, []
     assert agent._workers is not None  # no training worker listened on the queue: the agent started one
-    children = list(agent._workers.procs.values())
+    children = [agent._workers.proc]
     try:
         for episode in range(6):
             agent.act(episode)
@@ -407,7 +407,7 @@ def test_a_training_worker_killed_mid_run_is_raised_in_the_loop_and_the_next_bat
         while int(conn.hget(progress_key(agent.slug), "step") or 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the worker is inside the run's updates
         assert job.get_status(refresh=True) == JobStatus.STARTED
-        agent._workers.procs["train"].send_signal(signal.SIGKILL)
+        agent._workers.proc.send_signal(signal.SIGKILL)
         with pytest.raises(GymError, match=r"background training run failed .*training worker failed on run"):
             agent.wait()
         for episode in range(2):
@@ -428,9 +428,9 @@ def test_a_run_crosses_to_the_worker_and_back_as_plain_data(home):
     """What the agent enqueues and what the worker hands back: samples and config as JSON, the
     candidate (its integer-keyed advantages included) as the job's result; a batch with nothing to learn
     comes back as NothingToLearn."""
-    from rlfleet.gym.worker_run import GymRunRequest, candidate_result
     from rlfleet.shared.config import load_config
     from rlfleet.shared.job_result import JobResult
+    from rlfleet.worker.agent_runs import GymRunRequest, candidate_result
     from rlfleet.worker.orchestrate import Candidate
     from rlfleet.worker.samples import TrainSample
     from rlfleet.worker.training.loop import NothingToLearn

@@ -9,6 +9,7 @@ anything unexpected raises so RQ retries it, which the store's idempotency makes
 
 from __future__ import annotations
 
+from .agent_runs import run_in_worker
 from .context import context, current_job
 from .drain_job import apply_one, drain
 from .orchestrate import run_training_job
@@ -33,9 +34,7 @@ def train(run_id: int, slug: str) -> dict:
 
 def gym_run(payload: str) -> dict:
     """An environment agent's run (rlfleet.gym's ``background=True``): train and commit its candidate;
-    the agent judges and serves it (worker/gym/worker_run.py)."""
-    from rlfleet.gym.worker_run import run_in_worker
-
+    the agent judges and serves it (worker/agent_runs.py)."""
     return run_in_worker(current_job().connection, payload)
 
 

@@ -5,27 +5,17 @@ responder and the bridge, as child processes that are started again when they di
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.shared.config import Config
-from rlfleet.shared.lifecycle import PARENT_ENV
+from rlfleet.shared.lifecycle import spawn_child
 
 log = logging.getLogger("rlfleet.fleet")
-
-
-def worker_env(cfg: Config, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["RLFLEET_HOME"] = str(cfg.home)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(extra or {})
-    return env
 
 
 @dataclass(frozen=True)
@@ -106,15 +96,7 @@ class BackgroundWorkers:
             self._supervisor.start()
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        with open(self.log_path(name), "ab") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", *argv],
-                env=worker_env(self.cfg, {PARENT_ENV: str(os.getpid())}),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop them in order
-            )
+        return spawn_child(argv, self.cfg.home, self.log_path(name))
 
     def _supervise_loop(self) -> None:
         while not self._stopping.wait(0.5):

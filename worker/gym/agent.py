@@ -26,7 +26,7 @@ with the served version (each answer reads ``CURRENT``, so it switches when the 
 worker that serves this data dir's queue (``rlfleet up``, ``rlfleet worker --queue train``, or one on
 another machine sharing the Redis, database and data dir), or else one the agent starts as its child
 process and stops in :meth:`Agent.close` (its log: ``<home>/logs/worker-train.log``). The worker
-trains and commits the candidate (:mod:`rlfleet.gym.worker_run`); a thread of the agent waits for it,
+trains and commits the candidate (:mod:`rlfleet.worker.agent_runs`); a thread of the agent waits for it,
 plays the held-out episodes and serves it, so the environment and the agent's methods never leave its
 process. Batches that fill up meanwhile train next, in order. ``terminate_episode`` then hands out a
 finished run's statistics, one per call, and ``wait()`` the rest.
@@ -57,6 +57,7 @@ from rlfleet.shared.responder import TurnCache
 from rlfleet.shared.status import publish_snapshot
 from rlfleet.shared.store import Store
 from rlfleet.shared.workers import forget_dead_workers
+from rlfleet.worker.agent_runs import GymRunRequest, candidate_result
 from rlfleet.worker.context import Context
 from rlfleet.worker.orchestrate import Candidate, ProgressBoard, RunInputs, conclude, gate_config, train_candidate
 from rlfleet.worker.samples import TrainSample
@@ -64,7 +65,7 @@ from rlfleet.worker.training.loop import NothingToLearn
 from rlfleet.worker.trigger import LOCK_TTL
 
 from .heldout import ReturnsVerdict, judge_returns, play_lockstep
-from .worker_run import GymRunRequest, candidate_result
+from .training_worker import ChildWorker, WorkerGaveUp
 
 Baseline = Literal["batch", "ema"]
 SOURCE = "gym"
@@ -188,7 +189,7 @@ class Agent:
         self.store = Store(self.cfg.db_url)
         self.registry = AdapterRegistry(self.cfg.adapters_root, self.slug)
         self._queue: QueueHandle | None = None
-        self._workers: Any = None  # the training worker this agent started (background=True), if any
+        self._workers: ChildWorker | None = None  # the training worker this agent started, if any
 
         from rlfleet.shared.responder import LocalResponder  # imports torch: after the cheap checks
 
@@ -417,21 +418,18 @@ class Agent:
 
     def _ensure_worker(self) -> None:
         """A training worker on this data dir's queue: one that runs already, else a child of ours
-        (started again when it dies; given up on after quick deaths in a row, which is raised)."""
+        (:mod:`rlfleet.gym.training_worker`: started again when it dies)."""
         if self._workers is not None:
-            gave_up = [line for line in self._workers.state().values() if "not restarted" in line]
-            if gave_up:
-                raise GymError(f"the training worker this agent started {gave_up[0]}: see "
-                               f"{self._workers.log_path('train')}")
+            try:
+                self._workers.check()
+            except WorkerGaveUp as exc:
+                raise GymError(str(exc)) from None
             return
         conn = self._redis()
         forget_dead_workers(conn)
         if any(TRAIN_QUEUE in w.queue_names() for w in Worker.all(connection=conn)):
             return
-        from rlfleet.worker.cli.fleet import BackgroundWorkers
-
-        self._workers = BackgroundWorkers(self.cfg, which=("train",))
-        self._workers.start()
+        self._workers = ChildWorker(self.home)
 
     # ------------------------------------------------------------------ the environment's gate
 

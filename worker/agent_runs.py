@@ -1,5 +1,5 @@
-"""An agent's training run in the training worker (``Agent(background=True)``): the contract between
-the agent's process and the worker's, and the worker's side of it.
+"""An environment agent's training run in the training worker (``rlfleet.gym``'s ``background=True``):
+the contract between the agent's process and the worker's, and the worker's side of it.
 
 The agent sends what a run needs and nothing of its own code: its config (the data dir, the model, the
 training settings it was made with), the run's id, the parent version and the batch's samples, each
@@ -24,10 +24,11 @@ from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import progress_key
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.store import Store
-from rlfleet.worker.context import Context
-from rlfleet.worker.orchestrate import Candidate, ProgressBoard, RunInputs, gate_config, train_candidate
-from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.training.loop import NothingToLearn
+
+from .context import Context
+from .orchestrate import Candidate, ProgressBoard, RunInputs, gate_config, train_candidate
+from .samples import TrainSample
+from .training.loop import NothingToLearn
 
 
 class GymRunRequest(BaseModel):

@@ -1,0 +1,63 @@
+"""The training worker an environment agent starts for ``background=True`` when none serves its data
+dir's queue: ``python -m rlfleet.worker --queue train`` as a child of the agent's process, on its
+data dir, logging to ``<home>/logs/worker-train.log``.
+
+One that dies is started again when the agent next looks (its recovery fails the run it died in, which
+the agent raises); after :data:`GIVE_UP` deaths in a row within :data:`QUICK` seconds of starting
+(a bad install or config would only crash it again) the agent raises with the log's path instead.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.lifecycle import spawn_child
+
+ARGV = ["rlfleet.worker", "--queue", "train"]
+QUICK = 30.0  # seconds: a worker that dies sooner after starting counts as a quick death
+GIVE_UP = 3
+
+
+class WorkerGaveUp(RlfleetError):
+    """The agent's training worker kept dying right after starting."""
+
+
+class ChildWorker:
+    def __init__(self, home: Path) -> None:
+        self.log_path = home / "logs" / "worker-train.log"
+        self._home = home
+        self.quick_deaths = 0
+        self.restarts = 0
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        self.started = time.monotonic()
+        return spawn_child(ARGV, self._home, self.log_path)
+
+    def check(self) -> None:
+        """Start the worker again if it died; :class:`WorkerGaveUp` after quick deaths in a row."""
+        code = self.proc.poll()
+        if code is None:
+            return
+        self.quick_deaths = self.quick_deaths + 1 if time.monotonic() - self.started < QUICK else 0
+        if self.quick_deaths >= GIVE_UP:
+            raise WorkerGaveUp(f"the training worker this agent started exited {self.quick_deaths} times in a row "
+                               f"right after starting (last exit code {code}): see {self.log_path}")
+        self.proc = self._start()
+        self.restarts += 1
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (RQ finishes a job in hand, none is left when the agent closes), then SIGKILL after
+        ``grace`` seconds."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
