@@ -374,9 +374,12 @@ class Agent:
                     candidate = replace(candidate, promote=False, reason=verdict.reason)
             result = conclude(ctx, conn, run_id, inputs, candidate,
                               trained=f"{len(samples)} turns of {len(episodes)} episodes", checked=checked)
-        except NothingToLearn as exc:  # every step's advantage is 0: the batch's returns were all equal
-            self.store.fail_run(run_id, str(exc), state="skipped")
-            return {**stats, "version": None, "promoted": False, "skipped": str(exc),
+        except NothingToLearn:  # every step's advantage is 0 (the trainer's words speak of ratings)
+            against = "the batch's mean return at its step" if self.baseline == "batch" else "the reward EMA"
+            why = (f"nothing to learn from these {len(samples)} steps of {len(episodes)} episodes: none returned "
+                   f"more than its baseline ({against}), so no update would move the model")
+            self.store.fail_run(run_id, why, state="skipped")
+            return {**stats, "version": None, "promoted": False, "skipped": why,
                     "seconds": time.perf_counter() - started}
         except BaseException as exc:
             self.store.fail_run(run_id, f"{type(exc).__name__}: {exc}")

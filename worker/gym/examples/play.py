@@ -29,7 +29,7 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
 def run_line(stats: dict) -> str:
     """One training run's outcome in a line."""
     if stats.get("skipped"):
-        return f"run {stats['run_id']}: nothing to learn ({stats['skipped']})"
+        return f"run {stats['run_id']}: {stats['skipped']}"
     return f"run {stats['run_id']}: {stats['message']} · mean return of its episodes {stats['mean_return']:+.2f}"
 
 
