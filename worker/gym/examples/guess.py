@@ -4,11 +4,12 @@
 
 ``GuessNumberEnv`` is a Gymnasium environment whose observations are text (registered as
 ``rlfleet/GuessNumber-v0``): the secret is drawn from 1 to ``high`` at reset, an episode lasts at most
-``tries`` guesses, and the reward is 1 on the guess that finds it (0 on every other step), so with
-``gamma`` below 1 an agent learns to find it in fewer guesses. A guess that is not a number from 1 to
-``high`` (the agent's parser found none) costs a try and is said so. Unlike Blackjack its episodes have
-several turns: each turn's prompt holds the game so far, which the agent's turn cache does not encode
-again.
+``tries`` guesses, and the reward is 1 on the guess that finds it, so with ``gamma`` below 1 an agent
+learns to find it in fewer guesses. A reply that is no number from 1 to ``high`` (the agent's parser
+found none) costs a try, is said so, and is rewarded ``-invalid_cost`` (0.1): the game's first lesson,
+answering with a number at all, then has a signal on every turn instead of on the rare lucky find.
+Unlike Blackjack its episodes have several turns: each turn's prompt holds the game so far, which the
+agent's turn cache does not encode again.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ class GuessNumberEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, high: int = 8, tries: int = 4) -> None:
-        if high < 2 or tries < 1:
-            raise ValueError("high must be at least 2 and tries at least 1")
-        self.high, self.tries = high, tries
+    def __init__(self, high: int = 8, tries: int = 4, invalid_cost: float = 0.1) -> None:
+        if high < 2 or tries < 1 or invalid_cost < 0:
+            raise ValueError("high must be at least 2, tries at least 1 and invalid_cost at least 0")
+        self.high, self.tries, self.invalid_cost = high, tries, float(invalid_cost)
         self.observation_space = spaces.Text(max_length=200, charset=string.printable)
         self.action_space = spaces.Discrete(high, start=1)
         self._secret = 0
@@ -58,13 +59,15 @@ class GuessNumberEnv(gym.Env):
         if guess == self._secret:
             self._over = True
             return f"Yes, it was {self._secret}!", 1.0, True, False, {"secret": self._secret}
+        reward = 0.0
         if not 1 <= guess <= self.high:
-            said = f"That is not a number from 1 to {self.high}."
+            said, reward = f"That is not a number from 1 to {self.high}.", -self.invalid_cost
         else:
             said = f"{guess} is too {'low' if guess < self._secret else 'high'}."
         if self._left == 0:
-            return f"{said} No guesses left: it was {self._secret}.", 0.0, True, False, {"secret": self._secret}
-        return f"{said} {self._left} guess{'es' if self._left > 1 else ''} left. Your guess?", 0.0, False, False, {}
+            return f"{said} No guesses left: it was {self._secret}.", reward, True, False, {"secret": self._secret}
+        left = f"{self._left} guess{'es' if self._left > 1 else ''} left"
+        return f"{said} {left}. Your guess?", reward, False, False, {}
 
 
 class GuessAgent(Agent):

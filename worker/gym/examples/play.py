@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..agent import Agent
+from ..heldout import ReturnsVerdict, judge_returns
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -71,10 +72,19 @@ def main(prog: str, doc: str | None, agent_class: type[Agent], make_env: Callabl
     print(f"data dir: {agent.home} (rlfleet --home {agent.home} status | history)", file=sys.stderr)
     try:
         totals = play(agent, make_env, args.episodes, args.seed)
+        half = max(len(totals) // 2, 1)
+        first, last = totals[:half], totals[-half:]
+        served = agent.registry.current()
+        print(f"mean return: first {len(first)} episodes {sum(first) / len(first):+.3f}, "
+              f"last {len(last)} {sum(last) / len(last):+.3f}; served: {served or 'the base'}")
+        if args.heldout and served is not None:
+            print(heldout_line(judge_returns(agent.heldout_returns(None), agent.heldout_returns(served)), served))
     finally:
         agent.close()
-    half = max(len(totals) // 2, 1)
-    first, last = totals[:half], totals[-half:]
-    print(f"mean return: first {len(first)} episodes {sum(first) / len(first):+.3f}, "
-          f"last {len(last)} {sum(last) / len(last):+.3f}; served: {agent.registry.current() or 'the base'}")
     return totals
+
+
+def heldout_line(v: ReturnsVerdict, served: str) -> str:
+    """The served version against the base on the same held-out episodes."""
+    return (f"held-out mean return on {v.episodes} episodes: {served} {v.candidate_mean:+.3f}, the base "
+            f"{v.parent_mean:+.3f}; difference {v.diff:+.3f} ± {v.half_width:.3f} (95 %)")
