@@ -7,7 +7,7 @@ if need be, even when the test fails. "Another process" is a real second Python 
 from __future__ import annotations
 
 import os
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -34,6 +34,14 @@ print(conn.info("server")["process_id"], flush=True)
 if sys.argv[3] == "hold":
     sys.stdin.readline()
 """
+
+
+def readable(stream, timeout: float) -> bool:
+    """Whether ``stream`` has something to read within ``timeout`` seconds (selectors, not select():
+    select() refuses a descriptor above 1024, which a long test process may reach)."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        return bool(sel.select(timeout))
 
 
 @pytest.fixture
@@ -72,7 +80,7 @@ def children():
             text=True,
         )
         procs.append(proc)
-        ready, _, _ = select.select([proc.stdout], [], [], 15)
+        ready = readable(proc.stdout, 15)
         assert ready, "child did not acquire the server in time"
         return proc, int(proc.stdout.readline())
 
@@ -211,7 +219,7 @@ def test_racing_starters_start_one_server(tmp_path, embedded):
     try:
         pids = set()
         for p in procs:  # all started at once, all holding: they race for the start
-            assert select.select([p.stdout], [], [], 15)[0], "a child did not acquire in time"
+            assert readable(p.stdout, 15), "a child did not acquire in time"
             pids.add(int(p.stdout.readline()))
         assert len(pids) == 1
         for p in procs:

@@ -77,7 +77,8 @@ def test_the_guessing_example_plays_trains_gates_and_serves_from_its_command_lin
     cfg = load_config(queued_home)
     store = Store(cfg.db_url)
     runs = store.recent_runs(model_slug(cfg.model), 10)
-    assert len(runs) == 2 and all(r.state in ("succeeded", "rejected", "skipped") for r in runs), [r.state for r in runs]
+    states = [r.state for r in runs]
+    assert len(states) == 2 and all(state in ("succeeded", "rejected", "skipped") for state in states), states
     with store.session() as s:
         actors = {c.owner for c in s.query(CaptureRow).filter(CaptureRow.source == "gym")}
     assert actors == {"GuessNumber-v0"}

@@ -88,7 +88,7 @@ def make_env() -> GuessNumberEnv:
 
 
 if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point=GuessNumberEnv)
+    gym.register(id=ENV_ID, entry_point="rlfleet.gym.examples.guess:GuessNumberEnv")
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
