@@ -11,6 +11,7 @@ agent's own methods are: a worker never imports user code.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict
 from typing import Any
@@ -53,7 +54,7 @@ def run_in_worker(conn: redis.Redis, payload: str) -> dict[str, Any]:
     req = GymRunRequest.model_validate_json(payload)
     cfg = Config.model_validate(req.config)
     slug = model_slug(cfg.model)
-    ctx = Context(cfg, Store(cfg.db_url), slug, AdapterRegistry(cfg.adapters_root, slug), 0.0)
+    ctx = Context(cfg, _store(cfg.db_url), slug, AdapterRegistry(cfg.adapters_root, slug), 0.0)
     inputs = RunInputs(train=[TrainSample(**s) for s in req.samples], held=[], retracted=[])
     board = ProgressBoard(conn, progress_key(slug))  # started by the agent, which also clears it
     try:
@@ -62,6 +63,12 @@ def run_in_worker(conn: redis.Redis, payload: str) -> dict[str, Any]:
         return JobResult.failed(str(exc), skipped=True).to_dict()
     return JobResult.done(f"{candidate.version} trained, for the agent to judge", candidate=asdict(candidate),
                           pid=os.getpid()).to_dict()
+
+
+@functools.lru_cache(maxsize=4)
+def _store(db_url: str) -> Store:
+    """One store (one engine and its connections) per database for the worker's life, not one a run."""
+    return Store(db_url)
 
 
 def candidate_result(result: dict[str, Any]) -> Candidate:

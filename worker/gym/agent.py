@@ -51,7 +51,7 @@ from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Message, Rating, well_formed
 from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
-from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key
+from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key, wait_for
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import TurnCache
 from rlfleet.shared.status import publish_snapshot
@@ -398,26 +398,15 @@ class Agent:
                                samples: list[TrainSample]) -> tuple[Candidate, int | None]:
         """Run ``run_id`` in the training worker and wait for its candidate; and the worker's pid. The job
         has a rating run's job id, so a worker's recovery tells a live run from one its worker died in."""
-        from rq.job import JobStatus
-
         payload = GymRunRequest.of(self.cfg, run_id, parent, samples).model_dump_json()
         job = Queue(TRAIN_QUEUE, connection=conn).enqueue(
             GYM_RUN_JOB, payload, job_id=train_job_id(self.slug, run_id), job_timeout=LOCK_TTL,
             result_ttl=24 * 3600, failure_ttl=7 * 24 * 3600, description=f"{self.env}: train run {run_id}")
-        checked = time.monotonic()
-        while True:
-            status = job.get_status(refresh=True)
-            if status == JobStatus.FINISHED:
-                result = job.return_value(refresh=True) or {}
-                return candidate_result(result), result.get("pid")
-            if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
-                last = job.latest_result()
-                lines = (last.exc_string or "").strip().splitlines() if last else []
-                raise GymError(f"the training worker failed on run {run_id}: {lines[-1] if lines else status}")
-            if time.monotonic() - checked > 5.0:  # the worker it was queued for went away: start one
-                self._ensure_worker()
-                checked = time.monotonic()
-            time.sleep(0.2)
+        while (result := wait_for(job, 5.0)) is None:
+            self._ensure_worker()  # still waiting: the worker it was queued for may have gone away
+        if "candidate" not in result and not result.get("skipped"):  # the job failed (or died with its worker)
+            raise GymError(f"the training worker failed on run {run_id} ({result.get('message')})")
+        return candidate_result(result), result.get("pid")
 
     def _ensure_worker(self) -> None:
         """A training worker on this data dir's queue: one that runs already, else a child of ours
