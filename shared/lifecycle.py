@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background children: they stop when that process is gone
@@ -63,3 +64,24 @@ def spawn_child(argv: list[str], home: Path, log_path: Path) -> subprocess.Popen
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C in the terminal reaches the parent, which stops it in order
         )
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that died is started again. A child that lived ``healthy_after`` seconds comes back
+    at once (a SIGKILL, an OOM kill); quick deaths in a row wait 1, 2, 4 ... up to ``max_delay``
+    seconds; after ``give_up_after`` of them it stays down, shown in red: a bad token or config would
+    only crash it again, and a restart loop would bury the first error in its log."""
+
+    healthy_after: float = 30.0
+    first_delay: float = 1.0
+    max_delay: float = 60.0
+    give_up_after: int = 6
+
+    def delay(self, quick_deaths: int) -> float | None:
+        """Seconds to wait before the next start; None: stop trying."""
+        if quick_deaths >= self.give_up_after:
+            return None
+        if quick_deaths == 0:
+            return 0.0
+        return min(self.max_delay, self.first_delay * 2 ** (quick_deaths - 1))

@@ -3,8 +3,8 @@ dir's queue: ``python -m rlfleet.worker --queue train`` as a child of the agent'
 data dir, logging to ``<home>/logs/worker-train.log``.
 
 One that dies is started again when the agent next looks (its recovery fails the run it died in, which
-the agent raises); after :data:`GIVE_UP` deaths in a row within :data:`QUICK` seconds of starting
-(a bad install or config would only crash it again) the agent raises with the log's path instead.
+the agent raises), by the fleet's rule (:class:`rlfleet.shared.lifecycle.RestartPolicy`): quick deaths
+in a row wait longer each time, and after too many the agent raises with the log's path instead.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import time
 from pathlib import Path
 
 from rlfleet.shared.errors import RlfleetError
-from rlfleet.shared.lifecycle import spawn_child
+from rlfleet.shared.lifecycle import RestartPolicy, spawn_child
 
 ARGV = ["rlfleet.worker", "--queue", "train"]
-QUICK = 30.0  # seconds: a worker that dies sooner after starting counts as a quick death
-GIVE_UP = 3
 
 
 class WorkerGaveUp(RlfleetError):
@@ -27,11 +25,13 @@ class WorkerGaveUp(RlfleetError):
 
 
 class ChildWorker:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, policy: RestartPolicy | None = None) -> None:
         self.log_path = home / "logs" / "worker-train.log"
         self._home = home
+        self.policy = policy or RestartPolicy()
         self.quick_deaths = 0
         self.restarts = 0
+        self._due: float | None = None  # when a dead worker is started again
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -39,16 +39,22 @@ class ChildWorker:
         return spawn_child(ARGV, self._home, self.log_path)
 
     def check(self) -> None:
-        """Start the worker again if it died; :class:`WorkerGaveUp` after quick deaths in a row."""
+        """Start the worker again if it died and is due; :class:`WorkerGaveUp` after quick deaths in a row."""
         code = self.proc.poll()
         if code is None:
             return
-        self.quick_deaths = self.quick_deaths + 1 if time.monotonic() - self.started < QUICK else 0
-        if self.quick_deaths >= GIVE_UP:
-            raise WorkerGaveUp(f"the training worker this agent started exited {self.quick_deaths} times in a row "
-                               f"right after starting (last exit code {code}): see {self.log_path}")
-        self.proc = self._start()
-        self.restarts += 1
+        now = time.monotonic()
+        if self._due is None:  # newly found dead
+            quick = now - self.started < self.policy.healthy_after
+            self.quick_deaths = self.quick_deaths + 1 if quick else 0
+            wait = self.policy.delay(self.quick_deaths)
+            if wait is None:
+                raise WorkerGaveUp(f"the training worker this agent started exited {self.quick_deaths} times in a "
+                                   f"row right after starting (last exit code {code}): see {self.log_path}")
+            self._due = now + wait
+        if now >= self._due:
+            self.proc, self._due = self._start(), None
+            self.restarts += 1
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM (RQ finishes a job in hand, none is left when the agent closes), then SIGKILL after
