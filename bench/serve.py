@@ -12,7 +12,9 @@ table gives completion tokens per answer beside the speeds. rlfleet loads the GG
 file itself.
 
 * ``rlfleet``: ``rlfleet serve`` from this venv (``sys.executable -m rlfleet.cli serve``), an empty
-  RLFLEET_HOME, ``OMP_NUM_THREADS`` = ``--threads``.
+  RLFLEET_HOME but for ``chat.engine = --engine`` (default ``auto``: llama.cpp draws the tokens where
+  this venv has llama-cpp-python, ``torch`` as before it; the JSON's ``rlfleet_engine`` says which
+  answered), ``OMP_NUM_THREADS`` = ``--threads``.
 * ``llamacpp``: ``PYTHON -m llama_cpp.server --model GGUF --n_threads T --n_threads_batch T`` from
   llama-cpp-python's own venv (``--llamacpp-python``).
 
@@ -28,8 +30,14 @@ round, so the machine's noise hits both; each server answers one warm-up request
 counted. rlfleet counts an answer's end token in ``completion_tokens`` (it is part of the behaviour
 policy it returns), llama.cpp does not.
 
+On a CPU that advertises units it refuses (AMX tiles under some hypervisors), llama.cpp's repacked
+weights die on the first token; ``--llamacpp-repack auto`` (the default) asks rlfleet's probe and
+starts the server without repacking there, as rlfleet's own engine then runs.
+
 Building llama.cpp's venv (llama-cpp-python 0.3.36 compiles llama.cpp from its sdist with cmake and
-gcc; one job, since the machine's cores are shared; pins in bench/llamacpp-requirements.txt):
+gcc; one job, since the machine's cores are shared; pins in bench/llamacpp-requirements.txt; where
+this venv has the ``[fast]`` extra, ``pip install`` of the wheel pip built for it, from pip's cache,
+with the ``[server]`` extra takes seconds):
 
     python3 -m venv /work/llamacpp-venv
     CMAKE_BUILD_PARALLEL_LEVEL=1 MAKEFLAGS=-j1 /work/llamacpp-venv/bin/pip install \\
@@ -150,6 +158,7 @@ def start(name: str, cmd: list[str], env: dict[str, str], workdir: Path, timeout
 def start_rlfleet(args: argparse.Namespace, workdir: Path) -> Server:
     home = workdir / "rlfleet-home"
     home.mkdir()
+    (home / "config.toml").write_text(f'[chat]\nengine = "{args.engine}"\n')
     threads = str(args.threads)
     env = {k: v for k, v in os.environ.items()
            if k not in ("REDIS_URL", "DATABASE_URL", "RLFLEET_THRESHOLD", "RLFLEET_PRESET")}
@@ -159,10 +168,47 @@ def start_rlfleet(args: argparse.Namespace, workdir: Path) -> Server:
     return start("rlfleet", cmd, env, workdir, args.start_timeout)
 
 
+def engine_of(server: Server) -> str | None:
+    """What draws rlfleet serve's tokens, as its /health says."""
+    try:
+        with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=10) as resp:
+            return json.load(resp).get("engine")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+# llama.cpp's server with its weights left unrepacked (llama_model_params.use_extra_bufts, which its
+# Python server does not expose): for a CPU that advertises units it refuses (AMX under some
+# hypervisors), where the repacked server dies on its first token.
+NO_REPACK = """
+import runpy, sys
+import llama_cpp.llama_cpp as C
+default = C.llama_model_default_params
+def params():
+    p = default()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = params
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def repacks(args: argparse.Namespace, gguf: Path) -> bool:
+    """Whether llama.cpp's server may repack its weights here: ``--llamacpp-repack``, or on ``auto``
+    what rlfleet's own probe of this CPU finds (the same llama.cpp, in this venv)."""
+    if args.llamacpp_repack != "auto":
+        return args.llamacpp_repack == "on"
+    from rlfleet.shared import llamacpp_engine
+
+    return not llamacpp_engine.available() or llamacpp_engine.decodes(gguf, True)
+
+
 def start_llamacpp(args: argparse.Namespace, gguf: Path, workdir: Path) -> Server:
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads}
-    cmd = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    args.llamacpp_repacked = repacks(args, gguf)
+    run = ["-m", "llama_cpp.server"] if args.llamacpp_repacked else ["-c", NO_REPACK]
+    cmd = [str(args.llamacpp_python), *run, "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(free_port()), "--n_threads", threads, "--n_threads_batch", threads,
            "--n_ctx", str(args.n_ctx)]
     return start("llamacpp", cmd, env, workdir, args.start_timeout)
@@ -376,7 +422,7 @@ def table(fig: dict, args: argparse.Namespace) -> str:
     return text + (f"\n\nMedians of {args.rounds} interleaved round(s); {args.threads} thread(s) each; "
                    f"{args.prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
                    f"top_p {args.top_p}; {args.per_client} request(s) per client. From start to answering "
-                   f"/v1/models: {loads}.")
+                   f"/v1/models: {loads}. rlfleet serve's tokens drawn by: {fig.get('rlfleet_engine') or '–'}.")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -387,6 +433,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="default",
                     help="default (the default model's GGUF) | a model folder or .gguf file (llama.cpp needs a GGUF)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma list of rlfleet, llamacpp (default both)")
+    ap.add_argument("--engine", choices=("auto", "torch", "llama.cpp"), default="auto",
+                    help="rlfleet serve's chat.engine (default auto: llama.cpp where this venv has it)")
     default_python = os.environ.get("LLAMACPP_PYTHON", LLAMACPP_PYTHON)
     ap.add_argument("--llamacpp-python", type=Path,
                     default=Path(default_python) if Path(default_python).exists() else None,
@@ -404,6 +452,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=float, default=chat.top_p, help=f"default {chat.top_p}: the chat's")
     ap.add_argument("--seed", type=int, default=1000, help="request i is sent with seed SEED + i (default 1000)")
     ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context window (default 2048)")
+    ap.add_argument("--llamacpp-repack", choices=("auto", "on", "off"), default="auto",
+                    help="llama.cpp's server repacks weights for this CPU's special units (default auto: where "
+                         "rlfleet's probe finds they decode here)")
     ap.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to start")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds one request may take")
     output_options(ap)
@@ -455,9 +506,11 @@ def main(argv: list[str] | None = None) -> dict:
                 servers[name] = start_rlfleet(args, workdir) if name == "rlfleet" else \
                     start_llamacpp(args, gguf, workdir)  # type: ignore[arg-type]
             warm_up(args, servers)
+        engines = {n: engine_of(s) for n, s in servers.items() if n == "rlfleet"}
         results = run_rounds(args, servers)
     fig = summarise(results, args)
     fig |= {"load_s": {n: s.load_s for n, s in servers.items()}, "servers": list(servers), "model": args.model,
+            "rlfleet_engine": engines.get("rlfleet"), "llamacpp_repacked": getattr(args, "llamacpp_repacked", None),
             "gguf": str(gguf) if gguf else None, "threads": args.threads, "rounds": args.rounds,
             "prompts": args.prompts, "clients": args.clients, "per_client": args.per_client,
             "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,

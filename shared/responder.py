@@ -7,7 +7,9 @@ restart) and records, with every answer, the raw log-probabilities of the genera
 behaviour policy is the model itself at temperature 1 without top-p, computed by one fp32 forward pass
 over the answer on the prompt's keys and values, i.e. the same quantity the trainer computes
 (docs/objective.md). A request may name a scope (shared/scopes.py): that scope's own ``CURRENT``
-answers it, its adapter loaded beside the shared one (docs/scopes.md).
+answers it, its adapter loaded beside the shared one (docs/scopes.md). With ``engine`` llama.cpp (a
+GGUF model and llama-cpp-python installed: :mod:`.llamacpp_engine`), llama.cpp draws the tokens and
+the torch model still computes their log-probs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import scopes
+from . import llamacpp_engine, scopes
 from .config import Config
 from .events import FinishReason
 from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
@@ -65,12 +67,14 @@ class _Batch:
 @dataclass(frozen=True)
 class _Selected:
     """The module that answers a request, the adapter version it answers with (None: the base), the
-    context to generate in, and what identifies that state (for a :class:`TurnCache`)."""
+    context to generate in, what identifies that state (for a :class:`TurnCache`), and the version's
+    adapter folder (None: the base)."""
 
     model: Any
     version: str | None
     context: AbstractContextManager
     key: tuple
+    folder: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ class LocalResponder:
         system_prompt: str | None = None,
         max_adapters: int = 8,
         scope_fallback: bool = False,
+        engine: str = "torch",
     ) -> None:
         if max_adapters < 1:
             raise ValueError("max_adapters must be at least 1")
@@ -182,7 +187,15 @@ class LocalResponder:
         self._tuner_layers: list | None = None  # the model's LoRA layers, found once per set of adapters
         self._eos_ids = self._end_token_ids()
         self._cache_arg = cache_argument(self._base)
+        self._engine = _engine_for(ref, engine, device, max_adapters)
+        self._engine_said: set[str] = set()  # why llama.cpp could not answer, each said once
+        self._scoring_cache = TurnCache()
         self.refresh()
+
+    @property
+    def engine(self) -> str:
+        """What draws the answers' tokens: ``llama.cpp`` or ``torch`` (log-probs are always torch's)."""
+        return "llama.cpp" if self._engine is not None else "torch"
 
     # ------------------------------------------------------------------ adapter selection
 
@@ -309,11 +322,12 @@ class LocalResponder:
         """Inside the lock: what answers for ``scope`` (None or ``shared``: the version ``CURRENT``
         names; another key: that scope's own ``CURRENT``, its base model when it has none)."""
         self.refresh()
-        version = name = None
+        version = name = folder = None
         if scope is not None and scope != scopes.SHARED:
-            version, name = self._scope_adapter(scope)
+            version, name, folder = self._scope_adapter(scope)
         if name is None and (scope is None or scope == scopes.SHARED or self.scope_fallback):
             version = name = self._active
+            folder = self.adapters_dir / name if name is not None else None
         # what a TurnCache's keys were made under (a scope's slot name stays when its weights are swapped)
         key = (scope, name, version, self._key if name == self._active else None)
         if self._peft is None:
@@ -321,7 +335,7 @@ class LocalResponder:
         if name is None:  # the base while adapters are loaded: their layers off for the call
             return _Selected(self._peft, None, self._peft.disable_adapter(), key)
         self._activate(name)
-        return _Selected(self._peft, version, nullcontext(), key)
+        return _Selected(self._peft, version, nullcontext(), key, folder)
 
     def _activate(self, name: str) -> None:
         """Make the loaded adapter ``name`` the one that answers. peft's ``set_adapter`` also sets
@@ -335,31 +349,31 @@ class LocalResponder:
             layer._active_adapter = [name]
         self._peft.base_model.active_adapter = name
 
-    def _scope_adapter(self, scope: str) -> tuple[str | None, str | None]:
-        """``(version, peft name)`` of the adapter ``scope``'s ``CURRENT`` names, loaded if it is not
-        (the least recently used scope's let go beyond ``max_adapters``); ``(None, None)``: its base
+    def _scope_adapter(self, scope: str) -> tuple[str | None, str | None, Path | None]:
+        """``(version, peft name, folder)`` of the adapter ``scope``'s ``CURRENT`` names, loaded if it
+        is not (the least recently used scope's let go beyond ``max_adapters``); all None: its base
         model (no version yet, or one that does not load: said once)."""
         folder = self.adapters_dir.parent / scopes.folder(scopes.lineage(self.adapters_dir.name, scope))
         pointer = read_pointer(folder)
         version = pointer.name if pointer.problem is None else None
         if version is None or not (folder / version).is_dir():
-            return None, None
+            return None, None, None
         key = (str(folder), *(self._state_key(version, folder) or ()))
         name = self._scoped.get(key)
         if name is not None:
             self._scoped.move_to_end(key)
-            return version, name
+            return version, name, folder / version
         if key in self._scoped_failed:
-            return None, None
+            return None, None, None
         try:
             name = self._load_scope(folder / version, key)
         except Exception as exc:  # a broken adapter answers as the base model, never takes the chat down
             self._scoped_failed.add(key)
             log.warning("cannot load adapter %s of scope %s from %s (%s: %s); answering it with the base model",
                         version, scope, folder, type(exc).__name__, exc)
-            return None, None
+            return None, None, None
         self._scoped[key] = name
-        return version, name
+        return version, name, folder / version
 
     def _load_scope(self, folder: Path, key: tuple) -> str:
         """The adapter in ``folder`` loaded for the scope state ``key``; its peft name. At capacity, the
@@ -443,8 +457,11 @@ class LocalResponder:
         import torch
         from transformers import DynamicCache
 
-        cache = cache if cache is not None else TurnCache()
         with self._lock:
+            if cache is None:
+                # Under llama.cpp torch only scores the answer: the last answer's cache lends this one
+                # the keys and values of the prefix they share (the system prompt), which it cuts to.
+                cache = self._scoring_cache if self._engine is not None else TurnCache()
             t0 = time.perf_counter()
             chosen = self._select(scope)
             msgs = self._with_system(messages)
@@ -456,31 +473,20 @@ class LocalResponder:
                 cache.past = DynamicCache(config=model.config)
             cache.reused, cache.encoded = cache.reused + reused, cache.encoded + len(ids) - reused
             prompt = torch.tensor([ids], device=self.device)
+            new_cap = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+            temp = self.temperature if temperature is None else temperature
+            p = self.top_p if top_p is None else top_p
+            streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
+            drawn = self._engine_draw(chosen, [ids], new_cap, temp, p, [seed], streamer)
             with torch.inference_mode(), seeded_rng(seed, self.device), chosen.context:
-                gc = self._generation_config(
-                    model,
-                    self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                    self.temperature if temperature is None else temperature,
-                    self.top_p if top_p is None else top_p,
-                )
-                streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
-                out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gc,
-                                     streamer=streamer, **{self._cache_arg: cache.past})
-                new = self._cut_at_end(out[0, len(ids):])
-                # The log-probs: the prompt's last token and the answer but its last, on the keys and
-                # values of the prompt before them; the cache then holds them for the next turn.
-                _drop_after(cache.past, len(ids) - 1)
-                cache.ids = ids[:-1]
-                logprobs: list[float] = []
-                if new.numel():
-                    step = torch.cat([prompt[0, -1:], new[:-1]]).unsqueeze(0)
-                    total = len(ids) - 1 + step.shape[1]
-                    logits = model(input_ids=step, attention_mask=torch.ones(1, total, dtype=torch.long,
-                                                                             device=self.device),
-                                   use_cache=True, **{self._cache_arg: cache.past}).logits[0]
-                    logp = torch.log_softmax(logits.float(), dim=-1)
-                    logprobs = logp.gather(-1, new.view(-1, 1)).squeeze(-1).tolist()
-                    cache.ids = ids + new[:-1].tolist()
+                if drawn is not None:
+                    new, start = torch.tensor(drawn[0], dtype=torch.long, device=self.device), reused
+                else:
+                    gc = self._generation_config(model, new_cap, temp, p)
+                    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gc,
+                                         streamer=streamer, **{self._cache_arg: cache.past})
+                    new, start = self._cut_at_end(out[0, len(ids):]), len(ids) - 1
+                logprobs = self._cached_logprobs(model, ids, new, cache, start)
             got = new.tolist()
             return Answer(
                 text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
@@ -488,6 +494,53 @@ class LocalResponder:
                 new_tokens=len(got), messages=msgs,
                 finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
             )
+
+    def _cached_logprobs(self, model: Any, ids: list[int], new: Any, cache: TurnCache, start: int) -> list[float]:
+        """The answer's raw log-probs: the prompt from its token ``start`` on and the answer but its
+        last token, run on the cache's keys and values of the prompt before ``start`` (its cache is
+        cut there first); the cache then holds them for the next turn."""
+        import torch
+
+        _drop_after(cache.past, start)
+        cache.ids = ids[:start]
+        if not new.numel():
+            return []
+        step = torch.tensor([ids[start:] + new[:-1].tolist()], device=self.device)
+        mask = torch.ones(1, start + step.shape[1], dtype=torch.long, device=self.device)
+        logits = model(input_ids=step, attention_mask=mask, use_cache=True, logits_to_keep=int(new.numel()),
+                       **{self._cache_arg: cache.past}).logits[0, -int(new.numel()):]
+        cache.ids = ids + new[:-1].tolist()
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(-1, new.view(-1, 1)).squeeze(-1).tolist()
+
+    def _engine_draw(self, chosen: _Selected, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     top_p: float, seeds: list[int | None],
+                     streamer: _TextPieces | None = None) -> list[list[int]] | None:
+        """The new ids of each prompt drawn by llama.cpp with ``chosen``'s adapter, in batches of what
+        its context holds; None: torch draws them (no llama.cpp, or it cannot take this request:
+        said once per reason)."""
+        if self._engine is None:
+            return None
+        if streamer is not None:
+            streamer.prompt_seen = True  # llama.cpp hands over new tokens only
+        on_token = (lambda _row, tok: streamer.put([tok])) if streamer is not None else None
+        step = self._engine.max_batch
+        try:
+            out: list[list[int]] = []
+            for i in range(0, len(prompts), step):
+                out += self._engine.generate(prompts[i:i + step], max_new_tokens, temperature, top_p, self._eos_ids,
+                                             seeds[i:i + step], chosen.folder, on_token)
+        except Exception as exc:  # llama.cpp failing must not take the chat down: torch answers
+            reason = f"{type(exc).__name__}: {exc}"
+            if reason not in self._engine_said:
+                self._engine_said.add(reason)
+                log.warning("llama.cpp cannot answer this (%s); torch answers it", reason)
+            if streamer is not None:
+                streamer.reset()
+            return None
+        if streamer is not None:
+            streamer.end()
+        return out
 
     def answer_many(
         self,
@@ -513,7 +566,7 @@ class LocalResponder:
             chosen = self._select(scope)
             with chosen.context:
                 batch = self._generate_batch(
-                    chosen.model, conversations, seed, max_new_tokens,
+                    chosen, conversations, seed, max_new_tokens,
                     self.temperature if temperature is None else temperature,
                     self.top_p if top_p is None else top_p,
                 )
@@ -547,7 +600,7 @@ class LocalResponder:
         with self._lock:
             chosen = self._select(scope)
             with chosen.context:
-                batch = self._generate_batch(chosen.model, conversations, seed, max_new_tokens, self.temperature,
+                batch = self._generate_batch(chosen, conversations, seed, max_new_tokens, self.temperature,
                                              self.top_p)
             samples = []
             for new, msgs in zip(batch.news, batch.built, strict=True):
@@ -556,19 +609,25 @@ class LocalResponder:
                                       token_ids=got, adapter_version=chosen.version, messages=msgs))
             return samples
 
-    def _generate_batch(self, model: Any, conversations: Sequence[list[dict]], seed: int | None,
+    def _generate_batch(self, chosen: _Selected, conversations: Sequence[list[dict]], seed: int | None,
                         max_new_tokens: int | None, temperature: float, top_p: float) -> _Batch:
-        """One left-padded ``generate`` over the conversations with ``model`` (the caller holds the lock
-        and :meth:`_select`-ed it): the conversations as built, their prompt ids, and each row's new
-        ids cut at its end token."""
+        """One left-padded ``generate`` over the conversations with ``chosen`` (the caller holds the lock
+        and :meth:`_select`-ed it), or llama.cpp's batch: the conversations as built, their prompt ids,
+        and each row's new ids cut at its end token."""
         import torch
 
         built = [self._with_system(c) for c in conversations]
         rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
                                                    return_tensors="pt")["input_ids"][0].tolist()
                 for m in built]  # fmt: skip
+        model = chosen.model
         gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                      temperature, top_p)
+        seeds = [None if seed is None else seed + i for i in range(len(rows))]
+        drawn = self._engine_draw(chosen, rows, int(gc.max_new_tokens), temperature, top_p, seeds)
+        if drawn is not None:
+            return _Batch(built, rows, [torch.tensor(d, dtype=torch.long, device=self.device) for d in drawn],
+                          int(gc.pad_token_id))
         width = max(len(r) for r in rows)
         ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
@@ -622,6 +681,10 @@ class _TextPieces:
 
     def __init__(self, tokenizer: Any, on_text: Callable[[str], None]) -> None:
         self.tokenizer, self.on_text = tokenizer, on_text
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for a fresh answer (another engine draws it again from the start)."""
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded answer handed over so far
         self.prompt_seen = False
@@ -630,7 +693,7 @@ class _TextPieces:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        self.ids.extend(int(i) for i in (value.reshape(-1).tolist() if hasattr(value, "reshape") else value))
         self._flush(final=False)
 
     def end(self) -> None:
@@ -696,6 +759,35 @@ def seeded_rng(seed: int | None, device: str) -> Iterator[None]:
         yield
 
 
+def _engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> Any:
+    """The llama.cpp engine for ``ref`` when ``choice`` (``chat.engine``) asks for it and it can run;
+    None: torch draws the tokens. ``auto`` takes llama.cpp where the model is a GGUF file, the device a
+    CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error)."""
+    if choice not in llamacpp_engine.ENGINES:
+        raise ValueError(f"unknown engine {choice!r}: one of {', '.join(llamacpp_engine.ENGINES)}")
+    if choice == "torch":
+        return None
+    problem = None
+    if ref.gguf_file is None:
+        problem = f"{ref.spec} is not a GGUF file"
+    elif device != "cpu":
+        problem = f"it answers on {device}, where torch's kernels are the fast ones"
+    elif not llamacpp_engine.available():
+        problem = f"llama-cpp-python is not installed ({llamacpp_engine.INSTALL_HINT})"
+    if problem is None:
+        import torch
+
+        try:
+            return llamacpp_engine.LlamaCppEngine(Path(ref.path) / str(ref.gguf_file),
+                                                  threads=torch.get_num_threads(), max_adapters=max_adapters)
+        except Exception as exc:
+            problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
+    if choice == "llama.cpp":
+        raise ValueError(f"chat.engine is llama.cpp, but {problem}")
+    log.info("tokens drawn by torch: %s", problem)
+    return None
+
+
 def responder_for(cfg: Config) -> LocalResponder:
     """The data dir's model as its chat settings answer with it: what `rlfleet serve`, `rlfleet chat`
     and `rlfleet web` hold."""
@@ -706,4 +798,5 @@ def responder_for(cfg: Config) -> LocalResponder:
     return LocalResponder(ref, AdapterRegistry(cfg.adapters_root, ref.slug).dir,
                           device=serving_device(cfg.train.device), max_new_tokens=cfg.chat.max_new_tokens,
                           temperature=cfg.chat.temperature, top_p=cfg.chat.top_p,
-                          system_prompt=cfg.chat.system_prompt, scope_fallback=cfg.train.scope_parent == "shared")
+                          system_prompt=cfg.chat.system_prompt, scope_fallback=cfg.train.scope_parent == "shared",
+                          engine=cfg.chat.engine)

@@ -304,7 +304,8 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
             {"id": model_name, "object": "model", "created": 0, "owned_by": "rlfleet"}]})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "model": model_name, "adapter_version": responder.current_version()})
+        return web.json_response({"ok": True, "model": model_name, "adapter_version": responder.current_version(),
+                                  "engine": getattr(responder, "engine", "torch")})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         try:

@@ -84,7 +84,8 @@ def serve(
         err.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach it can use the model")
     with err.status(f"loading {cfg.model}…"):
         responder = responder_for(cfg)
-    out.print(f"serving {cfg.model} ({responder.active_version or 'base'}) on http://{host}:{port}/v1")
+    out.print(f"serving {cfg.model} ({responder.active_version or 'base'}) on http://{host}:{port}/v1, tokens drawn "
+              f"by {responder.engine}")
     asyncio.run(serve_forever(responder, cfg.model, host, port))
 
 

@@ -1,0 +1,255 @@
+"""llama.cpp as the responder's token engine (shared/llamacpp_engine.py): the default model answering
+through llama.cpp with the torch model's log-probs, adapters included.
+
+The engine is right when the tokens llama.cpp draws are the ones the torch model (the trainer's view)
+ranks first: greedy answers under llama.cpp score near the top of torch's distribution at every step,
+with the base and with an adapter, and would not with the adapter's query/key rows left in Hugging
+Face's order (the negative control)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.shared import lora_gguf
+from rlfleet.shared.lora_gguf import LoraConversionError
+
+PROMPTS = ["What is the capital of France?", "Name a fruit.", "Give me one tip for writing clean code.",
+           "Why is the sea salty?"]
+
+
+def test_engine_choice_is_checked_and_auto_says_why_it_uses_torch(tiny_model_dir, caplog):
+    from rlfleet.shared.models import resolve_model
+    from rlfleet.shared.responder import _engine_for
+
+    ref = resolve_model(str(tiny_model_dir))  # a Hugging Face folder, not a GGUF file
+    assert _engine_for(ref, "torch", "cpu", 8) is None
+    with caplog.at_level(logging.INFO, logger="rlfleet.shared.responder"):
+        assert _engine_for(ref, "auto", "cpu", 8) is None
+    assert "not a GGUF file" in caplog.text
+    with pytest.raises(ValueError, match="chat.engine is llama.cpp, but .* is not a GGUF file"):
+        _engine_for(ref, "llama.cpp", "cpu", 8)
+    with pytest.raises(ValueError, match="unknown engine"):
+        _engine_for(ref, "vllm", "cpu", 8)
+
+
+# ---------------------------------------------------------------------------------- the default model
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    from rlfleet.shared.models import resolve_model
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the dev extra brings it)")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLFLEET_MODEL_CACHE", str(tmp_path_factory.mktemp("model-copies")))
+        try:
+            yield resolve_model("smollm2-135m")
+        except Exception as exc:
+            pytest.fail(f"default model not installed ({exc}); run the README's install command")
+
+
+@pytest.fixture(scope="module")
+def adapters(ref, tmp_path_factory) -> Path:
+    """The adapters folder with one version: a random LoRA of the trainer's shape, strong enough to
+    change the greedy answers."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlfleet.shared.models import load_model
+    from rlfleet.shared.registry import AdapterRegistry
+
+    registry = AdapterRegistry(tmp_path_factory.mktemp("adapters"), ref.slug)
+    torch.manual_seed(0)
+    model = get_peft_model(load_model(ref), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    (registry.dir / "v0001").mkdir(parents=True)
+    model.save_pretrained(str(registry.dir / "v0001"))
+    return registry.dir
+
+
+@pytest.fixture(scope="module")
+def responder(ref, adapters):
+    from rlfleet.shared.responder import LocalResponder
+
+    r = LocalResponder(ref, adapters, device="cpu", max_new_tokens=12, temperature=0.0, engine="llama.cpp")
+    assert r.engine == "llama.cpp"
+    yield r
+    r._engine.close()
+
+
+def _rank_gaps(responder, answers) -> list[float]:
+    """Per answer token: torch's top log-prob minus that of the token drawn (0: torch's own argmax),
+    under the state answering now."""
+    gaps = []
+    with responder._lock:
+        chosen = responder._select(None)
+        with chosen.context, torch.inference_mode():
+            for a in answers:
+                ids = responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
+                                                              return_tensors="pt")["input_ids"][0].tolist()
+                full = torch.tensor([list(ids) + a.token_ids])
+                logp = torch.log_softmax(chosen.model(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
+                picked = logp.gather(-1, torch.tensor(a.token_ids).view(-1, 1)).squeeze(-1)
+                gaps += (logp.max(-1).values - picked).tolist()
+    return gaps
+
+
+def _greedy(responder):
+    return responder.answer_many([[{"role": "user", "content": p}] for p in PROMPTS], seed=0)
+
+
+def _pointing(adapters: Path, version: str | None) -> None:
+    pointer = adapters / "CURRENT"
+    pointer.unlink(missing_ok=True)
+    if version:
+        pointer.write_text(version + "\n")
+
+
+def test_llama_cpp_answers_are_torchs_greedy_answers_with_and_without_an_adapter(responder, adapters):
+    _pointing(adapters, None)
+    base = _greedy(responder)
+    assert all(a.adapter_version is None and a.new_tokens > 0 for a in base)
+    gaps = _rank_gaps(responder, base)
+    assert max(gaps) < 0.5 and np.mean(gaps) < 0.05, gaps  # the same weights, quantised products
+
+    _pointing(adapters, "v0001")
+    tuned = _greedy(responder)
+    assert all(a.adapter_version == "v0001" for a in tuned)
+    assert [a.token_ids for a in tuned] != [a.token_ids for a in base]
+    gaps = _rank_gaps(responder, tuned)
+    assert max(gaps) < 0.5 and np.mean(gaps) < 0.05, gaps  # llama.cpp applied the adapter as peft does
+
+
+def test_query_key_rows_are_permuted_as_llama_cpp_needs_and_would_not_match_otherwise(responder, adapters,
+                                                                                      monkeypatch):
+    """A strong adapter on the query and key projections only: its greedy answers under llama.cpp are
+    torch's with the rows permuted, and leave torch's argmax without (the negative control)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlfleet.shared.llamacpp_engine import LlamaCppEngine
+
+    qk = adapters / "v0003"
+    shutil.copytree(adapters / "v0001", qk)
+    state = load_file(str(qk / "adapter_model.safetensors"))
+    state = {k: v * (6.0 if "lora_B" in k else 1.0) for k, v in state.items() if "q_proj" in k or "k_proj" in k}
+    save_file(state, str(qk / "adapter_model.safetensors"))
+    _pointing(adapters, "v0003")
+    right = responder._engine
+    try:
+        good = _greedy(responder)
+        good_gaps = _rank_gaps(responder, good)
+        monkeypatch.setattr(lora_gguf, "PERMUTED_ARCHS", frozenset())
+        wrong = LlamaCppEngine(right.gguf_path, threads=torch.get_num_threads(), max_batch=4,
+                               extra_bufts=right.extra_bufts)
+        responder._engine = wrong
+        bad = _greedy(responder)
+        wrong.close()
+        responder._engine = right
+        bad_gaps = _rank_gaps(responder, bad)
+    finally:
+        responder._engine = right
+        _pointing(adapters, "v0001")
+    assert max(good_gaps) < 0.75 and np.mean(good_gaps) < 0.05, good_gaps
+    assert max(bad_gaps) > 1.0 and np.mean(bad_gaps) > 0.2, bad_gaps
+
+
+def test_log_probs_are_the_torch_models_and_a_turn_reuses_its_cache(responder, adapters):
+    from rlfleet.shared.responder import TurnCache, batch_token_logprobs
+
+    _pointing(adapters, "v0001")
+    cache = TurnCache()
+    convo = [{"role": "user", "content": PROMPTS[0]}]
+    first = responder.answer(convo, seed=1, cache=cache, temperature=0.7, top_p=0.9)
+    convo += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Spain?"}]
+    pieces: list[str] = []
+    second = responder.answer(convo, seed=2, cache=cache, on_text=pieces.append, temperature=0.7, top_p=0.9)
+    assert cache.reused > 0
+    assert "".join(pieces).strip() == second.text
+    with responder._lock:
+        chosen = responder._select(None)
+        with chosen.context:
+            for a in (first, second):
+                ids = responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
+                                                              return_tensors="pt")["input_ids"][0].tolist()
+                want = batch_token_logprobs(chosen.model, [torch.tensor(ids)], [torch.tensor(a.token_ids)], 0)[0]
+                assert len(a.logprobs) == len(a.token_ids) == a.new_tokens
+                assert np.allclose(a.logprobs, want, atol=2e-4), (a.logprobs, want)
+
+
+def test_sampling_follows_the_seed_and_the_temperature(responder, adapters):
+    _pointing(adapters, None)
+    convo = [[{"role": "user", "content": "Tell me a story about a cat."}]]
+    one = responder.answer_many(convo, seed=5, temperature=1.0, top_p=1.0, max_new_tokens=24)[0]
+    again = responder.answer_many(convo, seed=5, temperature=1.0, top_p=1.0, max_new_tokens=24)[0]
+    other = responder.answer_many(convo, seed=6, temperature=1.0, top_p=1.0, max_new_tokens=24)[0]
+    assert one.token_ids == again.token_ids and one.token_ids != other.token_ids
+    assert len(one.token_ids) <= 24 and (one.finish_reason == "length") == (len(one.token_ids) == 24)
+
+
+def test_an_adapter_llama_cpp_cannot_take_is_answered_by_torch_and_said_once(responder, adapters, caplog,
+                                                                             monkeypatch):
+    import shutil
+
+    from rlfleet.shared import llamacpp_engine
+
+    shutil.copytree(adapters / "v0001", adapters / "v0002")
+    real = llamacpp_engine.write_lora_gguf
+
+    def refuse_v0002(folder, *args, **kwargs):
+        if folder.name == "v0002":
+            raise LoraConversionError("a part llama.cpp has no form for")
+        return real(folder, *args, **kwargs)
+
+    monkeypatch.setattr(llamacpp_engine, "write_lora_gguf", refuse_v0002)
+    _pointing(adapters, "v0002")
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlfleet.shared.responder"):
+            answers = [responder.answer([{"role": "user", "content": p}], seed=0) for p in PROMPTS[:2]]
+            many = responder.answer_many([[{"role": "user", "content": p}] for p in PROMPTS[:2]])
+        gaps = _rank_gaps(responder, answers + many)
+    finally:
+        _pointing(adapters, "v0001")
+    assert all(a.adapter_version == "v0002" and a.new_tokens > 0 and a.logprobs for a in answers + many)
+    assert caplog.text.count("llama.cpp cannot answer this") == 1
+    assert max(gaps) < 1e-3, gaps  # torch's own greedy answers
+
+
+def test_a_llama_cpp_that_cannot_decode_is_found_in_a_child_process(tmp_path):
+    from rlfleet.shared.llamacpp_engine import decodes
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    assert not decodes(bad, False)
+
+
+def test_llama_cpps_own_log_probs_are_near_the_recorded_torch_ones(responder, adapters):
+    """The numerics that drew a token (llama.cpp's quantised products) against the fp32 log-probs the
+    answer records: the same distribution up to rounding, not another policy."""
+    from rlfleet.shared.responder import batch_token_logprobs
+
+    _pointing(adapters, None)
+    gaps = []
+    for i, p in enumerate(PROMPTS):
+        msgs = responder._with_system([{"role": "user", "content": p}])
+        ids = responder.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,
+                                                      return_tensors="pt")["input_ids"][0].tolist()
+        own: list[list[float]] = []
+        with responder._lock:
+            chosen = responder._select(None)
+            assert chosen.folder is None
+            out = responder._engine.generate([ids], 24, 0.7, 0.9, responder._eos_ids, [i], None, None, own)[0]
+            with chosen.context:
+                want = batch_token_logprobs(chosen.model, [torch.tensor(ids)], [torch.tensor(out)], 0)[0]
+        assert len(own[0]) == len(out) == len(want)
+        gaps += list(np.abs(np.array(own[0]) - np.array(want)))
+    # the chat's sampling; a misread logits row or another state would be off by nats, not hundredths
+    assert np.mean(gaps) < 0.1 and np.median(gaps) < 0.06, (np.mean(gaps), np.median(gaps), max(gaps))
