@@ -66,6 +66,13 @@ class Store(RunLedger):
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._deferred: sessionmaker | None = None
 
+    def close(self) -> None:
+        """Close the pooled connections (their files, for SQLite); the store still works, opening new
+        ones on its next use. For an owner done with the database whose process goes on (an agent)."""
+        self.engine.dispose()
+        if self._deferred is not None:
+            engine_for(self.url, deferred=True).dispose()
+
     @contextmanager
     def session(self, durable: bool = True) -> Iterator[Session]:
         """One transaction; not ``durable``: its commit does not wait for the disk (``sync`` does)."""

@@ -353,3 +353,27 @@ def test_forgetting_a_person_says_which_adapters_already_learned_from_them(store
     assert [(r.actor, c.owner) for r, c in store.rated_pairs(all_states=True)] == [("carol", "carol")]
     with store.session() as s:
         assert {c.owner for c in s.query(CaptureRow)} == {"bob", "carol"}  # bob's answer stays, unrated
+
+
+def test_close_lets_go_of_the_database_files_and_the_store_still_works(tmp_path):
+    import os
+
+    def open_files() -> set[str]:
+        names = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                names.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return {n for n in names if n.startswith(str(tmp_path))}
+
+    store = Store(f"sqlite:///{tmp_path}/close.db")
+    store.apply_capture(cap())
+    with store.session(durable=False) as s:  # the deferred engine too
+        s.get(CaptureRow, "c-1")
+    assert open_files(), "the test reads nothing: sqlite holds no file open"
+    store.close()
+    assert open_files() == set()
+    assert store.apply_capture(cap(text="again", ref="r2")).ok  # opens what it needs again
+    store.close()
+    assert open_files() == set()

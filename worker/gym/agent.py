@@ -460,7 +460,7 @@ class Agent:
 
     def close(self) -> None:
         """Wait for a background run, then let go of the Redis connection (and the embedded server it may
-        have started)."""
+        have started) and the database's pooled connections."""
         if self._runner is not None:
             self._runner.join()
         if self._workers is not None:
@@ -469,6 +469,7 @@ class Agent:
         if self._queue is not None:
             self._queue.close()
             self._queue = None
+        self.store.close()
 
     # ------------------------------------------------------------------ helpers
 
