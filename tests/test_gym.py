@@ -203,6 +203,8 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
             agent.terminate_episode()  # closed already: a second close is refused, the first is kept
     finally:
         agent.close()
+    with pytest.raises(GymError, match="engine 'vllm' is not one of auto, torch, llama.cpp"):
+        Crashing(model=str(tiny_model_dir), home=queued_home, engine="vllm")
     pairs = Store(agent.cfg.db_url).rated_pairs(agent.slug)
     blank = not pairs  # the tiny model's answer may be blank: the step then trains unstored
     assert blank or (len(pairs) == 1 and pairs[0][0].value == 1 and "reward 2, return 2" in pairs[0][0].comment

@@ -50,6 +50,7 @@ from rlfleet.shared.config import Config, TrainSettings, data_dir, load_config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Message, Rating, well_formed
 from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
+from rlfleet.shared.llamacpp_engine import ENGINES
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
 from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key, wait_for
 from rlfleet.shared.registry import AdapterRegistry
@@ -148,7 +149,9 @@ class Agent:
     has) and is served only if its mean return is not worse than its parent's beyond noise;
     ``heldout_batch`` of them play at once, their turns answered in one batched call.
     ``max_new_tokens``, ``temperature``, ``top_p``: how each step is answered (temperature 1 and top-p
-    1 by default: the recorded log-probs then describe the policy that sampled); every other keyword
+    1 by default: the recorded log-probs then describe the policy that sampled); ``engine``: what
+    draws each step's tokens, as ``chat.engine`` (``auto``: llama.cpp for a GGUF model on a CPU where
+    llama-cpp-python is installed; the log-probs are the torch model's either way); every other keyword
     is a training setting (``preset``, ``device``, ``lr``, ``steps``, ``seed``, ... as in config.toml's
     ``[train]``).
     """
@@ -158,13 +161,15 @@ class Agent:
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
                  heldout_max_steps: int = 64, heldout_batch: int = 16, background: bool = False,
-                 **settings: Any) -> None:
+                 engine: str = "auto", **settings: Any) -> None:
         if episodes_per_update < 1:
             raise GymError("episodes_per_update must be at least 1")
         if not 0.0 <= gamma <= 1.0:
             raise GymError("gamma must be in [0, 1]")
         if baseline not in ("batch", "ema"):
             raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
+        if engine not in ENGINES:
+            raise GymError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
         if heldout_env is not None and (heldout_episodes < 2 or heldout_max_steps < 1 or heldout_batch < 1):
             raise GymError("heldout_episodes must be at least 2 (noise is measured between them), "
                            "heldout_max_steps and heldout_batch at least 1")
@@ -195,7 +200,7 @@ class Agent:
 
         self.responder = LocalResponder(resolve_model(self.cfg.model), self.registry.dir,
                                         device=pick_device(self.cfg.train.device), max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p)
+                                        temperature=temperature, top_p=top_p, engine=engine)
         self._episode = self._new_episode()
         self._messages: list[dict] = []
         self._turns = TurnCache()  # the episode's keys and values: a turn encodes only what it adds
