@@ -98,6 +98,17 @@ def _weights_key(folder: Path) -> tuple:
     return (str(folder), None, None, None)
 
 
+def shared_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many leading tokens of ``prompt`` ``cached`` holds, at most all but the prompt's last (whose
+    logits the next draw needs)."""
+    n = 0
+    for a, b in zip(cached, prompt[:-1], strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class LlamaCppEngine:
     """One llama.cpp model and context over ``gguf_path``; not thread-safe (the responder's lock
     serialises its calls)."""
@@ -143,6 +154,8 @@ class LlamaCppEngine:
         self._failed: dict[tuple, str] = {}
         self._made = 0  # converted files so far: names them
         self._set: tuple | None = ()  # the adapter key set on the context (None: unknown)
+        self._cached: list[int] = []  # the tokens whose keys and values sequence 0 holds, alone in memory
+        self.reused = 0  # prompt tokens whose keys and values were kept from the call before, over all calls
 
     # ------------------------------------------------------------------ adapters
 
@@ -246,9 +259,17 @@ class LlamaCppEngine:
             raise ValueError("an empty prompt")
         if sum(len(p) + max_new_tokens for p in prompts) > self.n_ctx:
             raise EngineCannot(f"the batch needs more than llama.cpp's context of {self.n_ctx} tokens")
+        before = self._set
         self._use(adapter)
         L, ctx = self._L, self._ctx
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        # One prompt after one prompt with the same adapter: the keys and values of the prefix they share
+        # (a system prompt, an earlier turn) stay; anything else starts from an empty memory.
+        kept = shared_prefix(self._cached, prompts[0]) if len(prompts) == 1 and self._set == before else 0
+        self._cached = []
+        if not (kept and L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, kept, -1)):
+            kept = 0  # (a model whose memory cannot be cut part-way starts over too)
+            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        self.reused += kept
         ends = set(int(i) for i in end_ids)
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         chains = [self._sampler(temperature, top_p, s) for s in seeds]
@@ -272,7 +293,7 @@ class LlamaCppEngine:
 
         try:
             for row, ids in enumerate(prompts):
-                for start in range(0, len(ids), self._n_batch):
+                for start in range(kept if row == 0 else 0, len(ids), self._n_batch):
                     chunk = ids[start:start + self._n_batch]
                     last = start + len(chunk) == len(ids)
                     self._decode([(t, start + i, row, last and i == len(chunk) - 1) for i, t in enumerate(chunk)])
@@ -285,6 +306,8 @@ class LlamaCppEngine:
         finally:
             for chain in chains:
                 L.llama_sampler_free(chain)
+        if len(prompts) == 1:
+            self._cached = list(prompts[0]) + outs[0][:-1]  # every token decoded: all but the last drawn
         return outs
 
     def close(self) -> None:

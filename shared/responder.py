@@ -107,11 +107,7 @@ class TurnCache:
         if key != self.key or self.past is None:
             self.past, self.ids, self.key = None, [], key
             return 0
-        n = 0
-        for a, b in zip(self.ids, prompt[:-1], strict=False):
-            if a != b:
-                break
-            n += 1
+        n = llamacpp_engine.shared_prefix(self.ids, prompt)
         _drop_after(self.past, n)
         self.ids = self.ids[:n]
         return n

@@ -253,3 +253,26 @@ def test_llama_cpps_own_log_probs_are_near_the_recorded_torch_ones(responder, ad
         gaps += list(np.abs(np.array(own[0]) - np.array(want)))
     # the chat's sampling; a misread logits row or another state would be off by nats, not hundredths
     assert np.mean(gaps) < 0.1 and np.median(gaps) < 0.06, (np.mean(gaps), np.median(gaps), max(gaps))
+
+
+def test_a_prompt_after_a_prompt_reuses_the_shared_prefix_and_draws_the_same(responder, adapters):
+    _pointing(adapters, None)
+    engine = responder._engine
+    msgs = [responder._with_system([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    rows = [responder.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
+                                                    return_tensors="pt")["input_ids"][0].tolist() for m in msgs]
+    with responder._lock:
+        responder._select(None)
+        engine._cached = []  # from an empty memory
+        alone = engine.generate([rows[1]], 16, 0.0, 1.0, responder._eos_ids)[0]
+        engine.generate([rows[0]], 16, 0.0, 1.0, responder._eos_ids)
+        before = engine.reused
+        after_other = engine.generate([rows[1]], 16, 0.0, 1.0, responder._eos_ids)[0]
+        shared = engine.reused - before
+        engine.generate(rows, 4, 0.0, 1.0, responder._eos_ids)  # a batch starts over, and so does the next
+        before = engine.reused
+        engine.generate([rows[1]], 4, 0.0, 1.0, responder._eos_ids)
+    common = next(i for i, (a, b) in enumerate(zip(*rows, strict=False)) if a != b)
+    assert shared == common > 10  # the system prompt and the turn's opening, not the question
+    assert after_other == alone
+    assert engine.reused == before
