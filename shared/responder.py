@@ -706,26 +706,44 @@ class _TextPieces:
 
 def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any], pad_id: int) -> list[list[float]]:
     """Raw log p(answer token | prompt, answer so far) for many answers in one forward pass: each row
-    ``prompt + answer`` (less its last token) left-padded to one width, with position ids counted from its
-    first real token, so each row sees what it would alone."""
+    ``prompt + answer`` (less its last token). The prefix every row shares (a system prompt) runs once,
+    its keys and values lent to every row; the rest of each row is left-padded to one width, with
+    position ids counted on from the prefix over its real tokens, so each row sees what it would alone."""
     import torch
+    from transformers import DynamicCache
+
+    from .models import cache_argument
 
     rows = [torch.cat([p, n])[:-1] if n.numel() else p[:0] for p, n in zip(prompts, news, strict=True)]
     keep = max((int(n.numel()) for n in news), default=0)
     if keep == 0:
         return [[] for _ in news]
-    width = max(int(r.numel()) for r in rows)
     device = rows[0].device
+    # Shared: at most every prompt but its last token, so each row's scored positions come after it.
+    shared = min(int(p.numel()) for p, n in zip(prompts, news, strict=True) if n.numel()) - 1
+    lists = [r.tolist() for r in rows if r.numel()]
+    shared = min([shared] + [llamacpp_engine.shared_prefix(lists[0], r + [-1]) for r in lists[1:]])  # all of r
+    if len(lists) < 2 or shared < 8:  # too little to share: not worth a second call
+        shared = 0
+    tails = [r[shared:] if r.numel() else r for r in rows]
+    width = max(int(t.numel()) for t in tails)
     ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long, device=device)
     mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        if r.numel():
-            ids[i, width - r.numel():] = r
-            mask[i, width - r.numel():] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for i, t in enumerate(tails):
+        if t.numel():
+            ids[i, width - t.numel():] = t
+            mask[i, width - t.numel():] = 1
+    positions = shared + (mask.cumsum(-1) - 1).clamp(min=0)
+    extra: dict[str, Any] = {"use_cache": False}
     with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                       logits_to_keep=keep).logits[:, -keep:]
+        if shared:
+            cache = DynamicCache(config=model.config)
+            model(input_ids=rows[0][:shared].unsqueeze(0), use_cache=True, **{cache_argument(model): cache})
+            cache.batch_repeat_interleave(len(rows))
+            mask = torch.cat([torch.ones((len(rows), shared), dtype=torch.long, device=device), mask], dim=1)
+            extra = {"use_cache": True, cache_argument(model): cache}
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep,
+                       **extra).logits[:, -keep:]
         logp = torch.log_softmax(logits.float(), dim=-1)
     out: list[list[float]] = []
     for i, n in enumerate(news):

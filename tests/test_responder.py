@@ -344,6 +344,31 @@ def test_answer_many_gives_each_conversation_its_own_answer_with_its_raw_logprob
     assert sampled.answer_many([]) == []
 
 
+def test_the_batched_log_prob_pass_runs_a_shared_system_prompt_once_and_scores_as_alone(tiny, adapters_dir,
+                                                                                        reference, monkeypatch):
+    """Conversations that open alike (a long system prompt) share its keys and values in the log-prob
+    pass: each answer's log-probs are still what a fresh forward of it alone gives."""
+    from transformers import DynamicCache
+
+    lent: list[int] = []
+    real = DynamicCache.batch_repeat_interleave
+
+    def spy(self, repeats: int) -> None:
+        lent.append(repeats)
+        real(self, repeats)
+
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", spy)
+    set_current(adapters_dir, "v0002")
+    g = make(tiny, adapters_dir, temperature=1.0, top_p=1.0, max_new_tokens=10,
+             system_prompt="You are a careful assistant who answers every question in plain and simple words.")
+    convs = [[{"role": "user", "content": c}] for c in ("Hi.", "Tell me about tests, please.", "Why?", "Name one.")]
+    many = g.answer_many(convs, seed=3)
+    assert lent == [4]  # the prefix ran once, lent to the four rows
+    for got in many:
+        assert got.new_tokens == len(got.logprobs) > 0
+        assert max_gap(got, reference("v0002", got.messages, got.token_ids)) < TOL
+
+
 def test_a_conversation_cache_encodes_only_what_each_turn_adds_and_answers_as_without(tiny, adapters_dir,
                                                                                      reference):
     from rlfleet.shared.responder import TurnCache
