@@ -121,10 +121,10 @@ class TrainSettings(BaseModel):
     reward_model_min_auc: float = Field(0.75, ge=0.5, le=1)
     # Hindsight distillation (docs/objective.md, "Hindsight"): a rating with words (a comment or a
     # one-click reason) also trains the policy toward a teacher that reads those words as a hint, at
-    # every position of the rated answer; the term's weight beside the policy gradient. 0: off. On: where
-    # the model reads the hint it gave the largest gain measured, elsewhere it was neutral
-    # (bench/RESULTS.md, "hindsight from the user's words").
-    hindsight: float = Field(1.0, ge=0, le=100)
+    # every position of the rated answer; the term's weight beside the policy gradient. 0: off. 2: the
+    # weight that taught the content taste most and kept the length taste where 1 had it
+    # (bench/RESULTS.md, "the hindsight term's weight" sections).
+    hindsight: float = Field(2.0, ge=0, le=100)
     # The teacher's K likeliest next tokens the student is pulled toward (and one bin for the rest).
     hindsight_top_k: int = Field(32, ge=1, le=1024)
     # A rated answer is taught only where the teacher moves it in its rating's direction by more than
