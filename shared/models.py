@@ -228,8 +228,10 @@ def _model_from(ref: ModelRef, path: str, kwargs: dict[str, Any], device: str, d
 
 def cache_argument(model: Any) -> str:
     """The keyword ``model``'s forward takes its key/value cache under: transformers renames
-    ``past_key_values`` to ``cache`` (the old name warns, then goes)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    ``past_key_values`` to ``cache`` (the old name warns, then goes). A PEFT wrapper passes either on:
+    the model it wraps decides."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
 
 
 @contextmanager
