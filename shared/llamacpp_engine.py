@@ -129,7 +129,7 @@ class LlamaCppEngine:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
-        mp.use_extra_bufts = extra_bufts
+        mp.use_extra_bufts = self.extra_bufts
         self._model = L.llama_model_load_from_file(str(self.gguf_path).encode(), mp)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {self.gguf_path}")
