@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .lora_gguf import BaseShape, write_lora_gguf
+from .registry import weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +87,11 @@ def _repacking(gguf_path: str) -> bool:
     return False
 
 
-def _weights_key(folder: Path) -> tuple:
-    from .registry import WEIGHT_FILES
-
-    for name in WEIGHT_FILES:
-        try:
-            st = (folder / name).stat()
-        except OSError:
-            continue
-        return (str(folder), name, st.st_mtime_ns, st.st_size)
-    return (str(folder), None, None, None)
-
-
-def shared_prefix(cached: list[int], prompt: list[int]) -> int:
-    """How many leading tokens of ``prompt`` ``cached`` holds, at most all but the prompt's last (whose
-    logits the next draw needs)."""
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
     n = 0
-    for a, b in zip(cached, prompt[:-1], strict=False):
-        if a != b:
+    for x, y in zip(a, b, strict=False):
+        if x != y:
             break
         n += 1
     return n
@@ -160,7 +148,7 @@ class LlamaCppEngine:
     # ------------------------------------------------------------------ adapters
 
     def _adapter(self, folder: Path) -> Any:
-        key = _weights_key(folder)
+        key = (str(folder), *weights_identity(folder))
         if key in self._failed:
             raise EngineCannot(self._failed[key])
         found = self._adapters.get(key)
@@ -264,7 +252,8 @@ class LlamaCppEngine:
         L, ctx = self._L, self._ctx
         # One prompt after one prompt with the same adapter: the keys and values of the prefix they share
         # (a system prompt, an earlier turn) stay; anything else starts from an empty memory.
-        kept = shared_prefix(self._cached, prompts[0]) if len(prompts) == 1 and self._set == before else 0
+        # At most all but the prompt's last token, whose logits the first draw needs.
+        kept = shared_prefix(self._cached, prompts[0][:-1]) if len(prompts) == 1 and self._set == before else 0
         self._cached = []
         if not (kept and L.llama_memory_seq_rm(L.llama_get_memory(ctx), 0, kept, -1)):
             kept = 0  # (a model whose memory cannot be cut part-way starts over too)

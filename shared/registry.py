@@ -44,6 +44,18 @@ class Pointer:
     problem: str | None = None
 
 
+def weights_identity(folder: Path) -> tuple[str | None, int | None, int | None]:
+    """``(file, mtime_ns, size)`` of the weights a loader would read in a version's ``folder``: changes
+    whenever they are rewritten; all None when it holds none."""
+    for name in WEIGHT_FILES:
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            continue
+        return (name, st.st_mtime_ns, st.st_size)
+    return (None, None, None)
+
+
 def read_pointer(folder: Path) -> Pointer:
     """Read ``folder``'s ``CURRENT``. Whether the named folder exists is the caller's question."""
     path = Path(folder) / CURRENT_FILE

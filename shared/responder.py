@@ -31,7 +31,7 @@ from . import llamacpp_engine, scopes
 from .config import Config
 from .events import FinishReason
 from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
-from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer
+from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class TurnCache:
         if key != self.key or self.past is None:
             self.past, self.ids, self.key = None, [], key
             return 0
-        n = llamacpp_engine.shared_prefix(self.ids, prompt)
+        n = llamacpp_engine.shared_prefix(self.ids, prompt[:-1])
         _drop_after(self.past, n)
         self.ids = self.ids[:n]
         return n
@@ -275,14 +275,7 @@ class LocalResponder:
     def _state_key(self, version: str | None, adapters_dir: Path | None = None) -> tuple | None:
         if version is None:
             return None
-        folder = (adapters_dir or self.adapters_dir) / version
-        for name in WEIGHT_FILES:
-            try:
-                st = (folder / name).stat()
-            except OSError:
-                continue
-            return (version, name, st.st_mtime_ns, st.st_size)
-        return (version, None, None, None)
+        return (version, *weights_identity((adapters_dir or self.adapters_dir) / version))
 
     def _switch(self, version: str | None) -> None:
         self._tuner_layers = None  # the adapters loaded change: their layers are found again
@@ -722,7 +715,7 @@ def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any]
     # Shared: at most every prompt but its last token, so each row's scored positions come after it.
     shared = min(int(p.numel()) for p, n in zip(prompts, news, strict=True) if n.numel()) - 1
     lists = [r.tolist() for r in rows if r.numel()]
-    shared = min([shared] + [llamacpp_engine.shared_prefix(lists[0], r + [-1]) for r in lists[1:]])  # all of r
+    shared = min([shared] + [llamacpp_engine.shared_prefix(lists[0], r) for r in lists[1:]])
     if len(lists) < 2 or shared < 8:  # too little to share: not worth a second call
         shared = 0
     tails = [r[shared:] if r.numel() else r for r in rows]
