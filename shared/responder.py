@@ -29,6 +29,7 @@ from typing import Any
 
 from . import llamacpp_engine, scopes
 from .config import Config
+from .errors import ConfigError
 from .events import FinishReason
 from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
@@ -771,7 +772,7 @@ def _engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> A
     None: torch draws the tokens. ``auto`` takes llama.cpp where the model is a GGUF file, the device a
     CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error)."""
     if choice not in llamacpp_engine.ENGINES:
-        raise ValueError(f"unknown engine {choice!r}: one of {', '.join(llamacpp_engine.ENGINES)}")
+        raise ConfigError(f"unknown engine {choice!r}: one of {', '.join(llamacpp_engine.ENGINES)}")
     if choice == "torch":
         return None
     problem = None
@@ -790,7 +791,7 @@ def _engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> A
         except Exception as exc:
             problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
     if choice == "llama.cpp":
-        raise ValueError(f"chat.engine is llama.cpp, but {problem}")
+        raise ConfigError(f"chat.engine is llama.cpp, but {problem}")
     log.info("tokens drawn by torch: %s", problem)
     return None
 

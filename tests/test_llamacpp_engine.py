@@ -23,6 +23,7 @@ PROMPTS = ["What is the capital of France?", "Name a fruit.", "Give me one tip f
 
 
 def test_engine_choice_is_checked_and_auto_says_why_it_uses_torch(tiny_model_dir, caplog):
+    from rlfleet.shared.errors import ConfigError
     from rlfleet.shared.models import resolve_model
     from rlfleet.shared.responder import _engine_for
 
@@ -31,9 +32,9 @@ def test_engine_choice_is_checked_and_auto_says_why_it_uses_torch(tiny_model_dir
     with caplog.at_level(logging.INFO, logger="rlfleet.shared.responder"):
         assert _engine_for(ref, "auto", "cpu", 8) is None
     assert "not a GGUF file" in caplog.text
-    with pytest.raises(ValueError, match="chat.engine is llama.cpp, but .* is not a GGUF file"):
+    with pytest.raises(ConfigError, match="chat.engine is llama.cpp, but .* is not a GGUF file"):
         _engine_for(ref, "llama.cpp", "cpu", 8)
-    with pytest.raises(ValueError, match="unknown engine"):
+    with pytest.raises(ConfigError, match="unknown engine"):
         _engine_for(ref, "vllm", "cpu", 8)
 
 
