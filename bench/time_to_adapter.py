@@ -170,15 +170,6 @@ def _measure(args, home: Path, console) -> dict:
             handle.redis.flushdb()
         handle.close()
 
-    order = ["loading", "reference", "training", "saving", "evaluating"]  # the gate reads the saved candidate
-
-    def spans(ph: dict[str, float], total: float) -> str:
-        seen = [(k, ph[k]) for k in order if k in ph]
-        out = [f"queued {seen[0][1]:.1f}"] if seen else []
-        for (k, t), nxt in zip(seen, [*(t for _, t in seen[1:]), total], strict=True):
-            out.append(f"{k} {nxt - t:.1f}")
-        return " · ".join(out)
-
     rows = [[r["run"], "first" if r["run"] == 1 else "later", r["outcome"], f"{r['seconds']:.1f} s",
              spans(r["phases"], r["seconds"]), r["ratings_used"], r["steps"],
              f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "–"] for r in runs]
@@ -189,6 +180,20 @@ def _measure(args, home: Path, console) -> dict:
             f"{args.device} · first run's last rating {args.first_after:.0f} s after start"
             + (f" · threads {args.threads}" if args.threads else ""))
     return figures
+
+
+def spans(phases: dict[str, float], total: float) -> str:
+    """``phases`` (each phase's first sighting, seconds after the clock started) as the time spent in
+    each, in the order the run went through them, the last one running to ``total``; what came before
+    the first sighting is ``queued``. Ordered by time, not by a list of names: a phase this benchmark
+    has not heard of keeps its own span instead of being counted in the one before it."""
+    seen = sorted(phases.items(), key=lambda kv: kv[1])
+    if not seen:  # a run over before the progress record was read once
+        return ""
+    out = [f"queued {seen[0][1]:.1f}"]
+    for (k, t), nxt in zip(seen, [*(t for _, t in seen[1:]), total], strict=True):
+        out.append(f"{k} {nxt - t:.1f}")
+    return " · ".join(out)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ not a step: it is reported beside, in the whole-run tokens/s.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,18 @@ def step_flops(cfg: Any, lengths: list[tuple[int, int]], rank: int) -> float:
     return total
 
 
+@contextlib.contextmanager
+def _profiled(on: bool, cuda: bool) -> Iterator[Any]:
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        yield prof
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = parser("bench.train_gpu", __doc__)
     ap.add_argument("--arch", default="llama-8b", help="llama-8b | smollm2-135m | tiny (default llama-8b)")
@@ -89,6 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps; the first is not timed (default 5)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: from the name)")
+    ap.add_argument("--unlikelihood", type=float, default=None,
+                    help="train.unlikelihood (default: the preset's; 0 leaves out its sampled loop checks)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the GPU's time goes (torch.profiler, top kernels by CUDA time)")
     output_options(ap)
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -121,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
         max_tokens=args.prompt_tokens + args.response_tokens + 8, rank=args.rank, alpha=args.rank,
     )
+    if args.unlikelihood is not None:
+        cfg = replace(cfg, unlikelihood=args.unlikelihood)
     encoded = [encode_sample(tok, s, cfg.max_tokens) for s in samples]
     lengths = [(e.prompt_len, e.n_response) for e in encoded]
     tokens = sum(p + r for p, r in lengths)
@@ -138,9 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rlfleet-gpu-") as out:
+    with tempfile.TemporaryDirectory(prefix="rlfleet-gpu-") as out, _profiled(args.profile, cuda) as prof:
         result = trainer.run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
     run_seconds = time.perf_counter() - started
+    if prof is not None:
+        sort = "cuda_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=30), file=sys.stderr)
     times = [stamps[s] for s in sorted(stamps)]
     step_seconds = (times[-1] - times[0]) / (len(times) - 1)
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -163,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "build_seconds": built,
         "accepted_seq_frac": result.metrics["accepted_seq_frac"],
+        "unlikelihood": cfg.unlikelihood,
     }
     rows = [[
         f"{args.arch} ({trainer.n_params / 1e9:.2f} B)",
@@ -175,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = markdown_table(
         ["model", "ratings × (prompt+answer)", "tokens/step", "step", "tokens/s", "run tokens/s",
          "model TFLOP/s", "MFU", "peak memory"], rows)
-    publish(figures, text, args, f"`bench.train_gpu` · {args.arch} · LoRA r{args.rank}")
+    publish(figures, text, args, f"`bench.train_gpu` · {args.arch} · LoRA r{args.rank}"
+            + (f" · unlikelihood {cfg.unlikelihood:g}" if args.unlikelihood is not None else ""))
     return figures
 
 

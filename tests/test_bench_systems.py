@@ -31,6 +31,14 @@ def test_train_step_compares_the_methods_on_the_same_tokens():
     assert summary["matmul_gflops_per_s"] > 0 and summary["matmul_bf16_gflops_per_s"] > 0
 
 
+def test_train_gpu_takes_the_unlikelihood_weight_and_profiles(capsys):
+    figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
+                              "--prompt-tokens", "16", "--response-tokens", "8", "--unlikelihood", "0",
+                              "--profile", "--json", "--no-record"])
+    assert figures["unlikelihood"] == 0
+    assert "Self CPU time total" in capsys.readouterr().err  # torch.profiler's table
+
+
 def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
     figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
                               "--prompt-tokens", "32", "--response-tokens", "16", "--json", "--no-record"])
@@ -65,6 +73,15 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
         assert run["ratings_used"] >= 1
         assert "training" in run["phases"]  # the progress record was seen mid-run
     assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
+
+
+def test_time_to_adapter_spans_follow_the_phases_as_they_came():
+    # "exploring" (between loading and reference) was once left out of a fixed list of names and its
+    # time counted as loading's.
+    phases = {"training": 9.0, "loading": 0.5, "exploring": 2.0, "reference": 7.5, "evaluating": 20.0}
+    assert time_to_adapter.spans(phases, 30.0) == (
+        "queued 0.5 · loading 1.5 · exploring 5.5 · reference 1.5 · training 11.0 · evaluating 10.0")
+    assert time_to_adapter.spans({}, 3.0) == ""
 
 
 def test_record_appends_a_dated_block_with_the_command(tmp_path, monkeypatch):
