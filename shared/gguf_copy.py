@@ -61,10 +61,11 @@ def copy_folder(source: Path, slug: str, root: Path) -> Path:
     return root / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
-def write_copy(dest: Path, write: Callable[[Path], None], source: Path | None = None) -> Path:
+def write_copy(dest: Path, write: Callable[[Path], None], source: Path | None = None,
+               finished: Callable[[Path], bool] = is_model_folder) -> Path:
     """Have ``write`` fill a temporary folder beside ``dest`` and rename it into place; ``dest``. A
-    copy another process finished first is kept (and this one dropped). Given the GGUF file's path
-    (``source``), the copies of its earlier contents are removed after."""
+    copy another process finished first (``finished``) is kept (and this one dropped). Given the GGUF
+    file's path (``source``), the copies of its earlier contents are removed after."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -74,7 +75,7 @@ def write_copy(dest: Path, write: Callable[[Path], None], source: Path | None = 
         try:
             os.rename(tmp, dest)
         except OSError:
-            if not is_model_folder(dest):  # not a concurrent conversion that finished first
+            if not finished(dest):  # not a concurrent conversion that finished first
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import llamacpp_engine, scopes
+from . import llamacpp_engine, scopes, serving_gguf
 from .config import Config
 from .errors import ConfigError
 from .events import FinishReason
@@ -43,7 +43,9 @@ _NEVER = object()  # matches no state key (None is a real one: the base model)
 class Answer:
     text: str  # decoded without special tokens, stripped
     token_ids: list[int]  # generated ids, including the end token when one was generated
-    logprobs: list[float]  # raw log p(token) under the answering policy (fp32, temperature 1, no top-p)
+    # raw log p(token) under the answering policy (temperature 1, no top-p): torch's fp32 pass, or where
+    # llama.cpp drew the answer (chat.engine) the logits it drew from (docs/objective.md, "Behaviour")
+    logprobs: list[float]
     adapter_version: str | None  # None = the base model
     model: str  # the model spec
     seconds: float
@@ -63,6 +65,7 @@ class _Batch:
     rows: list[list[int]]
     news: list[Any]
     pad_id: int
+    logprobs: list[list[float]] | None = None  # llama.cpp's, where it drew the rows; None: torch's pass
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,6 @@ class LocalResponder:
         self._cache_arg = cache_argument(self._base)
         self._engine = _engine_for(ref, engine, device, max_adapters)
         self._engine_said: set[str] = set()  # why llama.cpp could not answer, each said once
-        self._scoring_cache = TurnCache()
         self.refresh()
 
     @property
@@ -443,41 +445,41 @@ class LocalResponder:
         ``cache``: the conversation's :class:`TurnCache` from its earlier turns; the prompt's tokens it
         holds are not encoded again, and it is left holding this turn's. The log-probs come from one
         pass over the answer's tokens on the prompt's keys and values, not over the whole conversation.
+        Where llama.cpp draws (``chat.engine``), the log-probs are those of the logits it drew from, torch
+        runs nothing, and llama.cpp keeps its own prefix instead of ``cache``.
         ``scope``: a scope key (shared/scopes.py) whose own adapter answers; None: ``CURRENT``'s."""
         import torch
         from transformers import DynamicCache
 
         with self._lock:
-            if cache is None:
-                # Under llama.cpp torch only scores the answer: the last answer's cache lends this one
-                # the keys and values of the prefix they share (the system prompt), which it cuts to.
-                cache = self._scoring_cache if self._engine is not None else TurnCache()
             t0 = time.perf_counter()
             chosen = self._select(scope)
             msgs = self._with_system(messages)
             ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,
                                                      return_tensors="pt")["input_ids"][0].tolist()
-            model = chosen.model
-            reused = cache.keep(ids, chosen.key)
-            if cache.past is None:
-                cache.past = DynamicCache(config=model.config)
-            cache.reused, cache.encoded = cache.reused + reused, cache.encoded + len(ids) - reused
-            prompt = torch.tensor([ids], device=self.device)
             new_cap = self.max_new_tokens if max_new_tokens is None else max_new_tokens
             temp = self.temperature if temperature is None else temperature
             p = self.top_p if top_p is None else top_p
             streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
-            drawn = self._engine_draw(chosen, [ids], new_cap, temp, p, [seed], streamer)
-            with torch.inference_mode(), seeded_rng(seed, self.device), chosen.context:
-                if drawn is not None:
-                    new, start = torch.tensor(drawn[0], dtype=torch.long, device=self.device), reused
-                else:
+            drawn_lps: list[list[float]] = []
+            drawn = self._engine_draw(chosen, [ids], new_cap, temp, p, [seed], streamer, drawn_lps)
+            if drawn is not None:  # llama.cpp drew it and gave its log-probs: torch has nothing to do
+                got, logprobs = drawn[0], drawn_lps[0]
+            else:
+                cache = cache if cache is not None else TurnCache()
+                model = chosen.model
+                reused = cache.keep(ids, chosen.key)
+                if cache.past is None:
+                    cache.past = DynamicCache(config=model.config)
+                cache.reused, cache.encoded = cache.reused + reused, cache.encoded + len(ids) - reused
+                prompt = torch.tensor([ids], device=self.device)
+                with torch.inference_mode(), seeded_rng(seed, self.device), chosen.context:
                     gc = self._generation_config(model, new_cap, temp, p)
                     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gc,
                                          streamer=streamer, **{self._cache_arg: cache.past})
-                    new, start = self._cut_at_end(out[0, len(ids):]), len(ids) - 1
-                logprobs = self._cached_logprobs(model, ids, new, cache, start)
-            got = new.tolist()
+                    new = self._cut_at_end(out[0, len(ids):])
+                    logprobs = self._cached_logprobs(model, ids, new, cache, len(ids) - 1)
+                got = new.tolist()
             return Answer(
                 text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
                 adapter_version=chosen.version, model=self.ref.spec, seconds=time.perf_counter() - t0,
@@ -504,11 +506,11 @@ class LocalResponder:
         return logp.gather(-1, new.view(-1, 1)).squeeze(-1).tolist()
 
     def _engine_draw(self, chosen: _Selected, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                     top_p: float, seeds: list[int | None],
-                     streamer: _TextPieces | None = None) -> list[list[int]] | None:
+                     top_p: float, seeds: list[int | None], streamer: _TextPieces | None = None,
+                     logprobs: list[list[float]] | None = None) -> list[list[int]] | None:
         """The new ids of each prompt drawn by llama.cpp with ``chosen``'s adapter, in batches of what
         its context holds; None: torch draws them (no llama.cpp, or it cannot take this request:
-        said once per reason)."""
+        said once per reason). ``logprobs`` gets each row's raw log-probs under llama.cpp's logits."""
         if self._engine is None:
             return None
         if streamer is not None:
@@ -517,9 +519,12 @@ class LocalResponder:
         step = self._engine.max_batch
         try:
             out: list[list[int]] = []
+            lps: list[list[float]] = []
             for i in range(0, len(prompts), step):
+                part: list[list[float]] | None = [] if logprobs is not None else None
                 out += self._engine.generate(prompts[i:i + step], max_new_tokens, temperature, top_p, self._eos_ids,
-                                             seeds[i:i + step], chosen.folder, on_token)
+                                             seeds[i:i + step], chosen.folder, on_token, part)
+                lps += part or []
         except Exception as exc:  # llama.cpp failing must not take the chat down: torch answers
             reason = f"{type(exc).__name__}: {exc}"
             if reason not in self._engine_said:
@@ -530,6 +535,8 @@ class LocalResponder:
             return None
         if streamer is not None:
             streamer.end()
+        if logprobs is not None:
+            logprobs[:] = lps
         return out
 
     def answer_many(
@@ -558,10 +565,10 @@ class LocalResponder:
                 batch = self._generate_batch(
                     chosen, conversations, seed, max_new_tokens,
                     self.temperature if temperature is None else temperature,
-                    self.top_p if top_p is None else top_p,
+                    self.top_p if top_p is None else top_p, with_logprobs=True,
                 )
-                logprobs = batch_token_logprobs(chosen.model, [torch.tensor(r, device=self.device)
-                                                               for r in batch.rows], batch.news, batch.pad_id)
+                logprobs = batch.logprobs if batch.logprobs is not None else batch_token_logprobs(
+                    chosen.model, [torch.tensor(r, device=self.device) for r in batch.rows], batch.news, batch.pad_id)
             seconds = time.perf_counter() - t0
             answers = []
             for new, lps, msgs in zip(batch.news, logprobs, batch.built, strict=True):
@@ -600,10 +607,12 @@ class LocalResponder:
             return samples
 
     def _generate_batch(self, chosen: _Selected, conversations: Sequence[list[dict]], seed: int | None,
-                        max_new_tokens: int | None, temperature: float, top_p: float) -> _Batch:
+                        max_new_tokens: int | None, temperature: float, top_p: float,
+                        with_logprobs: bool = False) -> _Batch:
         """One left-padded ``generate`` over the conversations with ``chosen`` (the caller holds the lock
         and :meth:`_select`-ed it), or llama.cpp's batch: the conversations as built, their prompt ids,
-        and each row's new ids cut at its end token."""
+        and each row's new ids cut at its end token (``with_logprobs``: llama.cpp's batch brings its
+        log-probs too)."""
         import torch
 
         built = [self._with_system(c) for c in conversations]
@@ -614,10 +623,11 @@ class LocalResponder:
         gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                      temperature, top_p)
         seeds = [None if seed is None else seed + i for i in range(len(rows))]
-        drawn = self._engine_draw(chosen, rows, int(gc.max_new_tokens), temperature, top_p, seeds)
+        lps: list[list[float]] | None = [] if with_logprobs else None
+        drawn = self._engine_draw(chosen, rows, int(gc.max_new_tokens), temperature, top_p, seeds, logprobs=lps)
         if drawn is not None:
             return _Batch(built, rows, [torch.tensor(d, dtype=torch.long, device=self.device) for d in drawn],
-                          int(gc.pad_token_id))
+                          int(gc.pad_token_id), lps)
         width = max(len(r) for r in rows)
         ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
@@ -786,8 +796,8 @@ def _engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> A
         import torch
 
         try:
-            return llamacpp_engine.LlamaCppEngine(Path(ref.path) / str(ref.gguf_file),
-                                                  threads=torch.get_num_threads(), max_adapters=max_adapters)
+            served = serving_gguf.served_file(Path(ref.path) / str(ref.gguf_file))
+            return llamacpp_engine.LlamaCppEngine(served, threads=torch.get_num_threads(), max_adapters=max_adapters)
         except Exception as exc:
             problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
     if choice == "llama.cpp":

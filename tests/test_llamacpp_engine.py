@@ -159,31 +159,51 @@ def test_query_key_rows_are_permuted_as_llama_cpp_needs_and_would_not_match_othe
     finally:
         responder._engine = right
         _pointing(adapters, "v0001")
-    assert max(good_gaps) < 0.75 and np.mean(good_gaps) < 0.05, good_gaps
+    # A near tie can flip under the served Q8_0 copy's rounding; the mean is what tells them apart.
+    assert max(good_gaps) < 1.0 and np.mean(good_gaps) < 0.05, good_gaps
     assert max(bad_gaps) > 1.0 and np.mean(bad_gaps) > 0.2, bad_gaps
 
 
-def test_log_probs_are_the_torch_models_and_a_turn_reuses_its_cache(responder, adapters):
-    from rlfleet.shared.responder import TurnCache, batch_token_logprobs
+def test_where_llama_cpp_draws_it_records_its_own_log_probs_and_torch_runs_nothing(responder, adapters):
+    """The answer's log-probs are those of the logits llama.cpp drew from (streamed or not, one turn or
+    a conversation, one answer or a batch): within hundredths of a nat of torch's fp32 pass, and no torch
+    forward is run to get them (docs/objective.md, "Behaviour": a run starting from the version that
+    answered recomputes them in its own numerics anyway)."""
+    from rlfleet.shared.responder import batch_token_logprobs
 
     _pointing(adapters, "v0001")
-    cache = TurnCache()
-    convo = [{"role": "user", "content": PROMPTS[0]}]
-    first = responder.answer(convo, seed=1, cache=cache, temperature=0.7, top_p=0.9)
-    convo += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Spain?"}]
-    pieces: list[str] = []
-    second = responder.answer(convo, seed=2, cache=cache, on_text=pieces.append, temperature=0.7, top_p=0.9)
-    assert cache.reused > 0
+    calls = []
+    with responder._lock:
+        hook = responder._select(None).model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        convo = [{"role": "user", "content": PROMPTS[0]}]
+        first = responder.answer(convo, seed=1, temperature=0.7, top_p=0.9)
+        convo += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Spain?"}]
+        pieces: list[str] = []
+        second = responder.answer(convo, seed=2, on_text=pieces.append, temperature=0.7, top_p=0.9)
+        many = responder.answer_many([[{"role": "user", "content": p}] for p in PROMPTS[1:3]], seed=3,
+                                     temperature=0.7, top_p=0.9)
+    finally:
+        hook.remove()
+    assert calls == []  # torch ran nothing
     assert "".join(pieces).strip() == second.text
+    gaps = []
     with responder._lock:
         chosen = responder._select(None)
-        with chosen.context:
-            for a in (first, second):
-                ids = responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
-                                                              return_tensors="pt")["input_ids"][0].tolist()
+        for a in (first, second, *many):
+            ids = responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
+                                                          return_tensors="pt")["input_ids"][0].tolist()
+            assert len(a.logprobs) == len(a.token_ids) == a.new_tokens > 0
+            own: list[list[float]] = []
+            seed = {id(first): 1, id(second): 2}.get(id(a))
+            if seed is not None:  # drawn alone: the same draw again gives the same values
+                again = responder._engine.generate([ids], a.new_tokens, 0.7, 0.9, responder._eos_ids, [seed],
+                                                   chosen.folder, None, own)[0]
+                assert again == a.token_ids and np.allclose(own[0], a.logprobs, atol=1e-4)
+            with chosen.context:
                 want = batch_token_logprobs(chosen.model, [torch.tensor(ids)], [torch.tensor(a.token_ids)], 0)[0]
-                assert len(a.logprobs) == len(a.token_ids) == a.new_tokens
-                assert np.allclose(a.logprobs, want, atol=2e-4), (a.logprobs, want)
+            gaps += list(np.abs(np.array(a.logprobs) - np.array(want)))
+    assert np.mean(gaps) < 0.1 and np.median(gaps) < 0.06, (np.mean(gaps), np.median(gaps), max(gaps))
 
 
 def test_sampling_follows_the_seed_and_the_temperature(responder, adapters):

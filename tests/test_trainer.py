@@ -21,7 +21,7 @@ from rlfleet.worker.batching import (
 )
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.presets import TrainConfig, preset
-from rlfleet.worker.samples import Progress, RunResult, TrainSample
+from rlfleet.worker.samples import BASE, Progress, RunResult, TrainSample
 from rlfleet.worker.training.torch_backend import Trainer
 
 GOOD, BAD = "yes yes yes yes", "no no no no"
@@ -457,7 +457,11 @@ def check_replayed_behaviour_is_the_start_policy(trainer, parent, out) -> None:
     """Replayed samples carry log-probs an older version recorded (here a nat below the parent's); the
     run from ``parent`` sets them aside and takes the parent, computed once at the start, as their
     behaviour: with lr 0 and a band of +-1e-5 every sequence stays, while the same samples as fresh
-    ratings are judged by what they recorded and dropped (a ratio of e, outside both bands)."""
+    ratings are judged by what they recorded and dropped (a ratio of e, outside both bands).
+
+    So are fresh ratings of answers the parent itself drew (``answered_by`` its version): the run-start
+    pass is their behaviour exactly, whatever was recorded (llama.cpp's values are near, not equal);
+    an answer another version drew keeps what it recorded."""
     tok = trainer.tokenizer
     cfg: TrainConfig = replace(LEARN, lr=0.0, steps=1, seq_band=(1 - 1e-5, 1 + 1e-5))
     recorded = []
@@ -471,6 +475,15 @@ def check_replayed_behaviour_is_the_start_policy(trainer, parent, out) -> None:
     assert (replayed["replayed"], replayed["ratings_used"]) == (6, 0)
     fresh = trainer.run(recorded, None, cfg, parent, out / "b").metrics
     assert (fresh["accepted_seq_frac"], fresh["replayed"], fresh["ratings_used"]) == (0.0, 0, 6)
+    by_parent = [replace(s, answered_by=Path(parent).name) for s in recorded]
+    own = trainer.run(by_parent, None, cfg, parent, out / "c").metrics
+    assert (own["accepted_seq_frac"], own["accepted_token_frac"], own["ratings_used"]) == (1.0, 1.0, 6)
+    assert own["mean_kl"] > 1e-3  # the behaviour is the parent, not the base
+    other = trainer.run([replace(s, answered_by="v9999") for s in recorded], None, cfg, parent, out / "d").metrics
+    assert other["accepted_seq_frac"] == 0.0
+    # From a fresh adapter the run starts at the base: what the base drew is recomputed, and so kept.
+    base = trainer.run([replace(s, answered_by=BASE) for s in recorded], None, cfg, None, out / "e").metrics
+    assert base["accepted_seq_frac"] == 1.0
 
 
 def check_anchor_reference_is_the_base(trainer, parent, out) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class TrainSample:
     # step gets the batch's mean return at the same step (rlfleet.gym). None: the run's rule decides
     # (the EMA, or the run's mean reward: training/advantages.py).
     baseline: float | None = None
+    # The version whose policy drew the answer (its adapter's name, BASE for the base model); None: not
+    # known. A run that starts from that very version recomputes the behaviour log-probs itself rather
+    # than trust the recorded ones (training/loop.py, docs/objective.md "Behaviour").
+    answered_by: str | None = None
+
+
+BASE = "base"  # TrainSample.answered_by of an answer the base model drew (no version is named so)
+
+
+def started_from(parent_adapter: Path | None) -> str:
+    """The version name a run starting from ``parent_adapter`` (a registry's version folder; None: a
+    fresh adapter, the base) compares with :attr:`TrainSample.answered_by`."""
+    return BASE if parent_adapter is None else Path(parent_adapter).name
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
+    ap.add_argument("--engine", default="torch", choices=["torch", "auto", "llama.cpp"],
+                    help="what draws the simulated chat's answers and the held-out ones (chat.engine; "
+                         "default torch, as every figure before it; llama.cpp records its own log-probs)")
     ap.add_argument("--no-gate", action="store_true", help="serve every run (no evaluation gate)")
     ap.add_argument("--no-fallback", action="store_true", help="train.fallback off: a version the gate refuses "
                     "is not replaced by the run's halfway step")
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 preference=pref, model=args.model, ratings=args.ratings, objective=objective,
                 threshold=args.threshold, preset=args.preset, heldout=args.heldout, samples=args.samples,
                 batch=args.batch, comments=not args.no_comments, stars=args.stars,
-                max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, gate=not args.no_gate,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, engine=args.engine,
+                gate=not args.no_gate,
                 overrides=overrides, home=home, then=then, switch_at=args.switch_at,
             )
             try:

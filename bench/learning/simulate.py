@@ -82,6 +82,7 @@ class BenchConfig:
     max_new_tokens: int = 48
     seed: int = 0
     device: str = "auto"
+    engine: str = "torch"  # what draws the simulated chat's answers (chat.engine): torch or llama.cpp
     gate: bool = True
     overrides: dict = field(default_factory=dict)  # TrainSettings fields (lr, steps, seq_band, replay, ...)
     home: Path | None = None
@@ -160,6 +161,7 @@ class BenchResult:
                                 "teacher_rate_seconds": 0.0}),
             "comments": self.config.comments,
             "stars": self.config.stars,
+            "engine": self.config.engine,
             "controls_delta": {k: last.controls[k] - first.controls[k] for k in first.controls},
             "runs": self.runs,
             "checkpoints": [c.to_dict() for c in self.checkpoints],
@@ -213,7 +215,7 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
 
     say("loading models", 0, 1)
     responder = LocalResponder(ref, registry.dir, device=device, max_new_tokens=bc.max_new_tokens,
-                               temperature=cfg.chat.temperature, top_p=cfg.chat.top_p)
+                               temperature=cfg.chat.temperature, top_p=cfg.chat.top_p, engine=bc.engine)
     trainer = trainer_cache.get_trainer(cfg)
     if bc.objective == "kto":
         from .kto import KtoTrainer

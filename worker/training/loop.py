@@ -25,7 +25,7 @@ from rlfleet.shared.errors import RlfleetError
 from ..batching import Encoded, encode_sample, ended_as_recorded
 from ..objective import run_check
 from ..presets import TrainConfig
-from ..samples import Progress, RunResult, TrainSample
+from ..samples import Progress, RunResult, TrainSample, started_from
 from . import exploration, reward_features, rewrite, scoring
 from .backend import Backend
 
@@ -137,7 +137,8 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
     out_dir = Path(run.out_dir)
 
     chosen = signal.select(backend, samples, run.ema, cfg)
-    encoded = [encode_sample(backend.tokenizer, _on_start_policy(s), cfg.max_tokens) for s in chosen.samples]
+    start = started_from(run.parent_adapter)
+    encoded = [encode_sample(backend.tokenizer, _on_start_policy(s, start), cfg.max_tokens) for s in chosen.samples]
     backend.seed(cfg.seed)  # the LoRA's initial weights (and anything else random) repeat per seed
     with backend.adapter(run.parent_adapter, cfg, trainable=True, precision=cfg.precision) as session:
         precision = backend.precision
@@ -216,10 +217,17 @@ def nothing_to_learn(samples: list[TrainSample]) -> str:
     return f"nothing to learn from these {len(samples)} ratings yet, {why}"
 
 
-def _on_start_policy(sample: TrainSample) -> TrainSample:
-    """A replayed sample without its recorded log-probs: an older version answered it, so they describe
-    neither the policy the run starts from nor one near it, and the objective's bands would drop it or
-    blow up its ratios. Without them the run-start policy is its behaviour (docs/objective.md)."""
-    if not sample.replayed:
+def _on_start_policy(sample: TrainSample, start: str) -> TrainSample:
+    """``sample`` without its recorded log-probs where the run-start policy (version ``start``) stands in
+    for its behaviour policy:
+
+    * a replayed sample: an older version answered it, so they describe neither the policy the run
+      starts from nor one near it, and the objective's bands would drop it or blow up its ratios;
+    * an answer the run's own starting version drew: the run-start pass *is* its behaviour, exactly and
+      in the run's own numerics, where the recorded values may be llama.cpp's (quantised weights,
+      hundredths of a nat off per token, enough to move a sequence's ratio out of its band).
+
+    (docs/objective.md, "Behaviour")"""
+    if not sample.replayed and (sample.answered_by is None or sample.answered_by != start):
         return sample
     return replace(sample, behaviour_logprobs=None, behaviour_token_ids=None)
