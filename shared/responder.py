@@ -193,7 +193,7 @@ class LocalResponder:
 
     @property
     def engine(self) -> str:
-        """What draws the answers' tokens: ``llama.cpp`` or ``torch`` (log-probs are always torch's)."""
+        """What draws the answers' tokens (and gives their log-probs): ``llama.cpp`` or ``torch``."""
         return "llama.cpp" if self._engine is not None else "torch"
 
     # ------------------------------------------------------------------ adapter selection
