@@ -1,17 +1,18 @@
 """The GGUF file llama.cpp draws the chat's tokens from: the model's own, or a Q8_0 copy of it.
 
 llama.cpp's CPU kernels decode a batch of sequences faster than one at a time only for some weight
-types: its batched matrix products (repacked and tiled) cover Q4_0, Q8_0 and the float types, while
-Q4_1, Q5_0 and Q5_1 (the default model's file is Q4_1) are multiplied one token at a time, so a batch
-of 16 answers costs what 16 answers one after another do (bench/RESULTS.md, "llama.cpp's own log-probs,
-and a Q8_0 copy it batches"). For those types the engine serves a Q8_0 copy: each block of 32 weights dequantised and
-requantised at 8 bits with its own scale, which keeps the 4- or 5-bit values to within half an 8-bit
-step (the weights the torch model trains on are those same dequantised values). Q4_0 would batch
+types: its batched matrix products (repacked and tiled) cover Q4_0 and Q8_0, while Q4_1, Q5_0 and
+Q5_1 (the default model's file is Q4_1) are multiplied one token at a time, so a batch of 16 answers
+costs what 16 answers one after another do (bench/RESULTS.md, "llama.cpp's own log-probs, and a Q8_0
+copy it batches"). For those types the engine serves a Q8_0 copy: each block of 32 weights dequantised
+and requantised at 8 bits with its own scale, which keeps the 4- or 5-bit values to within half an
+8-bit step (the weights the torch model trains on are those same dequantised values). Q4_0 would batch
 faster still, but requantising to 4 bits rounds the weights a second time.
 
 The copy is made once, by llama.cpp's own quantiser, in the model cache (shared/gguf_copy.py: named
 for the file's path, size and modification time, written to a temporary folder and renamed into
-place); with the cache off, or where it cannot be written, the file itself is served, said once.
+place); with the cache off, or where it cannot be written, the file itself is served, and the log
+says why.
 """
 
 from __future__ import annotations

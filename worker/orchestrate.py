@@ -34,7 +34,7 @@ from .gate import GateConfig, ModelScores, Verdict, judge, split_holdout
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
-from .samples import BASE, Progress, RunResult, TrainSample
+from .samples import Progress, RunResult, TrainSample, drawn_by
 from .scope_start import start_from_shared
 from .trainer_cache import get_trainer
 from .training.loop import NothingToLearn, halfway_steps
@@ -155,7 +155,7 @@ def rated_sample(rating: RatingRow, cap: CaptureRow, model: str,
         fixed_advantage=-(rating.advantage or 0.0) if retraction else None,
         complete=cap.finish_reason != "length",
         comment=None if retraction else rating.comment,
-        answered_by=(cap.adapter_version or BASE) if ours else None,
+        answered_by=drawn_by(cap.adapter_version) if ours else None,
     )
 
 

@@ -42,6 +42,12 @@ class TrainSample:
 BASE = "base"  # TrainSample.answered_by of an answer the base model drew (no version is named so)
 
 
+def drawn_by(adapter_version: str | None) -> str:
+    """:attr:`TrainSample.answered_by` of an answer our model gave with ``adapter_version`` (a capture's
+    or a gym step's; None: the base)."""
+    return adapter_version or BASE
+
+
 def started_from(parent_adapter: Path | None) -> str:
     """The version name a run starting from ``parent_adapter`` (a registry's version folder; None: a
     fresh adapter, the base) compares with :attr:`TrainSample.answered_by`."""

@@ -66,6 +66,19 @@ def heldout_prompts(n: int) -> list[str]:
     return [FORMS[(i + 1) % len(FORMS)].format(t) for i, t in enumerate(HELD_OUT_TOPICS[:n])]
 
 
+def sample_in_batches(responder: LocalResponder, conversations: list[list[dict]], batch: int,
+                      progress: Callable[[int], None] | None = None) -> list[Sample]:
+    """One answer per conversation, ``batch`` per generate call, the k-th call seeded ``10_000 + k``:
+    the same draws at every checkpoint, and for any responder measured on the same rows
+    (bench/engine_fidelity.py). ``progress(done)`` before each call."""
+    got: list[Sample] = []
+    for b, start in enumerate(range(0, len(conversations), batch)):
+        if progress is not None:
+            progress(start)
+        got += responder.sample(conversations[start:start + batch], seed=10_000 + b)
+    return got
+
+
 @dataclass
 class BenchConfig:
     preference: Preference
@@ -231,13 +244,9 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         """Every held-out prompt ``bc.samples`` times, ``bc.batch`` answers per generate call; the same
         seeds at every checkpoint."""
         rows = [prompt for prompt in held for _ in range(bc.samples)]
-        out: list[tuple[str, Sample]] = []
-        for b, start in enumerate(range(0, len(rows), bc.batch)):
-            say(f"held-out answers at {given} ratings", start, len(rows))
-            chunk = rows[start : start + bc.batch]
-            got = responder.sample([[{"role": "user", "content": p}] for p in chunk], seed=10_000 + b)
-            out.extend(zip(chunk, got, strict=True))
-        return out
+        got = sample_in_batches(responder, [[{"role": "user", "content": p}] for p in rows], bc.batch,
+                                lambda done: say(f"held-out answers at {given} ratings", done, len(rows)))
+        return list(zip(rows, got, strict=True))
 
     def checkpoint(given: int, since: int) -> Checkpoint:
         """The held-out measurements after ``given`` ratings; ``since``: the previous checkpoint's."""
@@ -338,9 +347,7 @@ def teacher_rate(responder: LocalResponder, bc: BenchConfig, said: list[str | No
     hint = max(set(comments), key=comments.count)
     prompts = [p for p in held for _ in range(bc.samples)]
     rows = [with_hint([{"role": "user", "content": p}], hint) for p in prompts]
-    got: list[Sample] = []
-    for b, start in enumerate(range(0, len(rows), bc.batch)):
-        got += responder.sample(rows[start:start + bc.batch], seed=10_000 + b)
+    got = sample_in_batches(responder, rows, bc.batch)
     rate, ci, _ = preferred_rate([bc.measured.rate(p, a.text) for p, a in zip(prompts, got, strict=True)])
     return {"teacher_rate": rate, "teacher_ci95": list(ci), "teacher_hint": hint,
             "teacher_rate_seconds": time.perf_counter() - started}  # part of the run's seconds

@@ -61,7 +61,7 @@ from rlfleet.shared.workers import forget_dead_workers
 from rlfleet.worker.agent_runs import GymRunRequest, candidate_result
 from rlfleet.worker.context import Context
 from rlfleet.worker.orchestrate import Candidate, ProgressBoard, RunInputs, conclude, gate_config, train_candidate
-from rlfleet.worker.samples import BASE, TrainSample
+from rlfleet.worker.samples import TrainSample, drawn_by
 from rlfleet.worker.training.loop import NothingToLearn
 from rlfleet.worker.trigger import LOCK_TTL
 
@@ -347,7 +347,7 @@ class Agent:
             TrainSample(rating_id=rid, prompt=s.prompt, response=s.response, reward=g,
                         behaviour_logprobs=s.logprobs or None, behaviour_token_ids=s.token_ids or None,
                         complete=s.finish_reason != "length", baseline=baselines[t] if baselines else None,
-                        answered_by=s.adapter_version or BASE)
+                        answered_by=drawn_by(s.adapter_version))
             for e in episodes for t, (s, g, rid) in enumerate(zip(e.steps, e.returns, e.rating_ids, strict=True))
         ]
         stats: dict[str, Any] = {

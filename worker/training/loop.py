@@ -225,9 +225,10 @@ def _on_start_policy(sample: TrainSample, start: str) -> TrainSample:
       starts from nor one near it, and the objective's bands would drop it or blow up its ratios;
     * an answer the run's own starting version drew: the run-start pass *is* its behaviour, exactly and
       in the run's own numerics, where the recorded values may be llama.cpp's (quantised weights,
-      hundredths of a nat off per token, enough to move a sequence's ratio out of its band).
+      hundredths of a nat off per token: ratios that are not 1 before any update, and now and then a
+      token outside its band).
 
     (docs/objective.md, "Behaviour")"""
-    if not sample.replayed and (sample.answered_by is None or sample.answered_by != start):
+    if not sample.replayed and sample.answered_by != start:  # (None, not known, is never a version)
         return sample
     return replace(sample, behaviour_logprobs=None, behaviour_token_ids=None)
