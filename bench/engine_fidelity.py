@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if min(args.heldout, args.samples, args.batch, args.max_new_tokens) < 1:
         ap.error("--heldout, --samples, --batch and --max-new-tokens must be at least 1")
+    if not (args.home / "config.toml").is_file():
+        ap.error(f"{args.home} is not a data dir (no config.toml); bench.learning --home keeps one")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    from rlfleet.shared.llamacpp_engine import ENGINES
+
+    if not engines or any(e not in ENGINES for e in engines):
+        ap.error(f"--engines takes a comma list of {', '.join(ENGINES)}")
 
     from rlfleet.shared.config import load_config
     from rlfleet.shared.models import resolve_model
@@ -35,23 +42,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     from .learning.metrics import preferred_rate, repeat_share
     from .learning.raters import preference
-    from .learning.simulate import heldout_prompts
+    from .learning.simulate import heldout_prompts, sample_in_batches
 
     cfg = load_config(args.home)
     ref = resolve_model(cfg.model)
     registry = AdapterRegistry(cfg.adapters_root, ref.slug)
-    pref = preference(args.preference)
+    try:
+        pref = preference(args.preference)
+    except ValueError as exc:
+        ap.error(str(exc))
     rows = [p for p in heldout_prompts(args.heldout) for _ in range(args.samples)]
     figures: dict = {"home": str(args.home), "preference": args.preference, "version": registry.current(),
                      "answers": len(rows), "engines": {}}
-    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+    for engine in engines:
         t0 = time.perf_counter()
         responder = LocalResponder(ref, registry.dir, device="cpu", max_new_tokens=args.max_new_tokens,
                                    temperature=cfg.chat.temperature, top_p=cfg.chat.top_p, engine=engine)
-        got = []
-        for b, start in enumerate(range(0, len(rows), args.batch)):
-            chunk = rows[start:start + args.batch]
-            got += responder.sample([[{"role": "user", "content": p}] for p in chunk], seed=10_000 + b)
+        got = sample_in_batches(responder, [[{"role": "user", "content": p}] for p in rows], args.batch)
         rate, ci, n = preferred_rate([pref.rate(p, a.text) for p, a in zip(rows, got, strict=True)])
         figures["engines"][engine] = {
             "drawn_by": responder.engine, "version": responder.active_version, "rate": rate, "ci95": list(ci),

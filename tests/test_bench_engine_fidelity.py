@@ -42,6 +42,21 @@ def test_the_rate_is_the_preferences_verdict_on_the_drawn_answers(tiny_model_dir
     assert (torch_fig["rate"], torch_fig["ci95"], torch_fig["judged"]) == (rate, list(ci), n)
 
 
+@pytest.mark.parametrize("args", [
+    ["--home", "{missing}", "--preference", "short:5"],
+    ["--home", "{home}", "--preference", "no-such-taste"],
+    ["--home", "{home}", "--preference", "short:5", "--engines", "vllm"],
+    ["--home", "{home}", "--preference", "short:5", "--samples", "0"],
+])
+def test_bad_arguments_are_a_usage_error(tiny_model_dir, tmp_path, capsys, args):
+    home = tmp_path / "home"
+    Config(home=home, model=str(tiny_model_dir)).save()
+    argv = [a.format(home=home, missing=tmp_path / "nowhere") for a in args]
+    with pytest.raises(SystemExit) as exited:
+        engine_fidelity.main([*argv, "--no-record"])
+    assert exited.value.code == 2 and "error:" in capsys.readouterr().err
+
+
 def test_llama_cpp_on_a_model_it_cannot_run_is_a_clean_error(tiny_model_dir, tmp_path):
     Config(home=tmp_path, model=str(tiny_model_dir)).save()
     with pytest.raises(ConfigError, match="llama.cpp"):
