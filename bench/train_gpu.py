@@ -2,7 +2,8 @@
 
 A random-init Llama-3.1-8B-shaped model (bf16 weights, SDPA attention; the weights do not change
 the work) gets a fresh LoRA on all linear layers and runs the worker's own Trainer.run over rated
-samples of realistic length (default: 1,024-token prompts, 512-token answers, 16 ratings a step).
+samples of realistic length (default: 1,024-token prompts, 512-token answers, 16 ratings a step), in
+the precision a user's config resolves to (``train.precision = "auto"``: bf16 autocast on a GPU).
 
 Model FLOPs per trained token, counted as the work the step needs (not what a kernel happens to do):
   * linear layers, frozen: forward 2·N, backward 2·N (input gradients only; frozen weights get none)
@@ -81,6 +82,33 @@ def step_flops(cfg: Any, lengths: list[tuple[int, int]], rank: int) -> float:
     return total
 
 
+# Kernel names by family, first match wins (CUDA kernel names of cuBLAS/cuDNN/ATen on sm80/sm90).
+KERNEL_FAMILIES = (
+    ("matmul fp32", ("f32f32", "sgemm")),
+    ("matmul bf16/fp16", ("nvjet", "gemm", "xmma", "cutlass")),
+    ("attention", ("sdpa", "flash", "fmha")),
+    ("elementwise (casts, pointwise)", ("elementwise", "CatArray", "copy")),
+    ("reductions (softmax, norms, sums)", ("reduce", "softmax", "norm")),
+)
+
+
+def kernel_family(name: str) -> str:
+    for family, keys in KERNEL_FAMILIES:
+        if any(k.lower() in name.lower() for k in keys):
+            return family
+    return "other"
+
+
+def family_shares(times: dict[str, float]) -> dict[str, float]:
+    """Each family's share of the summed device time, from ``{kernel name: self device time}``."""
+    total = sum(times.values()) or 1.0
+    shares: dict[str, float] = {}
+    for name, t in times.items():
+        fam = kernel_family(name)
+        shares[fam] = shares.get(fam, 0.0) + t / total
+    return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
 @contextlib.contextmanager
 def _profiled(on: bool, cuda: bool) -> Iterator[Any]:
     if not on:
@@ -88,7 +116,7 @@ def _profiled(on: bool, cuda: bool) -> Iterator[Any]:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         yield prof
 
@@ -106,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: from the name)")
     ap.add_argument("--unlikelihood", type=float, default=None,
                     help="train.unlikelihood (default: the preset's; 0 leaves out its sampled loop checks)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="train.precision of the run (default auto, as a user's config: bf16 autocast on a GPU)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the GPU's time goes (torch.profiler, top kernels by CUDA time)")
     output_options(ap)
@@ -139,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = replace(
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
         max_tokens=args.prompt_tokens + args.response_tokens + 8, rank=args.rank, alpha=args.rank,
+        precision=args.precision,  # a bare preset says fp32; a user's config resolves to auto
     )
     if args.unlikelihood is not None:
         cfg = replace(cfg, unlikelihood=args.unlikelihood)
@@ -164,7 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
     run_seconds = time.perf_counter() - started
     if prof is not None:
         sort = "cuda_time_total" if cuda else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=30), file=sys.stderr)
+        events = prof.key_averages()
+        print(events.table(sort_by=sort, row_limit=30), file=sys.stderr)
+        if cuda:  # device kernels only (the CPU-side aten ops would count their kernels twice)
+            times = {e.key: e.self_device_time_total for e in events if e.self_device_time_total > 0}
+            print("device time by kernel family (the whole run: reference passes and every step):",
+                  file=sys.stderr)
+            for fam, share in family_shares(times).items():
+                print(f"  {share:6.1%}  {fam}", file=sys.stderr)
     times = [stamps[s] for s in sorted(stamps)]
     step_seconds = (times[-1] - times[0]) / (len(times) - 1)
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -188,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         "build_seconds": built,
         "accepted_seq_frac": result.metrics["accepted_seq_frac"],
         "unlikelihood": cfg.unlikelihood,
+        "precision": result.metrics["precision"],
     }
     rows = [[
-        f"{args.arch} ({trainer.n_params / 1e9:.2f} B)",
+        f"{args.arch} ({trainer.n_params / 1e9:.2f} B)", figures["precision"],
         f"{args.samples} × ({args.prompt_tokens}+{args.response_tokens})",
         f"{tokens:,}", f"{step_seconds:.2f} s", f"{figures['tokens_per_s']:,.0f}",
         f"{figures['run_tokens_per_s']:,.0f}",
@@ -198,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{figures['peak_memory_gib']:.1f} GiB" if cuda else "n/a",
     ]]
     text = markdown_table(
-        ["model", "ratings × (prompt+answer)", "tokens/step", "step", "tokens/s", "run tokens/s",
+        ["model", "precision", "ratings × (prompt+answer)", "tokens/step", "step", "tokens/s", "run tokens/s",
          "model TFLOP/s", "MFU", "peak memory"], rows)
     publish(figures, text, args, f"`bench.train_gpu` · {args.arch} · LoRA r{args.rank}"
             + (f" · unlikelihood {cfg.unlikelihood:g}" if args.unlikelihood is not None else ""))

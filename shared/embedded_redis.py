@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .errors import QueueUnavailable
+from .lifecycle import held_interrupts
 from .redis_text import as_text
 
 LEASES = "rlfleet:embedded:leases"
@@ -132,7 +133,9 @@ class EmbeddedRedis:
         Calling it again is harmless (same lease) and is how a holder recovers after a crash.
         """
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with self._locked():
+        # A stop signal mid-way (a child of `up` told its parent is gone while it starts) waits until
+        # the lease and its release are both in place, then unwinds through that release.
+        with held_interrupts(), self._locked():
             if not self._ping():
                 self._start()
             self._wait(
@@ -148,8 +151,8 @@ class EmbeddedRedis:
             lease = self._lease or f"{pid}:{uuid.uuid4().hex[:8]}"
             conn.hset(LEASES, lease, f"{socket.gethostname()} {_start_time(pid)}")
             conn.close()
-        self._conn, self._lease, self._owner_pid = self._conn or self._client(), lease, pid
-        atexit.register(self.release)
+            self._conn, self._lease, self._owner_pid = self._conn or self._client(), lease, pid
+            atexit.register(self.release)
         return self._conn
 
     def release(self) -> None:

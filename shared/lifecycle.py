@@ -9,14 +9,40 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background children: they stop when that process is gone
 
 
+_held = 0  # depth of held_interrupts() blocks in this process
+_pending = False  # a stop signal came while they held it
+
+
 def _interrupt(signum: int, _frame: object) -> None:
+    global _pending
+    if _held:
+        _pending = True
+        return
     raise KeyboardInterrupt
+
+
+@contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Hold the KeyboardInterrupt of a SIGTERM or SIGHUP until the block is done, for the few steps
+    that must not be cut in two: a server started but its lease not yet written (or written but its
+    release not yet registered) would outlive every process of the data dir. Ctrl-C is not held."""
+    global _held, _pending
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _pending:
+            _pending = False
+            raise KeyboardInterrupt
 
 
 def interrupt_on_stop_signals() -> None:

@@ -34,15 +34,33 @@ def test_train_step_compares_the_methods_on_the_same_tokens():
 def test_train_gpu_takes_the_unlikelihood_weight_and_profiles(capsys):
     figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
                               "--prompt-tokens", "16", "--response-tokens", "8", "--unlikelihood", "0",
-                              "--profile", "--json", "--no-record"])
+                              "--precision", "bf16", "--profile", "--json", "--no-record"])
     assert figures["unlikelihood"] == 0
+    assert figures["precision"] == "bf16"  # as asked (a bare preset would have run fp32)
     assert "Self CPU time total" in capsys.readouterr().err  # torch.profiler's table
+
+
+def test_train_gpu_sums_a_profile_by_kernel_family():
+    times = {  # kernel names as the H200's profile printed them, self device time in µs
+        "nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN": 300.0,
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32": 100.0,
+        "void at::native::unrolled_elementwise_kernel<at::native::copy>": 400.0,
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wg": 100.0,
+        "void at::native::reduce_kernel<512, 1>": 50.0,
+        "ncclSomethingElse": 50.0,
+    }
+    shares = train_gpu.family_shares(times)
+    assert list(shares)[0] == "elementwise (casts, pointwise)" and shares["elementwise (casts, pointwise)"] == 0.4
+    assert shares["matmul fp32"] == pytest.approx(0.1)  # fp32 products are not counted as bf16 ones
+    assert shares["matmul bf16/fp16"] == pytest.approx(0.3)
+    assert shares["other"] == pytest.approx(0.05) and sum(shares.values()) == pytest.approx(1.0)
 
 
 def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
     figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
                               "--prompt-tokens", "32", "--response-tokens", "16", "--json", "--no-record"])
     assert figures["tokens_per_step"] == 2 * (32 + 16)
+    assert figures["precision"] == "fp32"  # auto: a 64-wide model on a CPU stays fp32
     assert figures["mfu"] is None and figures["tokens_per_s"] > 0
     # The FLOP count by hand for one sample on the tiny shape (d 64, i 128, 2 layers, 4 heads, 2 kv)
     from bench.synthetic import byte_tokenizer

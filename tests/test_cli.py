@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -366,8 +367,20 @@ def test_a_killed_up_leaves_no_orphans(home, tiny_model_dir, monkeypatch):
     proc.wait()
     deadline = time.monotonic() + 30
     while EmbeddedRedis.running(home):
-        assert time.monotonic() < deadline, "the embedded Redis outlived its users"
+        assert time.monotonic() < deadline, f"the embedded Redis outlived its users: {_still_holding(home)}"
         time.sleep(0.5)
+
+
+def _still_holding(home: Path) -> str:
+    """Who still holds a lease, and what each child of `up` last logged (for a failure message)."""
+    from rlfleet.shared.embedded_redis import LEASES, EmbeddedRedis
+
+    try:
+        leases = {k.decode(): v.decode() for k, v in EmbeddedRedis(home)._control().hgetall(LEASES).items()}
+    except Exception as exc:  # the server went between the check and this read
+        leases = {"error": repr(exc)}
+    tails = {p.name: p.read_text(errors="replace")[-300:] for p in sorted((home / "logs").glob("*"))}
+    return f"leases {leases}; logs {tails}"
 
 
 def test_init_configures_bots_by_flags_and_by_the_wizard(home, monkeypatch):

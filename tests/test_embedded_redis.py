@@ -176,6 +176,42 @@ def test_stale_leases_do_not_keep_the_server_alive(tmp_path, embedded, children)
     assert not er.pid_alive(pid)
 
 
+# A child of `up` told to stop (SIGTERM: its parent is gone) while it starts the server: the signal
+# lands after redis-server is up and before the lease is written.
+STOPPED_WHILE_STARTING = r"""
+import os, signal, sys
+from pathlib import Path
+from rlfleet.shared.embedded_redis import EmbeddedRedis
+from rlfleet.shared.lifecycle import interrupt_on_stop_signals
+interrupt_on_stop_signals()
+start = EmbeddedRedis._start
+def start_then_stop(self):
+    start(self)
+    self._wait(lambda: self._server_pid() is not None, 10, "the pidfile")
+    print(self._server_pid(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+EmbeddedRedis._start = start_then_stop
+try:
+    EmbeddedRedis(Path(sys.argv[1])).acquire()
+    print("not interrupted", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_stop_signal_while_starting_leaves_no_server(tmp_path, embedded):
+    """The stop waits until the lease and its release are in place, then unwinds through that
+    release: the server this process started does not outlive it."""
+    embedded()  # for the fixture's teardown: kills a leftover server
+    out = subprocess.run([sys.executable, "-c", STOPPED_WHILE_STARTING, str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    said = out.stdout.split()
+    assert said[-1:] == ["interrupted"] and len(said) == 2, out.stdout + out.stderr
+    server = int(said[0])  # the child did start one
+    assert not EmbeddedRedis.running(tmp_path), "the server outlived the process that started it"
+    assert not er.pid_alive(server)
+
+
 def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
     emb = embedded()
     conn = emb.acquire()

@@ -148,3 +148,42 @@ def test_bf16_training_moves_the_model_as_fp32_does(tiny_trainer, tmp_path):
     signs = torch.tensor([s.reward for s in samples])
     assert bool((moved["fp32"] * signs > 0).all()) and bool((moved["bf16"] * signs > 0).all())
     assert torch.allclose(moved["bf16"], moved["fp32"], rtol=0.25, atol=1e-3)
+
+
+def _pass_with_grads(trainer, batch) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """One bf16 forward and backward of the session's policy: its log-probs, the LoRA gradients, and
+    how many dtype copies (``aten::_to_copy``) the pass made."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in trainer._params:
+        p.grad = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lp = trainer._logprobs(batch)
+        lp[batch["response_mask"]].sum().backward()
+    copies = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    return lp.detach(), [p.grad.clone() for p in trainer._params], copies
+
+
+def test_bf16_lora_inputs_are_not_cast_up_and_back(tiny_trainer, monkeypatch):
+    """Under autocast peft would cast a bf16 input to the adapter's fp32 and autocast straight back:
+    the session leaves those casts out, with bit-identical log-probs and gradients."""
+    from rlfleet.worker.batching import encode_sample
+
+    enc = [encode_sample(tiny_trainer.tokenizer, s, 1024) for s in recorded(tiny_trainer)]
+    _, batches = tiny_trainer.batches(enc, 4096)
+    cfg = preset("careful")
+    with tiny_trainer.adapter(None, cfg, trainable=True, precision="bf16") as model:
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # a fresh LoRA's B is 0: give the adapter something to say
+                torch.nn.init.normal_(p, std=0.05)
+        tiny_trainer._params = [p for p in model.parameters() if p.requires_grad]
+        lean = _pass_with_grads(tiny_trainer, batches[0])
+        with tiny_trainer.autocast():
+            assert all(not layer.cast_input_dtype_enabled for layer in tiny_trainer._lora)
+        assert all(layer.cast_input_dtype_enabled for layer in tiny_trainer._lora)  # restored after
+        monkeypatch.setattr(tiny_trainer, "_lora", [])  # peft's own casting, as before
+        cast = _pass_with_grads(tiny_trainer, batches[0])
+    assert torch.equal(lean[0], cast[0])
+    assert all(torch.equal(a, b) for a, b in zip(lean[1], cast[1], strict=True))
+    assert lean[2] < cast[2], (lean[2], cast[2])

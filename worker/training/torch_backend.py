@@ -78,6 +78,7 @@ class Trainer(TrainerInterface):
         self._width: int | None = getattr(text, "hidden_size", None)
         self._model: Any = None  # the LoRA-wrapped base while an adapter session is open
         self._bf16 = False  # bf16 autocast in this session's forward passes
+        self._lora: list[Any] = []  # the session's LoRA layers (see autocast)
         self._loss: Any = None
         self._opt: Any = None
         self._params: list[Tensor] = []
@@ -152,11 +153,11 @@ class Trainer(TrainerInterface):
             # Eval mode while training too: dropout or router noise would make the trained policy
             # differ from the one the behaviour and reference log-probs were computed with.
             model.eval()
-            self._model = model
+            self._model, self._lora = model, _lora_layers(model)
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
             yield model
         finally:
-            self._model, self._bf16, self._opt, self._params = None, False, None, []
+            self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
 
@@ -190,11 +191,25 @@ class Trainer(TrainerInterface):
     def precision(self) -> str:
         return "bf16" if self._bf16 else "fp32"
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast where this session allows it, else nothing."""
-        if self._bf16:
-            return torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """bf16 autocast where this session allows it, else nothing.
+
+        Under autocast peft's LoRA layers would cast a bf16 input up to their fp32 weights' type, and
+        autocast cast it straight back down for the product: two elementwise passes over every
+        adapted layer's input, forward and backward, for bit-identical results. They are left out
+        while the block runs (a LoRA layer's input then goes to its product as it is)."""
+        if not self._bf16:
+            yield
+            return
+        with torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16):
+            for layer in self._lora:
+                layer.cast_input_dtype_enabled = False
+            try:
+                yield
+            finally:
+                for layer in self._lora:
+                    layer.cast_input_dtype_enabled = True
 
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
@@ -476,6 +491,13 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _lora_layers(model: Any) -> list[Any]:
+    """The peft tuner layers of ``model`` (the layers whose input peft casts to the adapter's type)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
 def _forward(model: Any, ids: Tensor, attn: Tensor, prefix: int) -> Any:
