@@ -188,8 +188,8 @@ def ours_child(args: argparse.Namespace) -> dict:
             runs += [run_row(args.episodes, stats) for stats in agent.wait()]
             drained = time.perf_counter()
             # with --background the runs train in the worker process the agent started: its memory counts
-            worker = agent._workers.proc if agent._workers is not None else None
-            worker_peak = peak_rss_bytes(worker.pid) if worker is not None and worker.poll() is None else 0
+            worker_pid = agent.worker_pid
+            worker_peak = peak_rss_bytes(worker_pid) if worker_pid is not None else 0
             peak = peak_rss_bytes() + worker_peak
             served = agent.registry.current()
             heldout = None

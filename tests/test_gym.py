@@ -346,6 +346,7 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
     acted_while_training, handed_out = 0, []
     assert agent._workers is not None  # no training worker listened on the queue: the agent started one
     children = [agent._workers.proc]
+    assert agent.worker_pid == children[0].pid  # what bench.gym reads the worker's memory by
     try:
         for episode in range(6):
             agent.act(episode)

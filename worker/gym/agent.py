@@ -292,6 +292,12 @@ class Agent:
         with self._runs_lock:
             return self._finished.pop(0) if self._finished else None
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The pid of the training worker this agent started (``background=True``), while it runs."""
+        proc = self._workers.proc if self._workers is not None else None
+        return proc.pid if proc is not None and proc.poll() is None else None
+
     def wait(self) -> list[dict]:
         """Wait for the background runs started so far; the statistics of every run that finished since
         ``terminate_episode`` last handed one out (a failed run raises its error here)."""
