@@ -33,8 +33,12 @@ def _interrupt(signum: int, _frame: object) -> None:
 def held_interrupts() -> Iterator[None]:
     """Hold the KeyboardInterrupt of a SIGTERM or SIGHUP until the block is done, for the few steps
     that must not be cut in two: a server started but its lease not yet written (or written but its
-    release not yet registered) would outlive every process of the data dir. Ctrl-C is not held."""
+    release not yet registered) would outlive every process of the data dir. Ctrl-C is not held.
+    Only the main thread is held: the interrupt is raised there, never in another thread's block."""
     global _held, _pending
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _held += 1
     try:
         yield
