@@ -160,21 +160,23 @@ class EmbeddedRedis:
         # A forked child (an RQ work horse) inherits this object and the atexit hook, not the lease.
         if self._lease is None or os.getpid() != self._owner_pid:
             return
-        atexit.unregister(self.release)
-        if self._conn is not None:
-            self._conn.close()
-        lease, self._lease, self._conn = self._lease, None, None
-        if not self.dir.is_dir():
-            return  # data dir deleted under us: nothing left to stop cleanly
-        with self._locked():
-            if not self._ping():
-                return  # already gone (crashed or stopped by hand); a later acquire restarts it
-            conn = self._control()
-            conn.hdel(LEASES, lease)
-            self._prune(conn)
-            if conn.hlen(LEASES) == 0:
-                self._stop(conn)
-            conn.close()
+        # A stop signal sent again while we leave (stop_with_parent) must not cut the release short.
+        with held_interrupts():
+            atexit.unregister(self.release)
+            if self._conn is not None:
+                self._conn.close()
+            lease, self._lease, self._conn = self._lease, None, None
+            if not self.dir.is_dir():
+                return  # data dir deleted under us: nothing left to stop cleanly
+            with self._locked():
+                if not self._ping():
+                    return  # already gone (crashed or stopped by hand); a later acquire restarts it
+                conn = self._control()
+                conn.hdel(LEASES, lease)
+                self._prune(conn)
+                if conn.hlen(LEASES) == 0:
+                    self._stop(conn)
+                conn.close()
 
     def __enter__(self) -> redis.Redis:
         return self.acquire()

@@ -57,9 +57,15 @@ def interrupt_on_stop_signals() -> None:
         signal.signal(sig, _interrupt)
 
 
-def stop_with_parent(poll: float = 2.0) -> None:
+def stop_with_parent(poll: float = 2.0, resend: float = 10.0) -> None:
     """In a background child: when the parent that started us dies without stopping us (killed
-    with SIGKILL), stop like on SIGTERM (RQ finishes the job in hand) instead of running orphaned."""
+    with SIGKILL), stop like on SIGTERM (RQ finishes the job in hand) instead of running orphaned.
+
+    While our own handler (:func:`interrupt_on_stop_signals`) still answers SIGTERM, the signal is
+    sent again every ``resend`` seconds until the process is gone: its KeyboardInterrupt can land in
+    a ``__del__`` or a callback that swallows it, and the process would then run on, orphaned. An RQ
+    worker's own handler gets it once (a second SIGTERM is RQ's cold shutdown: it would kill the job
+    in hand)."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not parent.isdigit():
         return
@@ -67,7 +73,11 @@ def stop_with_parent(poll: float = 2.0) -> None:
     def watch() -> None:
         while os.getppid() == int(parent):
             time.sleep(poll)
-        os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(resend)
+            if signal.getsignal(signal.SIGTERM) is not _interrupt:
+                return
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
