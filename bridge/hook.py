@@ -27,7 +27,10 @@ from . import spool
 from .auth import sign
 
 AGENTS = ("claude-code", "codex")
-TIMEOUT_S = 0.15
+# A bridge that is not running refuses the connection at once, whatever this is; the wait only
+# applies to a running bridge that is slow (beside a training run that fills every core), whose
+# rating would otherwise be spooled and the user told rlfleet is not running.
+TIMEOUT_S = 1.0
 MAX_STDIN = 4 << 20
 
 
