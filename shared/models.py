@@ -259,6 +259,14 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def tuner_layers(model: Any) -> list[Any]:
+    """The peft tuner (LoRA) layers of ``model``: what holds each layer's active adapter name and
+    whether its input is cast to the adapter's dtype."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
 @contextmanager
 def quiet_peft() -> Iterator[None]:
     """Silence two known-harmless warnings around peft calls: peft 0.21 calls a transformers 5

@@ -31,7 +31,7 @@ from . import llamacpp_engine, scopes, serving_gguf
 from .config import Config
 from .errors import ConfigError
 from .events import FinishReason
-from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
+from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft, tuner_layers
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
 
 log = logging.getLogger(__name__)
@@ -333,10 +333,8 @@ class LocalResponder:
         """Make the loaded adapter ``name`` the one that answers. peft's ``set_adapter`` also sets
         ``requires_grad`` on every adapter weight (tens of ms a switch on the default model: see
         bench.scopes); answering needs only each LoRA layer's active name."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         if self._tuner_layers is None:
-            self._tuner_layers = [m for m in self._peft.modules() if isinstance(m, BaseTunerLayer)]
+            self._tuner_layers = tuner_layers(self._peft)
         for layer in self._tuner_layers:
             layer._active_adapter = [name]
         self._peft.base_model.active_adapter = name

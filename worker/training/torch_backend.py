@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlfleet.shared.models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft
+from rlfleet.shared.models import (
+    ModelRef,
+    cache_argument,
+    load_model,
+    load_tokenizer,
+    quiet_peft,
+    tuner_layers,
+)
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
@@ -153,7 +160,7 @@ class Trainer(TrainerInterface):
             # Eval mode while training too: dropout or router noise would make the trained policy
             # differ from the one the behaviour and reference log-probs were computed with.
             model.eval()
-            self._model, self._lora = model, _lora_layers(model)
+            self._model, self._lora = model, tuner_layers(model)
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
             yield model
         finally:
@@ -491,13 +498,6 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
-
-
-def _lora_layers(model: Any) -> list[Any]:
-    """The peft tuner layers of ``model`` (the layers whose input peft casts to the adapter's type)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
 def _forward(model: Any, ids: Tensor, attn: Tensor, prefix: int) -> Any:
