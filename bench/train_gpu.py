@@ -109,6 +109,26 @@ def family_shares(times: dict[str, float]) -> dict[str, float]:
     return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
 
 
+_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0}
+
+
+def table_times(text: str) -> dict[str, float]:
+    """``{kernel name: self device time in µs}`` read back from a printed ``--profile`` table (its
+    Self CUDA column, the fifth from the right), so a saved profile can be summed by family again."""
+    import re
+
+    times: dict[str, float] = {}
+    for line in text.splitlines():
+        cols = re.split(r"\s{2,}", line.strip())
+        if len(cols) < 10 or not cols[-1].isdigit():
+            continue
+        m = re.fullmatch(r"([0-9.]+)(s|ms|us)", cols[-5])
+        if m:
+            key = cols[0] if cols[0] not in times else f"{cols[0]} #{len(times)}"  # names cut short repeat
+            times[key] = float(m[1]) * _UNITS[m[2]]
+    return times
+
+
 @contextlib.contextmanager
 def _profiled(on: bool, cuda: bool) -> Iterator[Any]:
     if not on:
@@ -138,8 +158,19 @@ def main(argv: list[str] | None = None) -> dict:
                     help="train.precision of the run (default auto, as a user's config: bf16 autocast on a GPU)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the GPU's time goes (torch.profiler, top kernels by CUDA time)")
+    ap.add_argument("--families", type=Path, metavar="FILE",
+                    help="sum a saved --profile table by kernel family and stop (nothing runs)")
     output_options(ap)
     args = ap.parse_args(argv)
+    if args.families is not None:
+        if not args.families.is_file():
+            ap.error(f"no such file: {args.families}")
+        shares = family_shares(table_times(args.families.read_text(errors="replace")))
+        if not shares:
+            ap.error(f"{args.families} holds no profile table")
+        for fam, share in shares.items():
+            print(f"  {share:6.1%}  {fam}")
+        return {"families": shares}
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not timed)")
 

@@ -56,6 +56,30 @@ def test_train_gpu_sums_a_profile_by_kernel_family():
     assert shares["other"] == pytest.approx(0.05) and sum(shares.values()) == pytest.approx(1.0)
 
 
+def test_train_gpu_reads_a_saved_profile_back(tmp_path, capsys):
+    saved = tmp_path / "profile.txt"
+    saved.write_text(
+        "-------  ----\n"
+        "                                                   Name    Self CPU %      Self CPU   CPU total %     "
+        "CPU total  CPU time avg     Self CUDA   Self CUDA %    CUDA total  CUDA time avg    # of Calls  \n"
+        "         nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN         0.00%       0.000us         0.00%       0.000us"
+        "       0.000us        1.500s        60.00%        1.500s     450.402us          2560  \n"
+        "void at::native::unrolled_elementwise_kernel<at::nat...         0.00%       0.000us         0.00%       "
+        "0.000us       0.000us     750.000ms        30.00%     750.000ms      46.860us         14960  \n"
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32...         0.00%       0.000us         0.00%       "
+        "0.000us       0.000us     250.000ms        10.00%     250.000ms      31.151us         12288  \n"
+        "Self CUDA time total: 2.500s\n")
+    figures = train_gpu.main(["--families", str(saved)])
+    assert figures["families"] == pytest.approx(
+        {"matmul bf16/fp16": 0.6, "elementwise (casts, pointwise)": 0.3, "matmul fp32": 0.1})
+    assert "60.0%  matmul bf16/fp16" in capsys.readouterr().out
+    (tmp_path / "empty.txt").write_text("no table here\n")
+    with pytest.raises(SystemExit):
+        train_gpu.main(["--families", str(tmp_path / "empty.txt")])
+    with pytest.raises(SystemExit):
+        train_gpu.main(["--families", str(tmp_path / "missing.txt")])
+
+
 def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
     figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
                               "--prompt-tokens", "32", "--response-tokens", "16", "--json", "--no-record"])
