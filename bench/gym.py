@@ -23,7 +23,8 @@ LlamaGym); with ``--background`` ours' peak adds the training worker's process. 
 rate and mean return per block of ``--block`` episodes with 95 % intervals (Wilson for the rate, normal
 for the mean). For ours, a held-out win rate on ``--heldout`` fixed env seeds never trained on (played
 after the loop: not in the timing or the peak), by the served version and by the base, with the 95 %
-interval of their difference: "learns" means that interval lies above 0. If LlamaGym cannot run, its
+interval of their paired difference (both play the same env seeds with the same sampling seeds):
+"learns" means the win rate's interval lies above 0. If LlamaGym cannot run, its
 error is printed and ours still reported.
 """
 
@@ -77,13 +78,19 @@ def rate_ci(successes: int, n: int) -> tuple[float, float, float]:
     return (successes / n if n else math.nan, lo, hi)
 
 
-def diff_ci(a: int, n_a: int, b: int, n_b: int, z: float = 1.96) -> tuple[float, float, float]:
-    """``a/n_a - b/n_b`` and its 95 % interval (two independent proportions, normal approximation)."""
-    if not n_a or not n_b:
+def paired_diff_ci(served: Sequence[float], base: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """The mean of ``served[i] - base[i]`` and its 95 % interval (normal approximation over the pairs).
+    Both versions play the same env seeds with the same sampling seeds, so a hand they would play
+    alike gives a difference of 0: only the hands where they part add to the spread, and the interval
+    is far narrower than two independent rates' (``±1.96·√(0.48/n)`` for Blackjack's win rates)."""
+    from rlfleet.gym.heldout import mean_half_width
+
+    if len(served) != len(base):
+        raise ValueError(f"paired episodes needed: {len(served)} served against {len(base)} base")
+    if not served:
         return (math.nan, math.nan, math.nan)
-    pa, pb = a / n_a, b / n_b
-    half = z * math.sqrt(pa * (1 - pa) / n_a + pb * (1 - pb) / n_b)
-    return (pa - pb, pa - pb - half, pa - pb + half)
+    m, half = mean_half_width([s - b for s, b in zip(served, base, strict=True)], z)
+    return (m, m - half, m + half)
 
 
 def curve(returns: Sequence[float], block: int) -> list[dict]:
@@ -118,7 +125,10 @@ def summarise(side: dict, block: int) -> dict:
         for name, rets in (("served", served), ("base", base)):
             held[f"{name}_win_rate"], held[f"{name}_win_lo"], held[f"{name}_win_hi"] = rate_ci(wins(rets), len(rets))
             held[f"{name}_mean_return"] = mean_ci(rets)[0]
-        held["diff"], held["diff_lo"], held["diff_hi"] = diff_ci(wins(served), len(served), wins(base), len(base))
+        won = [[float(r > 0) for r in rets] for rets in (served, base)]
+        held["diff"], held["diff_lo"], held["diff_hi"] = paired_diff_ci(*won)
+        held["return_diff"], held["return_diff_lo"], held["return_diff_hi"] = paired_diff_ci(served, base)
+        held["differing"] = sum(s != b for s, b in zip(served, base, strict=True))
         held["learns"] = held["diff_lo"] > 0
         out["heldout"] = {k: v for k, v in held.items() if k not in ("served", "base")}
     return out
@@ -153,7 +163,8 @@ def ours_child(args: argparse.Namespace) -> dict:
     class BlackjackAgent(BlackjackPrompts, Agent):
         pass
 
-    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-gym-") as home:
+    kept = contextlib.nullcontext(str(args.home)) if args.home else None
+    with kept or tempfile.TemporaryDirectory(prefix="rlfleet-bench-gym-") as home:
         agent = BlackjackAgent(model=args.model, home=home, episodes_per_update=args.per_update, env=ENV,
                                max_new_tokens=args.max_new_tokens, device="cpu", seed=args.seed,
                                background=args.background)
@@ -394,7 +405,10 @@ def report(fig: dict) -> str:
                  f"[{held['served_win_lo']:.3f}, {held['served_win_hi']:.3f}] (mean return "
                  f"{held['served_mean_return']:+.3f}), base {held['base_win_rate']:.3f} "
                  f"[{held['base_win_lo']:.3f}, {held['base_win_hi']:.3f}] ({held['base_mean_return']:+.3f}); "
-                 f"difference {held['diff']:+.3f} [{held['diff_lo']:+.3f}, {held['diff_hi']:+.3f}]. Hits: "
+                 f"difference {held['diff']:+.3f} [{held['diff_lo']:+.3f}, {held['diff_hi']:+.3f}] in win rate, "
+                 f"{held['return_diff']:+.3f} [{held['return_diff_lo']:+.3f}, {held['return_diff_hi']:+.3f}] in "
+                 f"mean return, paired seed by seed ({held['differing']} of {held['episodes']} hands ended "
+                 "apart). Hits: "
                  f"served {held.get('served_hits', '?')} of {held.get('served_turns', '?')} turns, base "
                  f"{held.get('base_hits', '?')} of {held.get('base_turns', '?')}.")
     t = fig["targets"]
@@ -427,12 +441,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help=f"the LlamaGym environment's Python (default $LLAMAGYM_PYTHON or {LLAMAGYM_PYTHON})")
     ap.add_argument("--hf-dir", type=Path, default=None,
                     help="where the model's safetensors copy for LlamaGym is kept (default: ~/.cache/rlfleet/bench/)")
+    ap.add_argument("--home", type=Path, default=None,
+                    help="ours: the agent's data dir, kept after the run (its versions, episodes and ledger, "
+                         "for `rlfleet history --home DIR`); it must be new or empty (default: a temporary one)")
     ap.add_argument("--quiet", action="store_true", help="no per-episode progress on stderr")
     output_options(ap)
     ap.add_argument("--child", choices=["ours", "convert"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.block < 1 or args.per_update < 1 or args.heldout < 0 or args.heldout_batch < 1:
         ap.error("--episodes, --block, --per-update and --heldout-batch must be at least 1, --heldout at least 0")
+    if args.home and not args.child and args.home.exists() and (not args.home.is_dir() or any(args.home.iterdir())):
+        ap.error(f"--home {args.home} is not a new or empty folder: a bench run starts from the base model")
     return args
 
 
@@ -457,7 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "ours" in sides:
         cmd = [sys.executable, "-m", "bench.gym", "--child", "ours",
                *_forward(args, ("episodes", "heldout", "heldout_batch", "model", "per_update", "max_new_tokens",
-                                "seed", "threads")), *(["--background"] if args.background else [])]
+                                "seed", "threads")), *(["--background"] if args.background else []),
+               *(["--home", str(args.home.resolve())] if args.home else [])]
         result, fig["ours_error"] = run_side(cmd, args.threads, args.quiet)
         if result:
             raw["ours"] = result

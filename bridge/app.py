@@ -211,6 +211,9 @@ async def _no_traces(request: web.Request, handler) -> web.StreamResponse:
         if exc.status == 413:
             return _error(413, "body too large")
         return _error(exc.status, exc.reason or "error")
+    except redis.RedisError as exc:  # the queue is down, not the request wrong: a client may retry
+        log.warning("bridge request not queued: Redis is not answering (%s)", type(exc).__name__)
+        return _error(503, "the queue (Redis) is not answering: nothing was recorded, try again")
     except Exception:
         log.exception("bridge request failed")
         return _error(500, "internal error (see the bridge's log)")

@@ -28,8 +28,8 @@ from .auth import sign
 
 AGENTS = ("claude-code", "codex")
 # A bridge that is not running refuses the connection at once, whatever this is; the wait only
-# applies to a running bridge that is slow (beside a training run that fills every core), whose
-# rating would otherwise be spooled and the user told rlfleet is not running.
+# applies to a running bridge that is slow (beside a training run that fills every core). Past it the
+# request is spooled, and the user told the bridge is busy (its spool poll takes it seconds later).
 TIMEOUT_S = 1.0
 MAX_STDIN = 4 << 20
 
@@ -67,6 +67,10 @@ def _log(h: Path, message: str) -> None:
 # ---- HTTP to the bridge over a plain socket (http.client would pull in ssl: slow to import) -----------
 
 
+class BridgeSlow(ConnectionError):
+    """The bridge took the connection but did not answer within ``TIMEOUT_S``: it is running, busy."""
+
+
 class Bridge:
     def __init__(self, h: Path, conf: dict) -> None:
         self.home, self.conf = h, conf
@@ -93,6 +97,8 @@ class Bridge:
                 chunks = []
                 while chunk := sock.recv(65536):
                     chunks.append(chunk)
+        except TimeoutError as exc:
+            raise BridgeSlow(str(exc) or "timed out") from None
         except OSError as exc:
             raise ConnectionError(str(exc)) from None
         response = b"".join(chunks)
@@ -108,7 +114,9 @@ class Bridge:
         return status, data if isinstance(data, dict) else {}
 
     def send(self, method: str, path: str, body: dict) -> tuple[int, dict]:
-        """Deliver (spooled requests first, in order) or spool: nothing acknowledged is ever lost."""
+        """Deliver (spooled requests first, in order) or spool: nothing acknowledged is ever lost. A spooled
+        answer says why: ``down`` (nothing listens), ``slow`` (no answer in time) or ``busy`` (the
+        bridge answered 5xx or 429, e.g. its Redis is down), with the status it answered."""
         body = spool.with_event_id(body)
         if spool.pending(self.home):
             try:
@@ -117,12 +125,12 @@ class Bridge:
                 pass
         try:
             status, data = self.call(method, path, body)
-        except ConnectionError:
+        except ConnectionError as exc:
             spool.append(self.home, method, path, body)
-            return 0, {"spooled": True}
+            return 0, {"spooled": True, "why": "slow" if isinstance(exc, BridgeSlow) else "down"}
         if status >= 500 or status == 429:
             spool.append(self.home, method, path, body)
-            return 0, {"spooled": True}
+            return 0, {"spooled": True, "why": "busy", "status": status}
         return status, data
 
     def _resend(self, method: str, path: str, body: dict) -> None:
@@ -177,6 +185,8 @@ def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None
         try:
             status, data = bridge.call("GET", "/v1/status")
             reason = status_line(data) if status == 200 else data.get("error", f"bridge answered {status}")
+        except BridgeSlow:
+            reason = f"rlfleet's bridge is busy: it did not answer within {TIMEOUT_S:g} s, try again"
         except ConnectionError:
             reason = "rlfleet is not running: start it with `rlfleet up`"
     elif cmd.admin:
@@ -192,7 +202,14 @@ def on_prompt(agent: str, payload: dict, h: Path, bridge: Bridge) -> dict | None
 
 
 def _said(status: int, data: dict, done: str) -> str:
-    if data.get("spooled"):
+    why = data.get("why") if data.get("spooled") else None
+    if why == "slow":
+        return (f"{done}; rlfleet's bridge is busy (no answer within {TIMEOUT_S:g} s), so it is saved here and "
+                "the bridge takes it within seconds (counted once)")
+    if why == "busy":
+        return (f"{done}; rlfleet's bridge could not queue it (it answered {data.get('status')}), so it is saved "
+                "here and sent again once it can (counted once)")
+    if why:
         return f"{done}; rlfleet is not running, so it is saved and applied when `rlfleet up` starts"
     if status == 202:
         return done

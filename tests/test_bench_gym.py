@@ -36,11 +36,23 @@ def test_the_mean_interval_is_the_normal_one_and_narrows_with_more_episodes():
     assert all(math.isnan(v) for v in gym.mean_ci([]))
 
 
-def test_the_held_out_difference_learns_only_when_its_interval_clears_zero():
-    d, lo, hi = gym.diff_ci(60, 100, 40, 100)
-    assert d == pytest.approx(0.2) and lo == pytest.approx(0.2 - 1.96 * math.sqrt(0.0048)) and lo > 0
-    d, lo, hi = gym.diff_ci(45, 100, 40, 100)
-    assert d == pytest.approx(0.05) and lo < 0 < hi
+def test_the_held_out_difference_is_paired_seed_by_seed():
+    # The same 100 hands: the served version wins 10 more and agrees on the rest. Two independent rates
+    # would put 0.05 inside ±0.14; paired, only the 10 hands that parted add to the spread.
+    base = [1.0] * 40 + [-1.0] * 60
+    served = [1.0] * 50 + [-1.0] * 50
+    won = [[1.0 if r > 0 else 0.0 for r in rets] for rets in (served, base)]
+    d, lo, hi = gym.paired_diff_ci(*won)
+    assert d == pytest.approx(0.1) and lo == pytest.approx(0.1 - 1.96 * math.sqrt(9 / 99) / 10) and lo > 0
+    assert gym.paired_diff_ci(served, base)[0] == pytest.approx(0.2)  # returns: a loss turned win is +2
+    # the same rates on hands that part both ways: no learning read
+    mixed = [-1.0] * 20 + [1.0] * 30 + [-1.0] * 50
+    d, lo, hi = gym.paired_diff_ci([1.0 if r > 0 else 0.0 for r in mixed], [1.0 if r > 0 else 0.0 for r in base])
+    assert d == pytest.approx(-0.1) and lo < 0 < hi
+    assert gym.paired_diff_ci([1.0, 0.0], [0.0, 1.0])[0] == 0.0
+    with pytest.raises(ValueError, match="paired"):
+        gym.paired_diff_ci([1.0], [1.0, 0.0])
+    assert all(math.isnan(v) for v in gym.paired_diff_ci([], []))
 
 
 def raw(side: str, returns: list[float], loop_s: float, peak: int, **extra) -> dict:

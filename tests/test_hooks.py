@@ -158,6 +158,27 @@ def test_with_the_bridge_down_everything_is_spooled_and_lands_exactly_once(bridg
         assert [(r.value, r.state) for r in s.scalars(select(RatingRow))] == [(-1, "active")]
 
 
+def test_a_bridge_that_does_not_answer_in_time_is_called_busy_not_down(bridge_home, tmp_path):
+    """A socket that takes the connection and never answers (a bridge beside a run that fills every
+    core): the rating is spooled and the user told the bridge is busy, not that rlfleet is not running."""
+    import socket
+
+    cfg, handle = bridge_home
+    transcript = tmp_path / "t.jsonl"
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel completes the handshake: no reply
+        cfg.bridge.port = silent.getsockname()[1]
+        cfg.save()
+        res = run_hook("claude-code", "prompt", prompt_payload("/rl bad too long", transcript), cfg.home)
+        reason = json.loads(res.stdout)["reason"]
+        assert "bridge is busy" in reason and "not running" not in reason, reason
+        assert spool.pending(cfg.home) == 1
+        status = json.loads(run_hook("claude-code", "prompt", prompt_payload("/rl status", transcript),
+                                     cfg.home).stdout)["reason"]
+        assert "did not answer within 1 s" in status and "not running" not in status, status
+    res = run_hook("claude-code", "prompt", prompt_payload("/rl status", transcript), cfg.home)
+    assert "rlfleet is not running" in json.loads(res.stdout)["reason"]  # now nothing listens: down
+
+
 def test_a_spool_drained_twice_still_counts_once(bridge_home, tmp_path):
     cfg, handle = bridge_home
     body = spool.with_event_id({"prompt": "q", "response": "a", "conversation": "c"})
@@ -257,6 +278,10 @@ def test_a_redis_that_is_down_spools_too_and_it_flushes_once_it_is_back(bridge_h
         run_hook("claude-code", "prompt", prompt_payload("q1", transcript), cfg.home)
         assert run_hook("claude-code", "stop", stop_payload("a1", transcript), cfg.home).returncode == 0
         assert spool.pending(cfg.home) == 1
+        said = json.loads(run_hook("claude-code", "prompt", prompt_payload("/rl good", transcript),
+                                   cfg.home).stdout)["reason"]
+        assert "could not queue it (it answered 503)" in said and "not running" not in said, said
+        assert spool.pending(cfg.home) == 2
     with serve_bridge(cfg, handle):  # Redis is back
         for _ in range(100):
             if not spool.pending(cfg.home):
@@ -265,3 +290,4 @@ def test_a_redis_that_is_down_spools_too_and_it_flushes_once_it_is_back(bridge_h
     work(cfg, handle)
     with Store(cfg.db_url).session() as s:
         assert [c.response for c in s.scalars(select(CaptureRow))] == ["a1"]
+        assert [r.value for r in s.scalars(select(RatingRow))] == [1]
