@@ -23,10 +23,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32, help="answers per generate call (default 32)")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="default 48, as bench.learning")
     ap.add_argument("--engines", default="torch,llama.cpp", help="comma list (default torch,llama.cpp)")
+    ap.add_argument("--device", default="cpu",
+                    help="where torch draws and scores: cpu (default), cuda, mps or auto (llama.cpp draws on the CPU)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads for torch and llama.cpp (default: torch's choice)")
     output_options(ap)
     args = ap.parse_args(argv)
-    if min(args.heldout, args.samples, args.batch, args.max_new_tokens) < 1:
-        ap.error("--heldout, --samples, --batch and --max-new-tokens must be at least 1")
+    if min(args.heldout, args.samples, args.batch, args.max_new_tokens) < 1 or args.threads < 0:
+        ap.error("--heldout, --samples, --batch and --max-new-tokens must be at least 1, --threads at least 0")
+    if args.device not in ("cpu", "cuda", "mps", "auto"):
+        ap.error(f"--device {args.device!r}: cpu, cuda, mps or auto")
     if not (args.home / "config.toml").is_file():
         ap.error(f"{args.home} is not a data dir (no config.toml); bench.learning --home keeps one")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -35,8 +41,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not engines or any(e not in ENGINES for e in engines):
         ap.error(f"--engines takes a comma list of {', '.join(ENGINES)}")
 
+    import torch
+
     from rlfleet.shared.config import load_config
-    from rlfleet.shared.models import resolve_model
+    from rlfleet.shared.models import pick_device, resolve_model
     from rlfleet.shared.registry import AdapterRegistry
     from rlfleet.shared.responder import LocalResponder
 
@@ -44,8 +52,11 @@ def main(argv: list[str] | None = None) -> dict:
     from .learning.raters import preference
     from .learning.simulate import heldout_prompts, sample_in_batches
 
+    if args.threads:  # llama.cpp takes torch's thread count
+        torch.set_num_threads(args.threads)
     cfg = load_config(args.home)
     ref = resolve_model(cfg.model)
+    device = pick_device(args.device)
     registry = AdapterRegistry(cfg.adapters_root, ref.slug)
     try:
         pref = preference(args.preference)
@@ -53,10 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(str(exc))
     rows = [p for p in heldout_prompts(args.heldout) for _ in range(args.samples)]
     figures: dict = {"home": str(args.home), "preference": args.preference, "version": registry.current(),
-                     "answers": len(rows), "engines": {}}
+                     "answers": len(rows), "device": device, "threads": torch.get_num_threads(), "engines": {}}
     for engine in engines:
         t0 = time.perf_counter()
-        responder = LocalResponder(ref, registry.dir, device="cpu", max_new_tokens=args.max_new_tokens,
+        responder = LocalResponder(ref, registry.dir, device=device, max_new_tokens=args.max_new_tokens,
                                    temperature=cfg.chat.temperature, top_p=cfg.chat.top_p, engine=engine)
         got = sample_in_batches(responder, [[{"role": "user", "content": p}] for p in rows], args.batch)
         rate, ci, n = preferred_rate([pref.rate(p, a.text) for p, a in zip(rows, got, strict=True)])
@@ -69,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
         ["engine", "drew", "version", "rate [95 %]", "repeated trigrams", "words per answer"],
         [[e, f["drawn_by"], f["version"] or "base", f"{f['rate']:.2f} [{f['ci95'][0]:.2f}, {f['ci95'][1]:.2f}]",
           f"{f['repeat']:.1%}", f"{f['words']:.0f}"] for e, f in figures["engines"].items()])
-    publish(figures, table, args, f"`bench.engine_fidelity` · {ref.spec} · {args.preference}")
+    publish(figures, table, args, f"`bench.engine_fidelity` · {ref.spec} · {args.preference} · {device}, "
+                                  f"{figures['threads']} threads")
     return figures
 
 

@@ -443,7 +443,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="where the model's safetensors copy for LlamaGym is kept (default: ~/.cache/rlfleet/bench/)")
     ap.add_argument("--home", type=Path, default=None,
                     help="ours: the agent's data dir, kept after the run (its versions, episodes and ledger, "
-                         "for `rlfleet history --home DIR`); it must be new or empty (default: a temporary one)")
+                         "for `rlfleet --home DIR history`); it must be new or empty (default: a temporary one)")
     ap.add_argument("--quiet", action="store_true", help="no per-episode progress on stderr")
     output_options(ap)
     ap.add_argument("--child", choices=["ours", "convert"], help=argparse.SUPPRESS)
