@@ -166,6 +166,7 @@ def ours_child(args: argparse.Namespace) -> dict:
     kept = contextlib.nullcontext(str(args.home)) if args.home else None
     with kept or tempfile.TemporaryDirectory(prefix="rlfleet-bench-gym-") as home:
         agent = BlackjackAgent(model=args.model, home=home, episodes_per_update=args.per_update, env=ENV,
+                               answer_prefix=args.answer_prefix,
                                max_new_tokens=args.max_new_tokens, device="cpu", seed=args.seed,
                                background=args.background)
         try:
@@ -241,11 +242,9 @@ def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dic
     def prompt(conversation: list[dict], observation: Any) -> list[dict]:
         return [*(conversation or [system]), {"role": "user", "content": agent.format_observation(observation)}]
 
-    def respond(prompts: list[list[dict]], turn_seed: int) -> list[str]:
-        return [a.text for a in agent.responder.sample(prompts, seed=seed * 7919 + turn_seed)]
-
     envs = [gym.make(ENV, natural=False, sab=False) for _ in range(min(batch, len(seeds)))]
-    returns = play_lockstep(envs, seeds, respond, prompt, agent.extract_action, max_steps=64, on_action=count)
+    returns = play_lockstep(envs, seeds, agent.respond_many(seed * 7919), prompt, agent.extract_action, max_steps=64,
+                            on_action=count)
     return {"returns": returns, **counts}
 
 
@@ -372,6 +371,9 @@ def report(fig: dict) -> str:
     if ours and theirs:
         text += (f"\n\nours / LlamaGym: {fig['speed_ratio']:.2f}× the episodes/s, "
                  f"{fig['memory_ratio']:.2f}× the peak memory.")
+    if fig.get("answer_prefix"):
+        text += (f"\n\nOurs wrote every answer after the prefix {fig['answer_prefix']!r} (`Agent(answer_prefix=)`)"
+                 + ("; LlamaGym wrote whole answers, so the speed ratio is not like for like." if theirs else "."))
     for name in SIDES:
         if fig.get(f"{name}_error"):
             who = "LlamaGym" if name == "llamagym" else "ours"
@@ -435,6 +437,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m", help="alias, local folder or hub id (default smollm2-135m)")
     ap.add_argument("--per-update", type=int, default=16, help="ours: episodes per training run (default 16)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="both: answer cap (default 32, LlamaGym's)")
+    ap.add_argument("--answer-prefix", default="",
+                    help="ours: every answer starts with this text, written for the model (Agent(answer_prefix=), "
+                         "e.g. 'Action:'); LlamaGym has no such thing, so its speed ratio is then not like for like "
+                         "(default: none)")
     ap.add_argument("--seed", type=int, default=0, help="episode i is dealt with env seed SEED + i (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per side (default: torch's choice)")
     ap.add_argument("--llamagym-python", default=os.environ.get("LLAMAGYM_PYTHON", LLAMAGYM_PYTHON),
@@ -471,11 +477,13 @@ def main(argv: list[str] | None = None) -> dict:
     sides = [args.only] if args.only else list(SIDES)
     fig: dict[str, Any] = {"model": args.model, "episodes": args.episodes, "block": args.block, "seed": args.seed,
                            "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-                           "per_update": args.per_update, "heldout": args.heldout, "background": args.background}
+                           "per_update": args.per_update, "heldout": args.heldout, "background": args.background,
+                           "answer_prefix": args.answer_prefix}
     raw: dict[str, dict] = {}
     if "ours" in sides:
         cmd = [sys.executable, "-m", "bench.gym", "--child", "ours",
                *_forward(args, ("episodes", "heldout", "heldout_batch", "model", "per_update", "max_new_tokens",
+                                "answer_prefix",
                                 "seed", "threads")), *(["--background"] if args.background else []),
                *(["--home", str(args.home.resolve())] if args.home else [])]
         result, fig["ours_error"] = run_side(cmd, args.threads, args.quiet)

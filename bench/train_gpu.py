@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from rlfleet.worker.batching import _ids, encode_sample
+    from rlfleet.shared.chat_prompt import prompt_ids
+    from rlfleet.worker.batching import encode_sample
     from rlfleet.worker.presets import preset
     from rlfleet.worker.samples import Progress
     from rlfleet.worker.training.torch_backend import Trainer
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     built = time.perf_counter() - t0
 
     # The chat template adds a few tokens around the prompt; trim the text so lengths come out exact.
-    overhead = len(_ids(tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)))
+    overhead = len(prompt_ids(tok, [{"role": "user", "content": ""}]))
     samples = synthetic.ratings(args.samples, max(args.prompt_tokens - overhead, 1), args.response_tokens - 1)
     cfg = replace(
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,

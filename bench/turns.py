@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
+    from rlfleet.shared.chat_prompt import prompt_ids
     from rlfleet.shared.models import pick_device, resolve_model
     from rlfleet.shared.responder import LocalResponder, TurnCache
 
@@ -81,8 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             same += a.token_ids == b.token_ids
             if a.token_ids == b.token_ids and a.logprobs:
                 gap = max(gap, max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
-            prompt_tokens += len(responder.tokenizer.apply_chat_template(
-                convo, add_generation_prompt=True, return_dict=True)["input_ids"])
+            prompt_tokens += len(prompt_ids(responder.tokenizer, convo))
             convo = [*convo, {"role": "assistant", "content": b.text or "look"}]
         reused, encoded = reused + cache.reused, encoded + cache.encoded
 

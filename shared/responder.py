@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import llamacpp_engine, scopes, serving_gguf
+from .chat_prompt import prompt_ids
 from .config import Config
 from .errors import ConfigError
 from .events import FinishReason
@@ -453,8 +454,7 @@ class LocalResponder:
             t0 = time.perf_counter()
             chosen = self._select(scope)
             msgs = self._with_system(messages)
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True,
-                                                     return_tensors="pt")["input_ids"][0].tolist()
+            ids = prompt_ids(self.tokenizer, msgs)
             new_cap = self.max_new_tokens if max_new_tokens is None else max_new_tokens
             temp = self.temperature if temperature is None else temperature
             p = self.top_p if top_p is None else top_p
@@ -614,9 +614,7 @@ class LocalResponder:
         import torch
 
         built = [self._with_system(c) for c in conversations]
-        rows = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
-                                                   return_tensors="pt")["input_ids"][0].tolist()
-                for m in built]  # fmt: skip
+        rows = [prompt_ids(self.tokenizer, m) for m in built]
         model = chosen.model
         gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                                      temperature, top_p)

@@ -50,13 +50,18 @@ def peaked_model_dir(tmp_path_factory):
 
 def held_out_rate(agent: Agent, n: int = 256) -> float:
     """How often the served version picks the paying action on observations it never trained on."""
-    answers = agent.responder.sample([agent.prompt_for(10_000 + i % 7) for i in range(n)], seed=4242)
-    return sum(agent.extract_action(a.text) == "A" for a in answers) / n
+    answers = agent.respond_many(4242)([agent.prompt_for(10_000 + i % 7) for i in range(n)], 0)
+    return sum(agent.extract_action(a) == "A" for a in answers) / n
 
 
-def test_the_agent_learns_the_action_that_pays_on_held_out_episodes(queued_home, peaked_model_dir, single_thread):
-    agent = Pick(model=str(peaked_model_dir), home=queued_home, episodes_per_update=16, max_new_tokens=1,
-                 device="cpu", preset="aggressive", lr=3e-3)
+@pytest.mark.parametrize("prefix", ["", "Pick:"])
+def test_the_agent_learns_the_action_that_pays_on_held_out_episodes(queued_home, peaked_model_dir, single_thread,
+                                                                    prefix):
+    """With an answer prefix too: the run trains on the byte after the prefill, read after it."""
+    kind = Prefixed if prefix else Pick
+    agent = kind(model=str(peaked_model_dir), home=queued_home, episodes_per_update=16, max_new_tokens=1,
+                 device="cpu", preset="aggressive", lr=3e-3, answer_prefix=prefix)
+    agent.seen = []
     try:
         before = held_out_rate(agent)
         runs = []
@@ -76,6 +81,69 @@ def test_the_agent_learns_the_action_that_pays_on_held_out_episodes(queued_home,
     # measured here: about 0.26 before and 0.80 after (256 held-out answers each: noise about ±0.03)
     assert after - before >= 0.25, (before, after)
     assert sum(r["mean_return"] for r in runs[-4:]) / 4 > sum(r["mean_return"] for r in runs[:4]) / 4 + 0.2
+
+
+class Prefixed(Pick):
+    """Pick's agent with a prefill: the model writes only what follows "Pick:"; the action is the first
+    character after it."""
+
+    seen: list[str]  # every answer read, set per test
+
+    def extract_action(self, response: str) -> str:
+        self.seen.append(response)
+        assert response.startswith("Pick:"), response
+        return super().extract_action(response[len("Pick:"):].lstrip() or "B")
+
+
+def test_an_answer_prefix_is_written_for_the_model_and_trained_on_what_follows(queued_home, tiny_model_dir,
+                                                                                single_thread):
+    from rlfleet.worker.batching import encode_sample
+    from rlfleet.worker.samples import TrainSample
+
+    agent = Prefixed(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=3,
+                     device="cpu", answer_prefix="Pick:", heldout_env=lambda: OneStep(), heldout_episodes=4,
+                     heldout_batch=2)
+    agent.seen = []
+    try:
+        for _ in range(2):
+            agent.act(0)
+            agent.act(1)  # a second turn: the conversation holds the first answer, prefix and all
+            agent.assign_reward(1.0)
+            episode = agent._episode
+            stats = agent.terminate_episode()
+        assert stats is not None and stats["turns"] == 4
+        heldout = agent.heldout_returns(None)
+    finally:
+        agent.close()
+    assert len(agent.seen) >= 4 + 4 and all(s.startswith("Pick:") for s in agent.seen)
+    first, second = episode.steps
+    assert first.prompt[-1] == {"role": "assistant", "content": "Pick:"}
+    assert second.prompt[-3]["role"] == "assistant" and second.prompt[-3]["content"].startswith("Pick:")
+    assert second.prompt[-1] == {"role": "assistant", "content": "Pick:"}
+    tok = agent.responder.tokenizer
+    for step in episode.steps:
+        # the answer as drawn, its leading space kept (" 1" after "Action:" must not become "1")
+        assert step.response == tok.decode(step.token_ids, skip_special_tokens=True).rstrip()
+        if "\ufffd" not in step.response:  # random bytes of the tiny model that are not UTF-8 cannot round-trip
+            enc = encode_sample(tok, TrainSample(
+                rating_id=1, prompt=step.prompt, response=step.response, reward=1.0,
+                behaviour_logprobs=step.logprobs, behaviour_token_ids=step.token_ids,
+                complete=step.finish_reason != "length"), max_tokens=4096)
+            assert enc.behaviour_logprobs is not None, (step.response, step.token_ids)
+    assert len(heldout) == 4
+    with Store(agent.cfg.db_url).session() as s:
+        prompts = [c.prompt for c in s.query(CaptureRow).filter(CaptureRow.source == "gym")]
+    assert prompts and all(p[-1]["role"] == "assistant" and p[-1]["content"] == "Pick:" for p in prompts)
+
+
+class OneStep:
+    """A one-step environment: the observation is 0, any action ends it with a reward of 1 for "A"."""
+
+    def reset(self, seed=None):
+        return 0, {}
+
+    def step(self, action):
+        return 0, 1.0 if action == "A" else 0.0, True, False, {}
 
 
 def test_episodes_are_stored_like_ratings_and_show_in_status_history_and_export(

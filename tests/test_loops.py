@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 from test_trainer import LEARN, chat, preference_samples
 
-from rlfleet.worker.batching import Encoded, _ids
+from rlfleet.shared.chat_prompt import prompt_ids
+from rlfleet.worker.batching import Encoded
 from rlfleet.worker.gate import repeated_ngrams
 from rlfleet.worker.training.loops import ANSWERS, CHECK_EVERY, LoopPool, batched, repeated_positions
 
@@ -37,7 +38,7 @@ def check_unlikelihood_lowers_the_marked_tokens(trainer, out) -> None:
     answer = tok(text, add_special_tokens=False)["input_ids"]
     marks = repeated_positions(answer)
     assert len(marks) >= 5
-    ids = _ids(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+    ids = prompt_ids(tok, prompt)
     pool = LoopPool(encoded=[Encoded(input_ids=ids + answer, prompt_len=len(ids))], marks=[marks])
     cfg = replace(LEARN, lr=1e-2)
     other = (chat("What is rain?"), "Water falling from clouds.")

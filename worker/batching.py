@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from rlfleet.shared.chat_prompt import prompt_ids, token_ids
 
 from .samples import TrainSample
 
@@ -33,15 +35,6 @@ class Encoded:
         return [0] * self.prompt_len + [1] * self.n_response
 
 
-def _ids(encoded: Any) -> list[int]:
-    """Token ids from whatever apply_chat_template returned (a list, or a dict/BatchEncoding in v5)."""
-    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    if hasattr(encoded, "tolist"):
-        encoded = encoded.tolist()
-    if encoded and isinstance(encoded[0], list):  # a batch of one
-        encoded = encoded[0]
-    return [int(i) for i in encoded]
 
 
 def ended_as_recorded(sample: TrainSample, tokenizer: Any) -> TrainSample:
@@ -71,13 +64,13 @@ def encode_sample(tokenizer: Any, sample: TrainSample, max_tokens: int) -> Encod
     """
     if max_tokens < 2:
         raise ValueError("max_tokens must be at least 2")
-    prompt = _ids(tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True))
+    prompt = prompt_ids(tokenizer, sample.prompt)
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no end token")
     if not prompt:  # a template-less tokenizer and an empty prompt: the first token needs a context
         prompt = [int(tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos)]
-    body = _ids(tokenizer(sample.response, add_special_tokens=False)["input_ids"])
+    body = token_ids(tokenizer(sample.response, add_special_tokens=False)["input_ids"])
     response = body + [int(eos)] if sample.complete else body
 
     behaviour: list[float] | None = None

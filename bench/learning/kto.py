@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.shared.models import quiet_peft
-from rlfleet.worker.batching import _ids
 from rlfleet.worker.presets import TrainConfig
 from rlfleet.worker.samples import Progress, RunResult, TrainSample
 from rlfleet.worker.training.backend import Backend
@@ -112,8 +112,7 @@ class Kto:
             label = s.reward > 0 if s.fixed_advantage is None else s.fixed_advantage > 0
             if s.fixed_advantage == 0:
                 continue
-            prompt = backend.tokenizer.apply_chat_template(s.prompt, add_generation_prompt=True, tokenize=True)
-            if len(_ids(prompt)) >= cfg.max_tokens:
+            if len(prompt_ids(backend.tokenizer, s.prompt)) >= cfg.max_tokens:
                 continue
             kept.append(s)
             labels.append(1.0 if label else -1.0)

@@ -38,7 +38,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -148,6 +148,12 @@ class Agent:
     ``heldout_max_steps`` steps each; an ``extract_action`` that raises ends the episode with what it
     has) and is served only if its mean return is not worse than its parent's beyond noise;
     ``heldout_batch`` of them play at once, their turns answered in one batched call.
+    ``answer_prefix``: text every answer starts with, written for the model (a prefill such as
+    ``"Action:"``): the model writes only what follows it, and is trained on that alone;
+    :meth:`extract_action` reads the whole answer, prefix included. A small model that rarely keeps to
+    an answer format keeps to it this way, and a run's credit lands on the tokens that decide the action
+    (end the prefix without a space: the model writes the space with the token after it, as it was
+    trained to). :meth:`get_answer_prefix` may be overridden instead.
     ``max_new_tokens``, ``temperature``, ``top_p``: how each step is answered (temperature 1 and top-p
     1 by default: the recorded log-probs then describe the policy that sampled); ``engine``: what
     draws each step's tokens, as ``chat.engine`` (``auto``: llama.cpp for a GGUF model on a CPU where
@@ -161,7 +167,7 @@ class Agent:
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
                  heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
                  heldout_max_steps: int = 64, heldout_batch: int = 16, background: bool = False,
-                 engine: str = "auto", **settings: Any) -> None:
+                 engine: str = "auto", answer_prefix: str = "", **settings: Any) -> None:
         if episodes_per_update < 1:
             raise GymError("episodes_per_update must be at least 1")
         if not 0.0 <= gamma <= 1.0:
@@ -170,6 +176,9 @@ class Agent:
             raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
         if engine not in ENGINES:
             raise GymError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+        if not isinstance(answer_prefix, str):
+            raise GymError(f"answer_prefix is text, not {answer_prefix!r}")
+        self.answer_prefix = answer_prefix
         if heldout_env is not None and (heldout_episodes < 2 or heldout_max_steps < 1 or heldout_batch < 1):
             raise GymError("heldout_episodes must be at least 2 (noise is measured between them), "
                            "heldout_max_steps and heldout_batch at least 1")
@@ -221,12 +230,33 @@ class Agent:
     def extract_action(self, response: str) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define extract_action(response)")
 
+    def get_answer_prefix(self) -> str:
+        """Text every answer starts with (a prefill; "" for none): the ``answer_prefix`` given."""
+        return self.answer_prefix
+
     # ------------------------------------------------------------------ the loop
 
     def prompt_for(self, observation: Any) -> list[dict]:
         """The conversation the next :meth:`act` would answer: the system prompt, the episode so far,
         and ``observation`` as the user's turn."""
         return self._prompt(self._messages, observation)
+
+    def _prefix(self) -> str:
+        prefix = self._call("get_answer_prefix")
+        if not isinstance(prefix, str):
+            raise GymError(f"{type(self).__name__}.get_answer_prefix returned {prefix!r}: it must return text")
+        return prefix
+
+    def _asked(self, messages: list[dict], prefix: str) -> list[dict]:
+        """The prompt the model answers: ``messages``, and the prefix as the start of its answer."""
+        return [*messages, {"role": "assistant", "content": prefix}] if prefix.strip() else messages
+
+    def _said(self, token_ids: Sequence[int], text: str, prefix: str) -> str:
+        """The answer as the model wrote it after ``prefix`` (its leading space kept: " 1" after
+        "Action:"), or ``text`` without a prefix."""
+        if not prefix.strip():
+            return text
+        return self.responder.tokenizer.decode(list(token_ids), skip_special_tokens=True).rstrip()
 
     def _prompt(self, so_far: list[dict], observation: Any) -> list[dict]:
         text = self._call("format_observation", observation)
@@ -240,19 +270,23 @@ class Agent:
         """Answer ``observation`` in the episode's conversation with the served version; the action
         :meth:`extract_action` reads from the answer."""
         messages = self.prompt_for(observation)
-        answer = self.responder.answer(messages, seed=self.cfg.train.seed * 1_000_003 + self._answers,
+        prefix = self._prefix()
+        asked = self._asked(messages, prefix)
+        answer = self.responder.answer(asked, seed=self.cfg.train.seed * 1_000_003 + self._answers,
                                        cache=self._turns)
         self._answers += 1
-        step = Step(prompt=messages, response=answer.text, token_ids=list(answer.token_ids),
+        said = self._said(answer.token_ids, answer.text, prefix)
+        step = Step(prompt=asked, response=said, token_ids=list(answer.token_ids),
                     logprobs=list(answer.logprobs), adapter_version=answer.adapter_version,
                     finish_reason=answer.finish_reason)
         self._episode.steps.append(step)
-        self._messages = [*messages, {"role": "assistant", "content": answer.text}]
+        whole = prefix + said if prefix.strip() else said
+        self._messages = [*messages, {"role": "assistant", "content": whole}]
         try:
-            return self.extract_action(answer.text)
+            return self.extract_action(whole)
         except Exception as exc:
             step.error = f"{type(exc).__name__}: {exc}"
-            raise GymError(f"{type(self).__name__}.extract_action failed on the answer {answer.text[:80]!r} "
+            raise GymError(f"{type(self).__name__}.extract_action failed on the answer {whole[:80]!r} "
                            f"({step.error}); the step is kept: assign_reward and terminate_episode as usual"
                            ) from exc
 
@@ -445,15 +479,24 @@ class Agent:
         if self.heldout_env is None:
             raise GymError("no heldout_env was given to this agent: there are no held-out episodes to play")
         if version not in self._heldout_returns:
-            def respond(prompts: list[list[dict]], seed: int) -> list[str]:
-                return [s.text for s in self.responder.sample(prompts, seed=self.heldout_seed * 1_009 + seed)]
-
             seeds = [self.heldout_seed + i for i in range(self.heldout_episodes)]
             with self.responder.pinned(version):
                 self._heldout_returns[version] = play_lockstep(
-                    self._heldout_envs(), seeds, respond, self._prompt,
+                    self._heldout_envs(), seeds, self.respond_many(self.heldout_seed * 1_009), self._prompt,
                     lambda text: self._call("extract_action", text), self.heldout_max_steps)
         return self._heldout_returns[version]
+
+    def respond_many(self, seed_base: int) -> Callable[[list[list[dict]], int], list[str]]:
+        """The answers to many conversations in one batched call, each as :meth:`act` reads it (the
+        answer prefix included): :func:`rlfleet.gym.heldout.play_lockstep`'s ``respond``, nothing
+        recorded. Seeded by ``seed_base`` and the turn's seed, so two versions draw alike."""
+        prefix = self._prefix()
+
+        def respond(prompts: list[list[dict]], seed: int) -> list[str]:
+            got = self.responder.sample([self._asked(p, prefix) for p in prompts], seed=seed_base + seed)
+            return [prefix + self._said(s.token_ids, s.text, prefix) if prefix.strip() else s.text for s in got]
+
+        return respond
 
     def judge(self, candidate: str, parent: str | None) -> ReturnsVerdict:
         """The environment's gate: ``candidate`` against ``parent`` on the same held-out episodes."""

@@ -18,7 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..batching import Encoded, _ids
+from rlfleet.shared.chat_prompt import prompt_ids
+
+from ..batching import Encoded
 from ..samples import TrainSample
 from .backend import Backend, Batch
 from .exploration import distinct
@@ -82,7 +84,7 @@ def check(backend: Backend, pool: LoopPool, samples: Sequence[TrainSample], step
         pool.sampled_tokens += len(tokens)
         pool.marked_tokens += len(marks)
         if marks:
-            ids = _ids(backend.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+            ids = prompt_ids(backend.tokenizer, prompt)
             pool.encoded.append(Encoded(input_ids=ids + list(tokens), prompt_len=len(ids)))
             pool.marks.append(marks)
     pool.seconds += time.perf_counter() - started

@@ -24,10 +24,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.shared.errors import ConfigError, ModelUnavailable
 from rlfleet.shared.models import ModelRef, load_tokenizer
 
-from ..batching import Encoded, _ids, collate, micro_batches
+from ..batching import Encoded, collate, micro_batches
 from ..presets import TrainConfig
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
@@ -525,7 +526,7 @@ class MlxTrainer(TrainerInterface):
         from mlx_lm.sample_utils import make_sampler
 
         mx = _mx()
-        ids = _ids(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        ids = prompt_ids(self.tokenizer, prompt)
         eos = self.tokenizer.eos_token_id
         mx.random.seed(seed)
         new: list[int] = []

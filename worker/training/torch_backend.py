@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.shared.models import (
     ModelRef,
     cache_argument,
@@ -32,7 +33,7 @@ from rlfleet.shared.models import (
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
-from ..batching import Encoded, _ids, collate, micro_batches, shared_prefix
+from ..batching import Encoded, collate, micro_batches, shared_prefix
 from ..objective import (
     entropy_excess,
     hindsight_kl,
@@ -487,7 +488,7 @@ class Trainer(TrainerInterface):
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-        rows = [_ids(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+        rows = [prompt_ids(tok, p) for p in prompts]
         width = max(len(r) for r in rows)
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
