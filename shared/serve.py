@@ -78,6 +78,8 @@ class ChatRequest(BaseModel):
             raise ValueError(f"messages exceed {MAX_PROMPT_CHARS:,} characters")
         if not any(m.role == "user" and m.text().strip() for m in v):
             raise ValueError("no non-empty user message")
+        if v[-1].role == "assistant" and not v[-1].text().strip():  # shared/chat_prompt: a prefill
+            raise ValueError("a last assistant message is a prefill the answer continues: it must not be blank")
         return v
 
 

@@ -94,6 +94,9 @@ def test_bad_requests_get_openai_shaped_errors(served):
         ask(client, model="gpt-4o")
     with pytest.raises(openai.BadRequestError, match="no non-empty user message"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": " "}])
+    with pytest.raises(openai.BadRequestError, match="prefill the answer continues"):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"},
+                                                            {"role": "assistant", "content": ""}])
     import urllib.error
     import urllib.request
 
