@@ -56,8 +56,8 @@ def test_the_example_agents_read_their_actions():
     read = guess.GuessAgent.extract_action
     assert [read(None, t) for t in ("5", "I guess 7, then 3.", "no idea", "")] == [5, 7, 0, 0]  # type: ignore[arg-type]
     bj = blackjack.BlackjackAgent.extract_action
-    assert [bj(None, t) for t in ("Action: 1", "Action:0", "I hit.", "Action: 2, hit", "stay")] == [  # type: ignore[arg-type]
-        1, 0, 1, 1, 0]
+    assert [bj(None, t) for t in ("Action: 1", "Action:0", "I hit.", "Action: 2, hit", "stay", "Action: 17, hit",
+                                  "Action: 18")] == [1, 0, 1, 1, 0, 1, 0]  # type: ignore[arg-type]
 
 
 def test_the_guessing_example_plays_trains_gates_and_serves_from_its_command_line(
