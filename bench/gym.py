@@ -55,6 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- the figures: pure functions over episode returns ----------------------------------------------
 
 
+SUM_BUCKETS = ("≤11", "12–16", "≥17")  # a hit never busts / depends on the dealer / mostly busts
+
+
+def sum_bucket(player_sum: int) -> str:
+    return SUM_BUCKETS[0] if player_sum <= 11 else SUM_BUCKETS[1] if player_sum <= 16 else SUM_BUCKETS[2]
+
+
 def wins(returns: Sequence[float]) -> int:
     """Blackjack pays +1 for a win, 0 for a draw, -1 for a loss: a win is a positive return."""
     return sum(1 for r in returns if r > 0)
@@ -214,6 +221,7 @@ def ours_child(args: argparse.Namespace) -> dict:
                     played = play_heldout(agent, seeds, args.heldout_batch, args.seed)
                     heldout[name] = played["returns"]
                     heldout[f"{name}_hits"], heldout[f"{name}_turns"] = played["hits"], played["turns"]
+                    heldout[f"{name}_hits_by_sum"] = played["by_sum"]
         finally:
             agent.close()
     return {"side": "ours", "episodes": len(returns), "returns": returns, "turns": turns, "hits": hits,
@@ -233,11 +241,14 @@ def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dic
     from rlfleet.gym.heldout import play_lockstep
 
     system = {"role": "system", "content": agent.get_system_prompt()}
-    counts = {"hits": 0, "turns": 0}
+    counts: dict[str, Any] = {"hits": 0, "turns": 0, "by_sum": {b: [0, 0] for b in SUM_BUCKETS}}
 
-    def count(action: Any) -> None:
+    def count(action: Any, observation: Any) -> None:
         counts["hits"] += action == 1
         counts["turns"] += 1
+        tally = counts["by_sum"][sum_bucket(observation[0])]
+        tally[0] += action == 1
+        tally[1] += 1
 
     def prompt(conversation: list[dict], observation: Any) -> list[dict]:
         return [*(conversation or [system]), {"role": "user", "content": agent.format_observation(observation)}]
@@ -413,6 +424,10 @@ def report(fig: dict) -> str:
                  "apart). Hits: "
                  f"served {held.get('served_hits', '?')} of {held.get('served_turns', '?')} turns, base "
                  f"{held.get('base_hits', '?')} of {held.get('base_turns', '?')}.")
+        if held.get("served_hits_by_sum") and held.get("base_hits_by_sum"):
+            text += " Hit rate by the player's sum: " + "; ".join(
+                f"{b} served {_share(held['served_hits_by_sum'][b])}, base {_share(held['base_hits_by_sum'][b])}"
+                for b in SUM_BUCKETS) + "."
     t = fig["targets"]
 
     def said(v: bool | None) -> str:
@@ -421,6 +436,11 @@ def report(fig: dict) -> str:
     text += (f"\n\nIssue 21's targets on this run: learns (held-out difference above 0) {said(t['learns'])}; "
              f"≥ 3× LlamaGym's episodes/s {said(t['speed_3x'])}; ≤ ½ its peak memory {said(t['half_memory'])}.")
     return text
+
+
+def _share(tally: Sequence[int]) -> str:
+    hits, turns = tally
+    return f"{hits / turns:.2f} ({hits}/{turns})" if turns else "–"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -66,7 +66,9 @@ def test_ratios_targets_and_a_report_with_both_sides():
     base = [1.0] * 30 + [-1.0] * 70
     ours = gym.summarise(raw("ours", [1.0, -1.0] * 8, 8.0, 1 << 30, runs=[{"version": "v0001", "promoted": True}],
                              heldout={"episodes": 100, "version": "v0001", "served": served, "base": base,
-                                      "served_hits": 7, "served_turns": 120, "base_hits": 0, "base_turns": 100}), 8)
+                                      "served_hits": 7, "served_turns": 120, "base_hits": 0, "base_turns": 100,
+                                      "served_hits_by_sum": {"≤11": [5, 20], "12–16": [2, 50], "≥17": [0, 50]},
+                                      "base_hits_by_sum": {"≤11": [0, 20], "12–16": [0, 40], "≥17": [0, 0]}}), 8)
     theirs = gym.summarise(raw("llamagym", [-1.0, 0.0] * 8, 64.0, 4 << 30, batches=[{"after_episode": 8}]), 8)
     assert ours["episodes_per_s"] == 2.0 and theirs["episodes_per_s"] == 0.25
     assert ours["episodes_per_s_with_load"] == pytest.approx(16 / 18)
@@ -78,6 +80,9 @@ def test_ratios_targets_and_a_report_with_both_sides():
     text = gym.report(fig)
     assert "8.00× the episodes/s, 0.25× the peak memory" in text
     assert "Hits: served 7 of 120 turns, base 0 of 100." in text
+    assert ("Hit rate by the player's sum: ≤11 served 0.25 (5/20), base 0.00 (0/20); 12–16 served 0.04 (2/50), "
+            "base 0.00 (0/40); ≥17 served 0.00 (0/50), base –.") in text
+    assert [gym.sum_bucket(s) for s in (4, 11, 12, 16, 17, 21)] == ["≤11", "≤11", "12–16", "12–16", "≥17", "≥17"]
     assert "difference +0.300" in text and "learns (held-out difference above 0) met" in text
     assert "| 1–8 |" in text and "| 9–16 |" in text
 

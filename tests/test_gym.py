@@ -349,15 +349,17 @@ def test_held_out_episodes_play_in_lockstep_one_batched_call_a_turn():
         so_far = conversation or [{"role": "system", "content": "count"}]
         return [*so_far, {"role": "user", "content": str(observation)}]
 
-    actions: list[str] = []
+    actions: list[tuple[str, int]] = []
     seeds = [0, 1, 2, 3, 4, 7]  # episodes of 1, 2, 3, 4, 1 and 4 steps
-    returns = play_lockstep([CountDown() for _ in range(4)], seeds, respond, prompt, str, 10, on_action=actions.append)
+    returns = play_lockstep([CountDown() for _ in range(4)], seeds, respond, prompt, str, 10,
+                            on_action=lambda action, observation: actions.append((action, observation)))
     # Two "up"s pay, then the conversation is long enough to answer "down".
     assert returns == [1.0, 2.0, 2.0, 2.0, 1.0, 2.0]
     # Chunk 1 (seeds 0-3): 4 live, then 3, 2, 1; chunk 2 (seeds 4, 7): 2, then 1, 1, 1. One call a turn.
     assert [n for n, _ in calls] == [4, 3, 2, 1, 2, 1, 1, 1]
     assert [s for _, s in calls] == [0, 1, 2, 3, 4 * 7_919, 4 * 7_919 + 1, 4 * 7_919 + 2, 4 * 7_919 + 3]
     assert len(actions) == sum(seed % 4 + 1 for seed in seeds)
+    assert all(isinstance(observation, int) for _, observation in actions)  # each with what it answered
 
     def unreadable(text: str) -> str:
         if text == "down":

@@ -68,13 +68,14 @@ Prompt = Callable[[list[dict], Any], list[dict]]
 
 def play_lockstep(envs: Sequence[Any], seeds: Sequence[int], respond: Respond, prompt: Prompt,
                   extract: Callable[[str], Any], max_steps: int,
-                  on_action: Callable[[Any], None] | None = None) -> list[float]:
+                  on_action: Callable[[Any, Any], None] | None = None) -> list[float]:
     """The total reward of one episode per seed (``env.reset(seed=seed)``), ``len(envs)`` episodes in
     lockstep: at each turn ``respond(prompts, turn_seed)`` answers every live episode's prompt (its
     conversation so far and the observation, as ``prompt(conversation, observation)`` builds it) in one
     call. ``turn_seed`` depends on the chunk of episodes and the turn only, so two versions playing the
     same seeds draw alike. An answer ``extract`` cannot read ends its episode with what it has;
-    ``on_action`` sees every action taken. The envs are reused from chunk to chunk (reset re-seeds)."""
+    ``on_action(action, observation)`` sees every action taken and the observation it answered. The
+    envs are reused from chunk to chunk (reset re-seeds)."""
     if not envs:
         raise ValueError("no environments to play in")
     returns = [0.0] * len(seeds)
@@ -96,7 +97,7 @@ def play_lockstep(envs: Sequence[Any], seeds: Sequence[int], respond: Respond, p
                 except Exception:  # an unreadable answer ends the episode with what it has
                     continue
                 if on_action is not None:
-                    on_action(action)
+                    on_action(action, obs[i])
                 obs[i], reward, terminated, truncated, _info = env_of[i].step(action)
                 returns[i] += float(reward)
                 if not (terminated or truncated):
