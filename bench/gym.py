@@ -215,10 +215,9 @@ def ours_child(args: argparse.Namespace) -> dict:
             if args.heldout:
                 seeds = [HELDOUT_SEED + i for i in range(args.heldout)]
                 heldout = {"episodes": args.heldout, "version": served}
-                for name in ("served", "base"):
-                    if name == "base":
-                        agent.registry.set_current(None)  # the bench's own data dir: back to the base
-                    played = play_heldout(agent, seeds, args.heldout_batch, args.seed)
+                for name, version in (("served", served), ("base", None)):
+                    with agent.responder.pinned(version):  # CURRENT stays the served one (--home keeps it)
+                        played = play_heldout(agent, seeds, args.heldout_batch, args.seed)
                     heldout[name] = played["returns"]
                     heldout[f"{name}_hits"], heldout[f"{name}_turns"] = played["hits"], played["turns"]
                     heldout[f"{name}_hits_by_sum"] = played["by_sum"]
