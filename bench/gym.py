@@ -90,14 +90,9 @@ def paired_diff_ci(served: Sequence[float], base: Sequence[float], z: float = 1.
     Both versions play the same env seeds with the same sampling seeds, so a hand they would play
     alike gives a difference of 0: only the hands where they part add to the spread, and the interval
     is far narrower than two independent rates' (``±1.96·√(0.48/n)`` for Blackjack's win rates)."""
-    from rlfleet.gym.heldout import mean_half_width
-
     if len(served) != len(base):
         raise ValueError(f"paired episodes needed: {len(served)} served against {len(base)} base")
-    if not served:
-        return (math.nan, math.nan, math.nan)
-    m, half = mean_half_width([s - b for s, b in zip(served, base, strict=True)], z)
-    return (m, m - half, m + half)
+    return mean_ci([s - b for s, b in zip(served, base, strict=True)], z)
 
 
 def curve(returns: Sequence[float], block: int) -> list[dict]:
@@ -240,12 +235,10 @@ def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dic
     from rlfleet.gym.heldout import play_lockstep
 
     system = {"role": "system", "content": agent.get_system_prompt()}
-    counts: dict[str, Any] = {"hits": 0, "turns": 0, "by_sum": {b: [0, 0] for b in SUM_BUCKETS}}
+    by_sum = {b: [0, 0] for b in SUM_BUCKETS}  # hits, turns
 
     def count(action: Any, observation: Any) -> None:
-        counts["hits"] += action == 1
-        counts["turns"] += 1
-        tally = counts["by_sum"][sum_bucket(observation[0])]
+        tally = by_sum[sum_bucket(observation[0])]
         tally[0] += action == 1
         tally[1] += 1
 
@@ -255,7 +248,8 @@ def play_heldout(agent: Any, seeds: Sequence[int], batch: int, seed: int) -> dic
     envs = [gym.make(ENV, natural=False, sab=False) for _ in range(min(batch, len(seeds)))]
     returns = play_lockstep(envs, seeds, agent.respond_many(seed * 7919), prompt, agent.extract_action, max_steps=64,
                             on_action=count)
-    return {"returns": returns, **counts}
+    return {"returns": returns, "hits": sum(h for h, _ in by_sum.values()),
+            "turns": sum(n for _, n in by_sum.values()), "by_sum": by_sum}
 
 
 def _versions() -> dict:

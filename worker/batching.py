@@ -35,8 +35,6 @@ class Encoded:
         return [0] * self.prompt_len + [1] * self.n_response
 
 
-
-
 def ended_as_recorded(sample: TrainSample, tokenizer: Any) -> TrainSample:
     """``sample``, marked cut off (``complete`` false) when its recorded token ids end on an ordinary
     token: the model that answered did not end the answer, a length cap did (the responder keeps the end

@@ -242,19 +242,20 @@ class Agent:
         return self._prompt(self._messages, observation)
 
     def _prefix(self) -> str:
+        """The answer prefix, "" for none (a blank one is none: there is nothing to continue)."""
         prefix = self._call("get_answer_prefix")
         if not isinstance(prefix, str):
             raise GymError(f"{type(self).__name__}.get_answer_prefix returned {prefix!r}: it must return text")
-        return prefix
+        return prefix if prefix.strip() else ""
 
     def _asked(self, messages: list[dict], prefix: str) -> list[dict]:
         """The prompt the model answers: ``messages``, and the prefix as the start of its answer."""
-        return [*messages, {"role": "assistant", "content": prefix}] if prefix.strip() else messages
+        return [*messages, {"role": "assistant", "content": prefix}] if prefix else messages
 
     def _said(self, token_ids: Sequence[int], text: str, prefix: str) -> str:
         """The answer as the model wrote it after ``prefix`` (its leading space kept: " 1" after
         "Action:"), or ``text`` without a prefix."""
-        if not prefix.strip():
+        if not prefix:
             return text
         return self.responder.tokenizer.decode(list(token_ids), skip_special_tokens=True).rstrip()
 
@@ -280,7 +281,7 @@ class Agent:
                     logprobs=list(answer.logprobs), adapter_version=answer.adapter_version,
                     finish_reason=answer.finish_reason)
         self._episode.steps.append(step)
-        whole = prefix + said if prefix.strip() else said
+        whole = prefix + said
         self._messages = [*messages, {"role": "assistant", "content": whole}]
         try:
             return self.extract_action(whole)
@@ -494,7 +495,7 @@ class Agent:
 
         def respond(prompts: list[list[dict]], seed: int) -> list[str]:
             got = self.responder.sample([self._asked(p, prefix) for p in prompts], seed=seed_base + seed)
-            return [prefix + self._said(s.token_ids, s.text, prefix) if prefix.strip() else s.text for s in got]
+            return [prefix + self._said(s.token_ids, s.text, prefix) for s in got]
 
         return respond
 
