@@ -273,6 +273,20 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
         agent.close()
     with pytest.raises(GymError, match="engine 'vllm' is not one of auto, torch, llama.cpp"):
         Crashing(model=str(tiny_model_dir), home=queued_home, engine="vllm")
+    with pytest.raises(GymError, match="answer_prefix is text, not 5"):
+        Crashing(model=str(tiny_model_dir), home=queued_home, answer_prefix=5)
+
+    class NoText(Pick):
+        def get_answer_prefix(self):
+            return None
+
+    odd = NoText(model=str(tiny_model_dir), home=queued_home, max_new_tokens=2, device="cpu", env="no-text")
+    try:
+        with pytest.raises(GymError, match=r"NoText\.get_answer_prefix returned None: it must return text"):
+            odd.act(0)
+        assert not odd._episode.steps  # nothing was answered or recorded
+    finally:
+        odd.close()
     pairs = Store(agent.cfg.db_url).rated_pairs(agent.slug)
     blank = not pairs  # the tiny model's answer may be blank: the step then trains unstored
     assert blank or (len(pairs) == 1 and pairs[0][0].value == 1 and "reward 2, return 2" in pairs[0][0].comment
