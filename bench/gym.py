@@ -62,6 +62,46 @@ def sum_bucket(player_sum: int) -> str:
     return SUM_BUCKETS[0] if player_sum <= 11 else SUM_BUCKETS[1] if player_sum <= 16 else SUM_BUCKETS[2]
 
 
+def basic_strategy(observation: Sequence[int]) -> int:
+    """Blackjack's textbook basic strategy for hit (1) or stay (0), without doubling or splitting."""
+    total, dealer, ace = observation
+    if ace:
+        return int(total <= 17 or (total == 18 and dealer in (1, 9, 10)))
+    if total <= 11:
+        return 1
+    if total == 12:
+        return int(dealer in (1, 2, 3) or dealer >= 7)
+    return int(total <= 16 and (dealer == 1 or dealer >= 7))
+
+
+# Fixed policies played on the held-out deals beside the model: where "learns" stands against play
+# that needs no model at all.
+REFERENCE_POLICIES: dict[str, Any] = {
+    "always stay": lambda obs: 0,
+    "hit below 17": lambda obs: int(obs[0] < 17),
+    "basic strategy": basic_strategy,
+}
+
+
+def reference_win_rates(seeds: Sequence[int]) -> dict[str, float]:
+    """Each reference policy's win rate on the held-out deals (env seed per episode)."""
+    import gymnasium as gym
+
+    env = gym.make(ENV, natural=False, sab=False)
+    out = {}
+    for name, policy in REFERENCE_POLICIES.items():
+        returns = []
+        for seed in seeds:
+            observation, _ = env.reset(seed=seed)
+            total, done = 0.0, False
+            while not done:
+                observation, reward, terminated, truncated, _ = env.step(policy(observation))
+                total, done = total + float(reward), terminated or truncated
+            returns.append(total)
+        out[name] = wins(returns) / len(returns) if returns else math.nan
+    return out
+
+
 def wins(returns: Sequence[float]) -> int:
     """Blackjack pays +1 for a win, 0 for a draw, -1 for a loss: a win is a positive return."""
     return sum(1 for r in returns if r > 0)
@@ -417,6 +457,9 @@ def report(fig: dict) -> str:
                  "apart). Hits: "
                  f"served {held.get('served_hits', '?')} of {held.get('served_turns', '?')} turns, base "
                  f"{held.get('base_hits', '?')} of {held.get('base_turns', '?')}.")
+        if held.get("reference"):
+            text += " Fixed policies on the same deals: " + ", ".join(
+                f"{name} {rate:.3f}" for name, rate in held["reference"].items()) + "."
         if held.get("served_hits_by_sum") and held.get("base_hits_by_sum"):
             text += " Hit rate by the player's sum: " + "; ".join(
                 f"{b} served {_share(held['served_hits_by_sum'][b])}, base {_share(held['base_hits_by_sum'][b])}"
@@ -508,6 +551,8 @@ def main(argv: list[str] | None = None) -> dict:
             raw["llamagym"] = result
     for name, result in raw.items():
         fig[name] = summarise(result, args.block)
+    if (fig.get("ours") or {}).get("heldout"):
+        fig["ours"]["heldout"]["reference"] = reference_win_rates([HELDOUT_SEED + i for i in range(args.heldout)])
     ours, theirs = fig.get("ours"), fig.get("llamagym")
     if ours and theirs:
         # every training run finished on both sides: ours counts the wait for its last background runs

@@ -69,6 +69,7 @@ def test_ratios_targets_and_a_report_with_both_sides():
                                       "served_hits": 7, "served_turns": 120, "base_hits": 0, "base_turns": 100,
                                       "served_hits_by_sum": {"≤11": [5, 20], "12–16": [2, 50], "≥17": [0, 50]},
                                       "base_hits_by_sum": {"≤11": [0, 20], "12–16": [0, 40], "≥17": [0, 0]}}), 8)
+    ours["heldout"]["reference"] = {"always stay": 0.377, "basic strategy": 0.429}
     theirs = gym.summarise(raw("llamagym", [-1.0, 0.0] * 8, 64.0, 4 << 30, batches=[{"after_episode": 8}]), 8)
     assert ours["episodes_per_s"] == 2.0 and theirs["episodes_per_s"] == 0.25
     assert ours["episodes_per_s_with_load"] == pytest.approx(16 / 18)
@@ -80,6 +81,7 @@ def test_ratios_targets_and_a_report_with_both_sides():
     text = gym.report(fig)
     assert "8.00× the episodes/s, 0.25× the peak memory" in text
     assert "Hits: served 7 of 120 turns, base 0 of 100." in text
+    assert "Fixed policies on the same deals: always stay 0.377, basic strategy 0.429." in text
     assert ("Hit rate by the player's sum: ≤11 served 0.25 (5/20), base 0.00 (0/20); 12–16 served 0.04 (2/50), "
             "base 0.00 (0/40); ≥17 served 0.00 (0/50), base –.") in text
     assert [gym.sum_bucket(s) for s in (4, 11, 12, 16, 17, 21)] == ["≤11", "≤11", "12–16", "12–16", "≥17", "≥17"]
@@ -105,3 +107,14 @@ def test_the_example_agent_reads_only_blackjack_s_two_actions():
     read = BlackjackPrompts().extract_action
     assert [read("Action: 1"), read("Action: 0"), read("I hit. Action: 2"), read("hit me"), read("no idea")] == [
         1, 0, 0, 1, 0]
+
+
+def test_the_reference_policies_play_the_held_out_deals_and_basic_strategy_beats_staying():
+    assert [gym.basic_strategy(o) for o in ((11, 10, 0), (12, 4, 0), (12, 2, 0), (16, 7, 0), (16, 6, 0),
+                                             (17, 1, 0), (18, 10, 1), (18, 5, 1), (19, 9, 1))] == [
+        1, 0, 1, 1, 0, 0, 1, 0, 0]
+    rates = gym.reference_win_rates([gym.HELDOUT_SEED + i for i in range(1000)])
+    assert set(rates) == {"always stay", "hit below 17", "basic strategy"}
+    # basic strategy wins about 43 % of hands and staying on every one about 38 %: 1,000 deals tell them apart
+    assert rates["basic strategy"] > rates["always stay"] + 0.02
+    assert all(0.3 < r < 0.5 for r in rates.values())
