@@ -236,8 +236,13 @@ def _step_flops(trainer: Any, lengths: list[tuple[int, int]], rank: int) -> floa
         return None
 
 
-def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20, dtype: str = "fp32") -> float:
-    """This machine's matrix-product rate (GFLOP/s) in ``dtype``: the ceiling a training step works under."""
+def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20, dtype: str = "fp32",
+                  budget: float = 1.0) -> float:
+    """This machine's matrix-product rate (GFLOP/s) in ``dtype``: the ceiling a training step works under.
+
+    At most ``repeat`` products, fewer where they would take over ``budget`` seconds: on a CPU without
+    native bf16 (oneDNN emulates it) one bf16 product of 1024² takes seconds, and twenty would keep the
+    benchmark waiting a minute for the figure that says so."""
     import torch
 
     if threads:
@@ -245,16 +250,22 @@ def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20, dt
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=device, dtype=kind)
     b = torch.randn(n, n, device=device, dtype=kind)
-    for _ in range(3):
-        a @ b
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(repeat):
-        a @ b
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 2 * n**3 * repeat / (time.perf_counter() - t) / 1e9
+
+    def timed(k: int) -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(k):
+            a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    first = timed(1)  # warm-up, and how long one product takes
+    if first * 3 < budget:
+        timed(2)
+    k = max(1, min(repeat, int(budget / max(first, 1e-9))))
+    return 2 * n**3 * k / timed(k) / 1e9
 
 
 # -- the interleaved rounds ------------------------------------------------------------------------
