@@ -1,8 +1,9 @@
 """A GGUF model's dequantised copy: made once, loaded from then on.
 
 transformers reads a GGUF file by parsing every metadata field in Python and dequantising every
-tensor, on each load: about half a minute for the default model on a CPU, paid again by every process
-that answers or trains (the chat, each bot, the worker's first run, an environment agent). The first
+tensor, on each load (10–20 seconds for the default model on a CPU, with the metadata parsed once per
+load: :func:`rlfleet.shared.models.gguf_parsed_once`), paid again by every process that answers or
+trains (the chat, each bot, the worker's first run, an environment agent). The first
 load writes what it produced, the fp32 weights as safetensors and the tokenizer, into a cache folder
 (``$RLFLEET_MODEL_CACHE``, else ``$XDG_CACHE_HOME/rlfleet/hf``, else ``~/.cache/rlfleet/hf``), and
 later loads read that folder in well under a second. The weights are the very tensors the GGUF

@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,7 +133,10 @@ def load_tokenizer(ref: ModelRef) -> Any:
             return _tokenizer_from(ref, str(copy), {})
         except ModelUnavailable as exc:
             gguf_copy.drop(copy, exc)
-    return _tokenizer_from(ref, ref.path, {"gguf_file": ref.gguf_file} if ref.gguf_file else {})
+    if not ref.gguf_file:
+        return _tokenizer_from(ref, ref.path, {})
+    with gguf_parsed_once():
+        return _tokenizer_from(ref, ref.path, {"gguf_file": ref.gguf_file})
 
 
 def _tokenizer_from(ref: ModelRef, path: str, kwargs: dict[str, Any]) -> Any:
@@ -156,10 +160,58 @@ def load_model(ref: ModelRef, device: str = "cpu", dtype: Any = None) -> Any:
             return _model_from(ref, str(copy), {}, device, dtype)
         except ModelUnavailable as exc:
             gguf_copy.drop(copy, exc)
-    model = _model_from(ref, ref.path, {"gguf_file": ref.gguf_file} if ref.gguf_file else {}, device, dtype)
-    if ref.gguf_file and (dtype is None or str(dtype) == "torch.float32"):
-        _keep_copy(ref, model)
+    if not ref.gguf_file:
+        return _model_from(ref, ref.path, {}, device, dtype)
+    with gguf_parsed_once():
+        model = _model_from(ref, ref.path, {"gguf_file": ref.gguf_file}, device, dtype)
+        if dtype is None or str(dtype) == "torch.float32":
+            _keep_copy(ref, model)
     return model
+
+
+_GGUF_LOADS = threading.Lock()
+_IN_GGUF_LOAD = threading.local()
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once and gguf's tensor-name map built once per
+    architecture and depth.
+
+    transformers parses a GGUF file's every metadata field in Python (seconds for a 49k-token vocabulary)
+    once for the config, once for the weights and once more for each tokenizer, and builds gguf's
+    name map once per module of the model (hundreds of times): most of a first load's half minute.
+    Both are looked up on the ``gguf`` module at each call, so the block hands out memoised ones; the
+    readers are read-only memory maps. One block at a time: GGUF loads in other threads wait (the
+    swap of the module's attributes must not interleave)."""
+    import gguf
+
+    if getattr(_IN_GGUF_LOAD, "active", False):  # a load inside a load: the outer block's memos serve
+        yield
+        return
+    with _GGUF_LOADS:
+        _IN_GGUF_LOAD.active = True
+        make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
+        maps: dict[tuple[Any, int], Any] = {}
+
+        def reader(path: Any, mode: str = "r") -> Any:
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = make_reader(path, mode)
+            return readers[key]
+
+        def name_map(arch: Any, n_blocks: int) -> Any:
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = make_map(arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
+            _IN_GGUF_LOAD.active = False
 
 
 def _copy_dest(ref: ModelRef) -> Path | None:

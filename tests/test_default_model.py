@@ -4,7 +4,7 @@ transformers). One module so it is loaded once; about two minutes on a 2-core CP
 from __future__ import annotations
 
 import logging
-import time
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +41,24 @@ def model_copies(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def ref(model_copies):
+def gguf_parses() -> Iterator[list[str]]:
+    """The path of every GGUF file this module's loads parse (one entry per ``GGUFReader`` made)."""
+    import gguf
+
+    made: list[str] = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            made.append(os.fspath(path))
+            super().__init__(path, mode)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", Counting)
+        yield made
+
+
+@pytest.fixture(scope="module")
+def ref(model_copies, gguf_parses):
     try:
         return resolve_model("smollm2-135m")
     except Exception as exc:  # the wheel is part of the README's install command
@@ -70,7 +87,7 @@ def test_default_model_answers_with_raw_logprobs(answered):
     assert "paris" in answers[0].text.lower()  # coherent, not noise: the GGUF loaded right
 
 
-def test_the_gguf_is_dequantised_once_then_read_from_its_copy(ref, model_copies, trainer, answered):
+def test_the_gguf_is_dequantised_once_then_read_from_its_copy(ref, model_copies, trainer, answered, gguf_parses):
     _, responder, _ = answered
     (copy,) = [p for p in model_copies.iterdir() if not p.name.startswith(".")]  # no half-written folder
     assert copy.name.startswith(ref.slug) and (copy / "model.safetensors").is_file()
@@ -82,9 +99,18 @@ def test_the_gguf_is_dequantised_once_then_read_from_its_copy(ref, model_copies,
     assert trainer.tokenizer(text)["input_ids"] == responder.tokenizer(text)["input_ids"]
     assert trainer.tokenizer.apply_chat_template(chat := [{"role": "user", "content": text}], tokenize=False) \
         == responder.tokenizer.apply_chat_template(chat, tokenize=False)
-    t0 = time.perf_counter()
+    parsed = len(gguf_parses)
     load_model(ref)
-    assert time.perf_counter() - t0 < 10  # read from the copy: the GGUF's dequantising takes longer
+    load_tokenizer(ref)
+    assert len(gguf_parses) == parsed  # both read from the copy: the GGUF is not parsed again
+
+
+def test_a_first_load_parses_the_gguf_once(ref, trainer, answered, gguf_parses):
+    # transformers parses it for the config, the weights and each tokenizer: within one load of ours
+    # that is one parse. The module's first loads: a tokenizer (before any copy) and the model (which
+    # writes the copy, its tokenizer included), so at most two.
+    gguf_file = os.fspath(Path(ref.path) / str(ref.gguf_file))
+    assert 1 <= gguf_parses.count(gguf_file) <= 2, gguf_parses
 
 
 def test_a_copy_that_does_not_load_is_dropped_and_the_gguf_read(ref, tmp_path, monkeypatch, caplog):

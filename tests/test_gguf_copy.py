@@ -69,3 +69,28 @@ def test_a_new_copy_of_a_changed_gguf_removes_the_copies_of_its_earlier_contents
     assert second != first and is_model_folder(second) and not first.exists()
     assert is_model_folder(theirs) and is_model_folder(unmarked)
     assert sorted(p.name for p in root.iterdir()) == sorted([second.name, theirs.name, "m-unmarked"])
+
+
+def test_within_a_gguf_load_each_name_map_is_built_once_and_the_module_is_put_back():
+    import gguf
+
+    from rlfleet.shared.models import gguf_parsed_once
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 4) is first  # built once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 5) is not first  # per depth
+        assert first.get_name("model.layers.3.self_attn.q_proj") == name_map(gguf.MODEL_ARCH.LLAMA, 4).get_name(
+            "model.layers.3.self_attn.q_proj")
+        memo = gguf.GGUFReader
+        with gguf_parsed_once():  # a load inside a load keeps the outer memos (and does not wait on itself)
+            assert gguf.GGUFReader is memo
+        assert gguf.GGUFReader is memo
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    try:
+        with gguf_parsed_once():
+            raise RuntimeError("a load that fails")
+    except RuntimeError:
+        pass
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
