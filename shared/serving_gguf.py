@@ -12,7 +12,8 @@ faster still, but requantising to 4 bits rounds the weights a second time.
 The copy is made once, by llama.cpp's own quantiser, in the model cache (shared/gguf_copy.py: named
 for the file's path, size and modification time, written to a temporary folder and renamed into
 place); with the cache off, or where it cannot be written, the file itself is served, and the log
-says why.
+says why. A file in a type llama.cpp batches is served as it is, and a note beside where its copy would
+be (``<name>.as-is``) spares the next start reading its types again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from . import gguf_copy
 log = logging.getLogger(__name__)
 
 SERVED = "model.gguf"  # the copy's file in its folder
+AS_IS = ".as-is"  # beside where a copy would be: the file is in a type llama.cpp batches, served itself
 # Weight types llama.cpp's CPU backend multiplies one token at a time even in a batch.
 UNBATCHED = frozenset({"Q4_1", "Q5_0", "Q5_1"})
 
@@ -44,10 +46,17 @@ def served_file(path: Path) -> Path:
     path = Path(path)
     root = gguf_copy.cache_root()
     dest = gguf_copy.copy_folder(path.resolve(), path.stem, root / "llamacpp") if root is not None else None
-    if dest is not None and (dest / SERVED).is_file():  # made before (reading the types takes seconds)
+    # Reading the weight types parses the file's metadata: seconds on a CPU, at every start of a chat or a
+    # bot. What was found is kept: the copy made before, or a note that the file is served as it is.
+    if dest is not None and (dest / SERVED).is_file():
         return dest / SERVED
+    as_is = dest.with_name(dest.name + AS_IS) if dest is not None else None
+    if as_is is not None and as_is.is_file():
+        return path
     kind = weight_type(path)
     if kind not in UNBATCHED:
+        if as_is is not None:
+            _note(as_is, kind)
         return path
     if dest is None:
         log.info("llama.cpp serves %s as it is (%s; the model cache is off)", path.name, kind)
@@ -61,6 +70,16 @@ def served_file(path: Path) -> Path:
         return path
     log.info("llama.cpp serves a Q8_0 copy of %s (%s, which it does not batch): %s", path.name, kind, dest)
     return dest / SERVED
+
+
+def _note(marker: Path, kind: str) -> None:
+    """Remember that the file ``marker`` is named for is served as it is; a cache that cannot be written
+    only means its types are read again at the next start."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{kind}\n")
+    except OSError as exc:
+        log.debug("could not note %s (%s); its weight types are read at each start", marker, exc)
 
 
 def _requantize(source: Path, out: Path) -> None:

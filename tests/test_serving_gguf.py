@@ -34,9 +34,14 @@ def test_a_q4_1_file_is_served_from_a_q8_0_copy_made_once(gguf, tmp_path, monkey
     assert "Q8_0 copy" in caplog.text
     made = served.stat().st_mtime_ns
     assert serving_gguf.served_file(gguf) == served and served.stat().st_mtime_ns == made  # not made again
-    # A file llama.cpp batches already (the copy itself) is served as it is.
+    # A file llama.cpp batches already (the copy itself) is served as it is, its types read once.
     assert serving_gguf.served_file(served) == served
-    assert [p.name for p in (tmp_path / "llamacpp").iterdir()] == [served.parent.name]  # no temporary left
+    monkeypatch.setattr(serving_gguf, "weight_type", lambda _p: pytest.fail("the types were read again"))
+    assert serving_gguf.served_file(served) == served
+    assert serving_gguf.served_file(gguf) == served
+    kept = sorted(p.name for p in (tmp_path / "llamacpp").iterdir())  # no temporary left
+    assert len(kept) == 2 and served.parent.name in kept
+    assert [k for k in kept if k.endswith(serving_gguf.AS_IS)] == [k for k in kept if k != served.parent.name]
 
 
 def test_without_a_cache_or_a_writable_one_the_file_itself_is_served(gguf, tmp_path, monkeypatch, caplog):
