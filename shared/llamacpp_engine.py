@@ -136,7 +136,7 @@ class LlamaCppEngine:
         self._n_batch = int(cp.n_batch)
         self.n_vocab = int(L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model)))
         self._batch = L.llama_batch_init(self._n_batch, 0, 1)
-        self._shape = BaseShape.of(self.gguf_path)
+        self._shape: BaseShape | None = None  # read when the first adapter is converted
         self._tmp = Path(tempfile.mkdtemp(prefix="rlfleet-lora-gguf-"))
         self._adapters: OrderedDict[tuple, Any] = OrderedDict()  # weights' identity -> llama adapter
         self._failed: dict[tuple, str] = {}
@@ -147,6 +147,12 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ adapters
 
+    def _meta(self, key: str) -> str | None:
+        """The loaded model's GGUF metadata value under ``key``, as text (None: no such key)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
     def _adapter(self, folder: Path) -> Any:
         key = (str(folder), *weights_identity(folder))
         if key in self._failed:
@@ -156,6 +162,8 @@ class LlamaCppEngine:
             self._adapters.move_to_end(key)
             return key, found
         try:
+            if self._shape is None:  # from the loaded model's metadata: parsing the file again takes seconds
+                self._shape = BaseShape.read(self._meta, str(self.gguf_path))
             self._made += 1
             path = write_lora_gguf(folder, self.gguf_path, self._tmp / f"{self._made}.gguf", self._shape)
             adapter = self._L.llama_adapter_lora_init(self._model, str(path).encode())

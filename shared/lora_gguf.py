@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,20 +48,34 @@ class BaseShape:
 
     @classmethod
     def of(cls, gguf_path: Path) -> BaseShape:
+        """From the file's metadata (a parse of every field: seconds on a CPU; a loaded llama.cpp model
+        has them at hand, :meth:`read`)."""
         from gguf import GGUFReader
 
         fields = GGUFReader(str(gguf_path)).fields
+        return cls.read(lambda key: fields[key].contents() if key in fields else None, str(gguf_path))
 
-        def value(key: str) -> Any:
-            f = fields.get(key)
-            if f is None:
-                raise LoraConversionError(f"{gguf_path} has no {key}")
-            return f.contents()
+    @classmethod
+    def read(cls, value: Callable[[str], Any], source: str) -> BaseShape:
+        """From ``value(key)``, a GGUF metadata field's value (None: the file has no such field)."""
 
-        arch = str(value("general.architecture"))
-        heads = int(value(f"{arch}.attention.head_count"))
-        kv = fields.get(f"{arch}.attention.head_count_kv")
-        return cls(arch, int(value(f"{arch}.block_count")), heads, int(kv.contents()) if kv is not None else heads)
+        def need(key: str) -> Any:
+            v = value(key)
+            if v is None:
+                raise LoraConversionError(f"{source} has no {key}")
+            return v
+
+        def count(key: str, v: Any) -> int:
+            try:
+                return int(v)
+            except (TypeError, ValueError):  # a per-layer list: a shape this mapping does not know
+                raise LoraConversionError(f"{source}'s {key} is {str(v)[:80]}, not one number") from None
+
+        arch = str(need("general.architecture"))
+        heads = count("head_count", need(f"{arch}.attention.head_count"))
+        kv = value(f"{arch}.attention.head_count_kv")
+        blocks = count("block_count", need(f"{arch}.block_count"))
+        return cls(arch, blocks, heads, count("head_count_kv", kv) if kv is not None else heads)
 
 
 def permute_rows(weight: Any, heads: int) -> Any:

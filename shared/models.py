@@ -184,8 +184,9 @@ def gguf_parsed_once() -> Iterator[None]:
     Both are looked up on the ``gguf`` module at each call, so the block hands out memoised ones; the
     readers are read-only memory maps. One block at a time: GGUF loads in other threads wait (the
     swap of the module's attributes must not interleave)."""
-    import gguf
+    import gguf as gguf_module
 
+    gguf: Any = gguf_module  # its two attributes are swapped below, and put back
     if getattr(_IN_GGUF_LOAD, "active", False):  # a load inside a load: the outer block's memos serve
         yield
         return
@@ -195,7 +196,7 @@ def gguf_parsed_once() -> Iterator[None]:
         readers: dict[tuple[str, str], Any] = {}
         maps: dict[tuple[Any, int], Any] = {}
 
-        def reader(path: Any, mode: str = "r") -> Any:
+        def reader(path: Any, mode: Any = "r") -> Any:
             key = (os.fspath(path), mode)
             if key not in readers:
                 readers[key] = make_reader(path, mode)

@@ -297,3 +297,12 @@ def test_a_prompt_after_a_prompt_reuses_the_shared_prefix_and_draws_the_same(res
     assert shared == common > 10  # the system prompt and the turn's opening, not the question
     assert after_other == alone
     assert engine.reused == before
+
+
+def test_the_base_shape_for_adapters_comes_from_the_loaded_model_as_from_the_file(responder):
+    from rlfleet.shared.lora_gguf import BaseShape
+
+    engine = responder._engine
+    assert engine._meta("no.such.key") is None
+    shape = BaseShape.read(engine._meta, str(engine.gguf_path))
+    assert shape == BaseShape.of(engine.gguf_path) == BaseShape("llama", 30, 9, 3)

@@ -88,3 +88,15 @@ def test_the_file_is_an_adapter_gguf_of_the_base_architecture(tmp_path):
     assert fields["general.architecture"] == "llama" and fields["adapter.lora.alpha"] == 0.0
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
     assert shapes == {"blk.0.ffn_up.weight.lora_a": (8, 2), "blk.0.ffn_up.weight.lora_b": (2, 12)}  # ggml order
+
+
+def test_the_base_shape_is_read_from_metadata_values_and_a_missing_or_odd_one_is_said():
+    fields = {"general.architecture": "llama", "llama.block_count": "30", "llama.attention.head_count": 9,
+              "llama.attention.head_count_kv": "3"}
+    assert BaseShape.read(fields.get, "m.gguf") == BaseShape("llama", 30, 9, 3)
+    no_kv = {k: v for k, v in fields.items() if not k.endswith("_kv")}
+    assert BaseShape.read(no_kv.get, "m.gguf") == BaseShape("llama", 30, 9, 9)  # no grouped keys: one per head
+    with pytest.raises(LoraConversionError, match="m.gguf has no llama.block_count"):
+        BaseShape.read({k: v for k, v in fields.items() if k != "llama.block_count"}.get, "m.gguf")
+    with pytest.raises(LoraConversionError, match="not one number"):
+        BaseShape.read({**fields, "llama.attention.head_count": [9, 9, 6]}.get, "m.gguf")
