@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .gym import rate_ci
 from .record import markdown_table, output_options, parser, publish
 
 READABLE = re.compile(r"Action:\s*([01])\b")  # the shipped example's parser (rlfleet.gym.examples.blackjack)
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     from rlfleet.gym import Agent
 
-    from .gym import rate_ci
     from .gym_llamagym import BlackjackPrompts
 
     class LlamaGymPrompts(BlackjackPrompts, Agent):
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                 agent.close()
             for s, h in [*per_hand.items(), ("all", total)]:
                 rows.append([name if s == str(sums[0]) else "", s, h["answers"], *(
-                    _share(h[key], h["answers"], rate_ci) for key in ("action_marker", "readable", "hits"))])
+                    _share(h[key], h["answers"]) for key in ("action_marker", "readable", "hits"))])
     table = markdown_table(["prefix", "player's sum", "answers", '"Action:" present [95 %]',
                             "readable 0/1 action [95 %]", "hits, LlamaGym's parser [95 %]"], rows)
     text = (f"{table}\n\nLlamaGym's Blackjack prompts verbatim, the dealer showing {args.dealer}, no usable ace; "
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     return figures
 
 
-def _share(k: int, n: int, ci: Any) -> str:
-    rate, lo, hi = ci(k, n)
+def _share(k: int, n: int) -> str:
+    rate, lo, hi = rate_ci(k, n)
     return f"{rate:.2f} [{lo:.2f}, {hi:.2f}]"
 
 

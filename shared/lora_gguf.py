@@ -72,10 +72,11 @@ class BaseShape:
                 raise LoraConversionError(f"{source}'s {key} is {str(v)[:80]}, not one number") from None
 
         arch = str(need("general.architecture"))
-        heads = count("head_count", need(f"{arch}.attention.head_count"))
-        kv = value(f"{arch}.attention.head_count_kv")
-        blocks = count("block_count", need(f"{arch}.block_count"))
-        return cls(arch, blocks, heads, count("head_count_kv", kv) if kv is not None else heads)
+        heads_key, kv_key, blocks_key = (f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv",
+                                         f"{arch}.block_count")
+        heads = count(heads_key, need(heads_key))
+        kv = value(kv_key)
+        return cls(arch, count(blocks_key, need(blocks_key)), heads, count(kv_key, kv) if kv is not None else heads)
 
 
 def permute_rows(weight: Any, heads: int) -> Any:

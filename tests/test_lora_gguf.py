@@ -98,5 +98,5 @@ def test_the_base_shape_is_read_from_metadata_values_and_a_missing_or_odd_one_is
     assert BaseShape.read(no_kv.get, "m.gguf") == BaseShape("llama", 30, 9, 9)  # no grouped keys: one per head
     with pytest.raises(LoraConversionError, match="m.gguf has no llama.block_count"):
         BaseShape.read({k: v for k, v in fields.items() if k != "llama.block_count"}.get, "m.gguf")
-    with pytest.raises(LoraConversionError, match="not one number"):
+    with pytest.raises(LoraConversionError, match="llama.attention.head_count is \\[9, 9, 6\\], not one number"):
         BaseShape.read({**fields, "llama.attention.head_count": [9, 9, 6]}.get, "m.gguf")
