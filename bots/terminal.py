@@ -38,6 +38,7 @@ try:  # line editing, and the typed text a line from the background is drawn abo
 except ImportError:  # not on every platform: lines are then printed as they come
     readline = None
 
+QUIT = ("/quit", "/exit", "/q")
 HISTORY_TURNS = 4  # earlier turns kept as context: enough for follow-ups, short enough for a small model
 HELP = escape(
     "type a message and press enter · after each answer: [1] good  [2] bad  [c] comment  [enter] skip\n"
@@ -166,9 +167,10 @@ def chat_loop(cfg: Config, handle: QueueHandle, responder, slug: str, dispatch: 
 
 def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> None:
     screen = state.screen
+    typed: str | None = None  # a chat command typed at the rating prompt, carried out as if typed here
     while True:
-        text = screen.read("you> ")
-        if text is None or text.strip() in ("/quit", "/exit", "/q"):
+        text, typed = (typed, None) if typed is not None else (screen.read("you> "), None)
+        if text is None or text.strip() in QUIT:
             break
         text = text.strip()
         if not text:
@@ -208,21 +210,25 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
             console.print(f"[red]not captured: {result.get('message')}[/]")
             continue
         state.last_capture = cap.capture_id
-        _ask_rating(state, cfg, handle)
+        typed = _ask_rating(state, cfg, handle)
 
 
-def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
+def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> str | None:
+    """Ask for a key that rates the last answer; a chat command typed instead (``/quit``, ``/new``) skips
+    the rating and is returned for the chat to carry out."""
     comment: str | None = None
     while True:
         key = state.screen.read("[1] good  [2] bad  [c] comment  [enter] skip > ")
         if key is None:
-            return
+            return None
         if key.strip().startswith("/rl"):  # `/rl bad too long` works here as at the chat prompt
             _command(key.strip(), state, cfg, handle)
-            return
+            return None
+        if key.strip() in (*QUIT, "/new"):
+            return key.strip()
         key = key.strip().lower()
         if key == "":
-            return
+            return None
         if key == "c":
             comment = state.screen.read("comment> ") or None
             continue
@@ -231,7 +237,7 @@ def _ask_rating(state: ChatState, cfg: Config, handle: QueueHandle) -> None:
             if value < 0 and comment is None:
                 comment = _ask_reason(state)
             _rate(state, cfg, handle, value, comment, target=state.last_capture)
-            return
+            return None
         console.print("[dim]press 1, 2, c, or enter (or type /rl good, /rl bad \\[why])[/]")
 
 

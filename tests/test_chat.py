@@ -142,7 +142,11 @@ def test_the_rating_prompt_takes_a_key_a_comment_a_reason_and_a_typed_rl_command
         child.expect("why> ", timeout=SEEN)
         child.send("grey and vague\r")
         child.expect("rated bad", timeout=SEEN)
-        child.send("/quit\r")
+        _ask_until_rateable(child, "And dew?")
+        child.send("/new\r")  # a chat command at the rating prompt skips the rating and is carried out
+        child.expect("new conversation", timeout=SEEN)
+        _ask_until_rateable(child, "And frost?")
+        child.send("/quit\r")  # leaves at once, unrated
         assert child.wait(timeout=60) == 0
     finally:
         child.close()
