@@ -55,6 +55,10 @@ class TrainSettings(BaseModel):
     min_holdout: int = Field(4, ge=1, le=1000)
     # KL cap (nats/token) for a candidate whose held-out ratings are all good or all bad (worker/gate.py)
     gate_one_class_kl: float = Field(0.1, gt=0, le=10)
+    # A one-class held-out set whose ratings came with words (a 👎's reason or comment) gets its other
+    # side from the hindsight teacher reading them: a candidate that came closer to that teacher on them,
+    # beyond noise, is held to the usual KL cap instead (worker/gate.py).
+    gate_hints: bool = True
     # When the gate refuses a run's version, judge the adapter as it was halfway through the run (after
     # half the optimizer steps) by the same gate and serve that if it passes: a run that overshot
     # still delivers the step it could take safely (docs/objective.md, "The gate").

@@ -10,6 +10,7 @@ import pytest
 from rlfleet.worker.gate import (
     GateConfig,
     ModelScores,
+    TowardHints,
     distinct_n,
     judge,
     margin,
@@ -160,6 +161,29 @@ def test_one_class_held_out_gets_the_lower_kl_cap():
     assert not v.promote and "only bad answers held out" in v.reason and v.metrics["heldout_one_class"]
     assert judge(bad_only, BASE, BASE, replace(drifted, kl=0.05), CFG).promote  # a small step is fine
     assert judge(REWARDS, BASE, BASE, _scores([-1.6, -1.7, -2.5, -2.6], kl=0.3), CFG).promote  # two classes
+
+
+def test_words_on_one_class_held_out_answers_lift_the_cap_for_a_candidate_nearer_their_teacher():
+    """The held-out 👎s came with words: a candidate whose distributions on them came closer to the
+    teacher reading the words, beyond the paired noise, is held to the usual cap; one that moved
+    away, or by less than the noise, or judged on a single answer with words, keeps the low cap."""
+    bad_only = [-1, -1, -1, -1]
+    drifted = _scores([-2.6, -2.7, -2.6, -2.8], kl=0.3)
+    before = [0.50, 0.60, 0.55, 0.45]
+    closer = TowardHints(before, [0.30, 0.42, 0.31, 0.27])
+    v = judge(bad_only, BASE, BASE, drifted, CFG, closer)
+    assert v.promote, v
+    assert v.metrics["heldout_toward_teacher"] and v.metrics["heldout_hinted"] == 4
+    assert v.metrics["heldout_teacher_div_after"] < v.metrics["heldout_teacher_div_before"]
+    for hints in (TowardHints(before, [0.70, 0.80, 0.75, 0.65]),  # away from the teacher
+                  TowardHints(before, [0.49, 0.59, 0.54, 0.44]),  # closer by less than min_noise
+                  TowardHints(before, [0.20, 0.70, 0.10, 0.60]),  # closer on average, within the noise
+                  TowardHints(before[:1], [0.1])):  # one answer: no noise to judge by
+        v = judge(bad_only, BASE, BASE, drifted, CFG, hints)
+        assert not v.promote and "only bad answers held out" in v.reason, (hints, v)
+    assert not judge(bad_only, BASE, BASE, replace(drifted, kl=0.9), CFG, closer).promote  # the usual cap holds
+    entropic = replace(drifted, entropy=2.8)  # the other checks still apply
+    assert "degenerating" in judge(bad_only, BASE, BASE, entropic, CFG, closer).reason
 
 
 def test_the_gate_samples_the_way_the_chat_answers():

@@ -185,6 +185,35 @@ def check_distils_the_teacher_into_held_out_answers(trainer, student_dir: Path, 
         good_shift, bad_shift = held_out_shifts(trainer, out)
         assert good_shift > 0.05 and bad_shift < -0.05, (weight, good_shift, bad_shift)
     assert distance[64.0] < 0.8 * min(distance["base"], distance[0.0]), distance
+    check_the_gate_reads_the_words(trainer, folder, teacher, distance)
+
+
+def check_the_gate_reads_the_words(trainer, folder: Path, teacher: str, distance: dict) -> None:
+    """The gate, held-out answers all 👎 with words: it measures each model's divergence from the
+    teacher reading them with the run's own term (the base's mean is the run's ``hindsight_kl_start``),
+    the teacher is the same whichever parent is loaded, and the run pulled toward the teacher comes
+    closer beyond noise, so the one-class cap does not hold it, while the run without the term does not."""
+    from rlfleet.worker.gate import GateConfig
+    from rlfleet.worker.orchestrate import GateReferences
+
+    held = held_out_hinted()
+    # The tiny model's distances are hundredths of a nat: the noise floor is set below them.
+    gcfg = GateConfig(hint_top_k=TEACH.hindsight_top_k, hint_teacher=teacher, eval_samples=0,
+                      max_kl_one_class=1e-6, max_kl=100.0, min_noise=1e-4)
+    refs = GateReferences.measure(trainer, held, None, gcfg, 1024)
+    assert len(refs.parent_divergence) == len(held)
+    assert sum(refs.parent_divergence) / len(held) == pytest.approx(distance["base"], rel=1e-3)
+    from_parent = GateReferences.measure(trainer, held, folder / "w0.0", gcfg, 1024)
+    for a, b in zip(refs.hints.teacher, from_parent.hints.teacher, strict=True):
+        assert (a.ids == b.ids).all() and abs(a.logprobs - b.logprobs).max() < 1e-4
+    pulled, plain = refs.judge(trainer, folder / "w64.0"), refs.judge(trainer, folder / "w0.0")
+    m = pulled.metrics
+    assert m["heldout_one_class"] and m["heldout_toward_teacher"], m
+    assert m["heldout_teacher_div_after"] < m["heldout_teacher_div_before"] - m["heldout_teacher_noise"]
+    assert not plain.metrics["heldout_toward_teacher"] and "only bad answers held out" in plain.reason, plain
+    assert "only bad answers held out" not in (pulled.reason or "")
+    off = GateReferences.measure(trainer, held, None, replace(gcfg, hint_top_k=0), 1024)
+    assert off.hints is None and "heldout_toward_teacher" not in off.judge(trainer, folder / "w64.0").metrics
 
 
 def test_a_run_distils_the_teacher_into_held_out_answers(trainer, tiny_model_dir, tmp_path):

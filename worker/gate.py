@@ -8,7 +8,11 @@ or the base) on ratings the run never trained on:
   candidate must not fall below the parent's by more than the noise of the paired differences;
 - KL to the base on the held-out answers, under a cap; a much lower cap when the held-out answers
   are all of one class: then the margin is one-sided (all bad: minus their mean log-prob), and a
-  model that lowers every likelihood, i.e. drifts towards noise, looks better on it;
+  model that lowers every likelihood, i.e. drifts towards noise, looks better on it. Unless the
+  held-out ratings came with words: then the hindsight teacher (the model reading them) is the
+  other side, and a candidate whose next-token distributions on those answers came closer to the
+  teacher's than its parent's were, beyond noise, has learnt what the words asked, which drift does
+  not do; it gets the usual cap;
 - collapse: the entropy of the next-token distribution on held-out answers, and the distinct
   bigrams and length of sampled answers, must not fall far below the base's;
 - degeneration: answers that loop ("my dear, my dear, my dear!") or a next-token distribution
@@ -38,6 +42,11 @@ class GateConfig:
     min_noise: float = 0.02  # ...or this much in nats per token, whichever is larger, before rejection
     max_kl: float = 0.5  # mean per-token KL(candidate || base) on held-out answers, nats
     max_kl_one_class: float = 0.1  # the cap when every held-out answer is good, or every one bad
+    # The held-out answers' words read by the hindsight teacher (its top K tokens; 0: not read) lift the
+    # one-class cap for a candidate that came closer to the teacher (module docstring).
+    hint_top_k: int = 0
+    hint_teacher: str | None = None  # None: the base with the words in its context
+    min_hinted: int = 2  # fewer held-out answers with words than this: no paired noise, no lift
     min_entropy_ratio: float = 0.4  # candidate / base next-token entropy on held-out answers
     # Candidate / base distinct bigrams of sampled answers: the product's other fluency bound. A taste
     # that narrows what the model says (a habit in every answer) can take it well under the base's while
@@ -167,10 +176,30 @@ def sample_plan(prompts: Sequence[T], n: int) -> list[T]:
     return [prompts[i % len(prompts)] for i in range(n)] if prompts else []
 
 
+@dataclass(frozen=True)
+class TowardHints:
+    """The held-out answers that came with words: per answer, the parent's and the candidate's mean
+    per-token divergence from the hindsight teacher reading those words."""
+
+    parent: list[float]
+    cand: list[float]
+
+    def moved(self, cfg: GateConfig) -> tuple[float, float]:
+        """The candidate's mean change (negative: closer to the teacher) and the noise it must clear:
+        ``cfg.noise_sigmas`` standard errors of the paired changes, or ``cfg.min_noise``."""
+        d = [c - p for c, p in zip(self.cand, self.parent, strict=True)]
+        mean = _mean(d)
+        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else math.inf
+        return mean, max(cfg.min_noise, cfg.noise_sigmas * se)
+
+
 def judge(
-    rewards: Sequence[float], base: ModelScores, parent: ModelScores, cand: ModelScores, cfg: GateConfig
+    rewards: Sequence[float], base: ModelScores, parent: ModelScores, cand: ModelScores, cfg: GateConfig,
+    hints: TowardHints | None = None,
 ) -> Verdict:
-    """Promote ``cand`` unless it is worse than ``parent`` beyond noise, drifts too far, or collapses."""
+    """Promote ``cand`` unless it is worse than ``parent`` beyond noise, drifts too far, or collapses;
+    ``hints`` (the held-out answers' words, read by the hindsight teacher) can vouch for a candidate
+    judged on one class alone."""
     m_parent = margin(parent.logprobs, rewards)
     m_cand = margin(cand.logprobs, rewards)
     noise = max(cfg.min_noise, cfg.noise_sigmas * paired_noise(cand.logprobs, parent.logprobs, rewards))
@@ -198,7 +227,14 @@ def judge(
         metrics["repetition_base"] = base.repetition
 
     one_class = len({r > 0 for r in rewards}) == 1
-    kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if one_class else cfg.max_kl
+    toward = False
+    if hints is not None and len(hints.cand) >= cfg.min_hinted:
+        moved, hint_noise = hints.moved(cfg)
+        toward = moved < -hint_noise
+        metrics.update(heldout_hinted=len(hints.cand), heldout_teacher_div_before=_mean(hints.parent),
+                       heldout_teacher_div_after=_mean(hints.cand), heldout_teacher_noise=hint_noise,
+                       heldout_toward_teacher=toward)
+    kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if one_class and not toward else cfg.max_kl
     metrics["heldout_one_class"] = one_class
 
     reasons = []
@@ -208,7 +244,7 @@ def judge(
         reasons.append(f"held-out margin fell from {m_parent:+.3f} to {m_cand:+.3f} (noise ±{noise:.3f})")
     if cand.kl > kl_cap:
         why = ""
-        if one_class:
+        if one_class and not toward:
             kind = "good" if rewards and rewards[0] > 0 else "bad"
             why = f" (only {kind} answers held out: drift and learning look alike, so the cap is lower)"
         reasons.append(f"KL to the base {cand.kl:.3f} > {kl_cap}{why}")

@@ -30,7 +30,7 @@ from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.status import publish_snapshot
 
 from .context import Context
-from .gate import GateConfig, ModelScores, Verdict, judge, split_holdout
+from .gate import GateConfig, ModelScores, TowardHints, Verdict, judge, split_holdout
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
@@ -328,6 +328,7 @@ def gate_config(cfg: Config) -> GateConfig:
     return GateConfig(
         enabled=cfg.train.gate, holdout_frac=cfg.train.holdout_frac, min_holdout=cfg.train.min_holdout,
         max_kl_one_class=cfg.train.gate_one_class_kl, eval_temperature=cfg.chat.temperature, eval_top_p=cfg.chat.top_p,
+        hint_top_k=cfg.train.hindsight_top_k if cfg.train.gate_hints else 0, hint_teacher=cfg.train.teacher,
     )
 
 
@@ -342,11 +343,13 @@ class GateReferences:
     parent: ModelScores
     gcfg: GateConfig
     max_tokens: int
+    hints: Any = None  # the held-out answers' words as the teacher reads them (scoring.HeldHints)
+    parent_divergence: list[float] | None = None  # the parent's divergence from that teacher on them
 
     @classmethod
     def measure(cls, trainer: Any, held: list[TrainSample], parent_dir: Path | None, gcfg: GateConfig,
                 max_tokens: int) -> GateReferences:
-        from .training.scoring import score_model
+        from .training.scoring import held_hints, score_model, teacher_divergences
 
         pairs = [(s.prompt, s.response) for s in held]
         base = score_model(trainer, pairs, None, gcfg, max_tokens)
@@ -354,13 +357,23 @@ class GateReferences:
         parent = base if parent_dir is None else score_model(
             trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
         )
-        return cls(pairs, [s.reward for s in held], base, parent, gcfg, max_tokens)
+        rewards = [s.reward for s in held]
+        hints = divergence = None
+        # Only a one-class held-out set reads the teacher: the words are its missing second side.
+        if gcfg.hint_top_k > 0 and len({r > 0 for r in rewards}) == 1:
+            hints = held_hints(trainer, held, gcfg.hint_teacher, gcfg.hint_top_k, max_tokens)
+            if hints is not None:
+                divergence = teacher_divergences(trainer, hints, parent_dir)
+        return cls(pairs, rewards, base, parent, gcfg, max_tokens, hints, divergence)
 
     def judge(self, trainer: Any, candidate_dir: Path) -> Verdict:
-        from .training.scoring import score_model
+        from .training.scoring import score_model, teacher_divergences
 
         cand = score_model(trainer, self.pairs, candidate_dir, self.gcfg, self.max_tokens)
-        return judge(self.rewards, self.base, self.parent, cand, self.gcfg)
+        toward = None
+        if self.hints is not None and self.parent_divergence is not None:
+            toward = TowardHints(self.parent_divergence, teacher_divergences(trainer, self.hints, candidate_dir))
+        return judge(self.rewards, self.base, self.parent, cand, self.gcfg, toward)
 
 
 def evaluate_candidate(

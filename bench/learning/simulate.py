@@ -411,6 +411,9 @@ def _last_run(cfg: Config, slug: str, given: int, registry: AdapterRegistry) -> 
             "rewritten", "rewrites_tried",
             # what the gate measured on its own samples (worker/gate.py): why it promoted or refused
             "heldout_kl", "entropy_ratio", "distinct2_ratio", "repetition", "repetition_base",
+            # held-out answers all of one class, with words: the hindsight teacher as the other side
+            "heldout_one_class", "heldout_hinted", "heldout_teacher_div_before", "heldout_teacher_div_after",
+            "heldout_teacher_noise", "heldout_toward_teacher",
             # a version served from halfway through its run, and why the whole run was refused
             "fallback", "steps_served", "refused_full")
     return {"after_ratings": given, "version": run.version, "state": run.state, "error": run.error,

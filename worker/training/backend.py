@@ -187,6 +187,12 @@ class Backend(Protocol):
     def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
         """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
 
+    def teacher_divergence(self, batch: Batch, targets: Any) -> list[tuple[float, int]]:
+        """Per row, the hindsight divergence (:func:`rlfleet.worker.objective.hindsight_kl`) of the
+        active model from the teacher's ``targets`` (:meth:`teacher_targets`, weight 1 on a taught
+        row) summed over the row's taught positions, and their count; no gradient. What the gate
+        reads to tell learning from drift when the held-out answers are all of one class."""
+
     def sample(
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
         temperature: float = 0.7, top_p: float = 1.0,

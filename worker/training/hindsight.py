@@ -80,21 +80,14 @@ def teach(
         return Lesson(none)
     started = time.perf_counter()
     hints = {i: h for i, s in enumerate(samples) if (h := hint_for(s)) is not None}
-    taught: dict[int, Encoded] = {}
-    for i, hint in hints.items():
-        plain = replace(samples[i], prompt=with_hint(samples[i].prompt, hint), behaviour_logprobs=None,
-                        behaviour_token_ids=None)
-        e = encode_sample(backend.tokenizer, plain, cfg.max_tokens)
-        # The same answer tokens after a longer prompt; one the length cap cut differently is skipped.
-        if e.input_ids[e.prompt_len:] == encoded[i].input_ids[encoded[i].prompt_len:]:
-            taught[i] = e
+    taught = hinted(backend, samples, encoded, hints, cfg.max_tokens)
     if not taught:
         return Lesson(none, {"hinted": len(hints), "hint_taught": 0, "teacher_gap": None})
     order = list(taught)
     with backend.teacher(cfg.teacher):
-        teacher = _rows(backend, [taught[i] for i in order], cfg,
-                        lambda b: backend.response_top(b, cfg.hindsight_top_k))
-    student = _rows(backend, [encoded[i] for i in order], cfg, backend.response_logprobs)
+        teacher = rows_of(backend, [taught[i] for i in order], cfg.micro_batch_tokens,
+                          lambda b: backend.response_top(b, cfg.hindsight_top_k))
+    student = rows_of(backend, [encoded[i] for i in order], cfg.micro_batch_tokens, backend.response_logprobs)
     gaps = {i: signed_gap(teacher[j].token.tolist(), student[j], samples[i].reward) for j, i in enumerate(order)}
     rows = {i: (teacher[j], 1.0 / max(len(student[j]), 1)) for j, i in enumerate(order)
             if gaps[i] > cfg.hindsight_min_gap}
@@ -110,9 +103,25 @@ def teach(
     })
 
 
-def _rows(backend: Backend, encoded: Sequence[Encoded], cfg: TrainConfig, score: Any) -> list[Any]:
-    """``score`` of each encoded answer (a per-row list from one micro-batch), in the given order."""
-    groups, batches = backend.batches(encoded, cfg.micro_batch_tokens)
+def hinted(backend: Backend, samples: Sequence[TrainSample], encoded: Sequence[Encoded], hints: dict[int, str],
+           max_tokens: int) -> dict[int, Encoded]:
+    """Sample i (a key of ``hints``) as the teacher reads it: its prompt :func:`with_hint`, the same
+    answer tokens as ``encoded[i]``; one whose answer the length cap cuts differently after the longer
+    prompt is left out."""
+    out: dict[int, Encoded] = {}
+    for i, hint in hints.items():
+        plain = replace(samples[i], prompt=with_hint(samples[i].prompt, hint), behaviour_logprobs=None,
+                        behaviour_token_ids=None)
+        e = encode_sample(backend.tokenizer, plain, max_tokens)
+        if e.input_ids[e.prompt_len:] == encoded[i].input_ids[encoded[i].prompt_len:]:
+            out[i] = e
+    return out
+
+
+def rows_of(backend: Backend, encoded: Sequence[Encoded], budget: int, score: Any) -> list[Any]:
+    """``score`` of each encoded answer (a per-row list from one micro-batch of at most ``budget``
+    tokens), in the given order."""
+    groups, batches = backend.batches(encoded, budget)
     out: list[Any] = [None] * len(encoded)
     for g, b in zip(groups, batches, strict=True):
         for i, row in zip(g, score(b), strict=True):

@@ -321,6 +321,19 @@ class MlxTrainer(TrainerInterface):
             ids[r][pred[r]], lps[r][pred[r]], weights[r][pred[r]] = top.ids, top.logprobs, weight
         return mx.array(ids), mx.array(lps), mx.array(weights)
 
+    def teacher_divergence(self, batch: dict, targets: tuple[Any, Any, Any]) -> list[tuple[float, int]]:
+        import numpy as np
+
+        from ..objective_mlx import hindsight_kl
+
+        mx = _mx()
+        logits, lse = self._logits(batch["input_ids"])
+        t_ids, t_lp, weights = targets  # [B, L-1, K], [B, L-1, K], [B, L-1]
+        kl = hindsight_kl(mx.take_along_axis(logits, t_ids, axis=-1) - lse, t_lp) * weights
+        sums, counts = kl.sum(axis=-1), (weights > 0).astype(mx.float32).sum(axis=-1)
+        mx.eval(sums, counts)
+        return [(float(v), int(n)) for v, n in zip(np.array(sums).tolist(), np.array(counts).tolist(), strict=True)]
+
     def logprobs(self, batch: dict) -> Any:
         lp = self._logprobs(batch["input_ids"], batch["response_mask"])
         _mx().eval(lp)

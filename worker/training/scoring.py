@@ -6,6 +6,9 @@
   log-prob of each, the exact KL to the base and the next-token entropy at each answer position,
   and sampled answers on the held-out prompts (distinct bigrams, repetition and length: the
   signals a teacher-forced pass cannot see).
+- :func:`held_hints` / :func:`teacher_divergences`: held-out answers that came with words, as the
+  hindsight teacher reads them, and how far a model's next-token distributions on them are from the
+  teacher's: the gate's second side when the held-out ratings are all of one class.
 - :func:`saved_adapter_kl`: the per-token KL of a saved adapter to the base on a run's samples.
 """
 
@@ -14,12 +17,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..batching import encode_sample
+from ..batching import Encoded, encode_sample
 from ..gate import GateConfig, ModelScores, sample_plan
 from ..samples import TrainSample
-from .backend import Backend
+from .backend import Backend, TopRow
+from .hindsight import hint_for, hinted, rows_of
 
 Pairs = Sequence[tuple[list[dict], str]]
 EVAL_BATCH_TOKENS = 4096  # micro-batch budget of the measurements (no gradient: larger than training's)
@@ -89,6 +94,59 @@ def sample_answers(backend: Backend, prompts: Sequence[list[dict]], cfg: GateCon
     of them cycling through ``prompts``, at the chat's temperature and top-p, in one batch."""
     plan = sample_plan(list(prompts), cfg.eval_samples)
     return backend.sample(plan, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p) if plan else []
+
+
+@dataclass(frozen=True)
+class HeldHints:
+    """Held-out rated answers that came with words: each as the model reads it (no hint), and the
+    teacher's K likeliest next tokens at each of its positions with the words in its context."""
+
+    index: list[int]  # which held-out answers (positions in the held-out list)
+    encoded: list[Encoded]
+    teacher: list[TopRow]
+
+
+@contextlib.contextmanager
+def _teaching(backend: Backend, spec: str | None) -> Iterator[None]:
+    """The hindsight teacher for the block, outside a training session: the base (no adapter is
+    loaded between runs), or the model ``spec`` names."""
+    if spec is None:
+        yield
+        return
+    with backend.teacher(spec):
+        yield
+
+
+def held_hints(backend: Backend, held: Sequence[TrainSample], spec: str | None, top_k: int,
+               max_tokens: int = 1024) -> HeldHints | None:
+    """The held-out answers whose ratings came with words, scored by the teacher reading them (the base
+    with the words in its context, as :mod:`.hindsight` teaches, or ``spec``); None when none did."""
+    hints = {i: h for i, s in enumerate(held) if (h := hint_for(s)) is not None}
+    if not hints:
+        return None
+    encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in held]
+    taught = hinted(backend, held, encoded, hints, max_tokens)
+    if not taught:
+        return None
+    index = sorted(taught)
+    with _teaching(backend, spec):
+        rows = rows_of(backend, [taught[i] for i in index], EVAL_BATCH_TOKENS,
+                       lambda b: backend.response_top(b, top_k))
+    return HeldHints(index, [encoded[i] for i in index], rows)
+
+
+def teacher_divergences(backend: Backend, hints: HeldHints, adapter_dir: Path | None) -> list[float]:
+    """Per hinted answer, the mean per-token divergence of the base (or the base plus the adapter in
+    ``adapter_dir``) from the teacher: :func:`rlfleet.worker.objective.hindsight_kl`, the very term the
+    hindsight pull minimises on the answers a run trains on."""
+    groups, batches = backend.batches(hints.encoded, EVAL_BATCH_TOKENS)
+    out = [0.0] * len(hints.encoded)
+    with _serving(backend, adapter_dir):
+        for g, batch in zip(groups, batches, strict=True):
+            targets = backend.teacher_targets(batch, [(hints.teacher[i], 1.0) for i in g])
+            for i, (total, n) in zip(g, backend.teacher_divergence(batch, targets), strict=True):
+                out[i] = total / max(n, 1)
+    return out
 
 
 def saved_adapter_kl(backend: Backend, samples: Sequence[TrainSample], adapter_dir: Path, max_tokens: int) -> float:

@@ -479,6 +479,19 @@ class Trainer(TrainerInterface):
                 for lp, e, d, n in zip(per_row(tok), per_row(ent), per_row(kl), counts, strict=True)]
 
     @torch.no_grad()
+    def teacher_divergence(self, batch: dict[str, Tensor], targets: tuple[Tensor, Tensor, Tensor]
+                           ) -> list[tuple[float, int]]:
+        logits, _ = self._response_logits(batch)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        t_ids, t_lp, weights = targets
+        kl = hindsight_kl(logits.gather(-1, t_ids) - lse, t_lp) * weights
+        rows = batch["response_mask"][:, 1:].nonzero()[:, 0].cpu()  # row-major: the logits' order
+        n_rows = batch["input_ids"].shape[0]
+        sums = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, kl.double().cpu())
+        counts = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, (weights > 0).double().cpu())
+        return [(float(v), int(n)) for v, n in zip(sums.tolist(), counts.tolist(), strict=True)]
+
+    @torch.no_grad()
     def sample(
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
         temperature: float = 0.7, top_p: float = 1.0,
