@@ -61,8 +61,10 @@ class TrainingNews:
             used = m.get("ratings_used")
             halfway = (f" (the step from halfway through the run: the whole run was refused, {m.get('refused_full')})"
                        if m.get("fallback") == "halfway" else "")
-            return f"✓ {run.version} promoted: {check}" + (f" on {used} ratings" if used else "") + halfway + \
-                "; now answering with it"
+            vouched = (" (only 👎s held out: it came nearer what their words asked)"
+                       if m.get("heldout_toward_teacher") else "")
+            return f"✓ {run.version} promoted: {check}" + (f" on {used} ratings" if used else "") + vouched + \
+                halfway + "; now answering with it"
         if run.state == "skipped":
             return f"· training run {run.id} trained nothing: {run.error or 'see rlfleet status'}; {self._next()}"
         if run.state == "stale":

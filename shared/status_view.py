@@ -65,7 +65,9 @@ def bot_line(b: dict) -> str:
 HISTORY_FIELDS = ("ratings_used", "replayed", "heldout_n", "heldout_margin_before", "heldout_margin_after",
                   "heldout_kl", "final_mean_kl", "accepted_token_frac", "accepted_seq_frac", "reward_model_auc",
                   "explored", "explore_reason", "verdict", "reason", "fallback", "steps_served", "refused_full",
-                  "hinted", "hint_taught", "teacher_gap")
+                  "hinted", "hint_taught", "teacher_gap",
+                  # held-out ratings all of one class, with words: the teacher reading them vouched (worker/gate.py)
+                  "heldout_toward_teacher", "heldout_teacher_div_before", "heldout_teacher_div_after")
 
 
 def history_rows(versions: list[dict]) -> list[dict]:
@@ -90,6 +92,9 @@ def versions_table(versions: list[dict], title: str | None = None) -> Table:
         verdict = r["verdict"] or ""
         if r["fallback"] == "halfway":  # the whole run was refused; the step from halfway through it passed
             verdict += f" (step {r['steps_served']}, halfway)"
+        if r["heldout_toward_teacher"] and r["verdict"] == "promoted":
+            verdict += (f" (nearer what the words asked: {_fmt(r['heldout_teacher_div_before'])} → "
+                        f"{_fmt(r['heldout_teacher_div_after'])})")
         if r["reason"] and r["status"] != "active":
             verdict += f": {r['reason']}"
         kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]

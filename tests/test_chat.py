@@ -208,7 +208,7 @@ def test_already_running_is_said_once_per_run(home):
     assert news.about_trigger(TRAINING_BUSY) is None
 
 
-def test_a_promotion_of_the_halfway_step_says_the_whole_run_was_refused(queued_home, tiny_model_dir, monkeypatch):
+def test_a_promotion_says_when_the_halfway_step_or_the_held_out_words_carried_it(queued_home, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
     slug = model_slug(cfg.model)
@@ -224,6 +224,15 @@ def test_a_promotion_of_the_halfway_step_says_the_whole_run_was_refused(queued_h
     (said,) = news.poll().ended
     assert said == ("✓ v0001 promoted: held-out margin -0.250 → +0.500 on 12 ratings (the step from halfway "
                     f"through the run: the whole run was refused, {why}); now answering with it")
+    run_id = store.create_run(slug)
+    store.start_run(run_id, "v0001")
+    store.finish_run(run_id, model=slug, version="v0002", parent="v0001", advantages={}, retracted=[], new_ema=0.0,
+                     promote=True, reason=None,
+                     metrics={"heldout_margin_before": 1.49, "heldout_margin_after": 1.658, "ratings_used": 27,
+                              "heldout_one_class": True, "heldout_toward_teacher": True})
+    (said,) = news.poll().ended
+    assert said == ("✓ v0002 promoted: held-out margin +1.490 → +1.658 on 27 ratings (only 👎s held out: it came "
+                    "nearer what their words asked); now answering with it")
 
 
 def test_words_no_event_takes_are_said_in_the_chat_and_nothing_is_sent(capsys):

@@ -227,6 +227,24 @@ def test_history_marks_a_version_served_from_halfway_through_its_run():
     assert "promoted (step 4, halfway)" in console.export_text()
 
 
+def test_history_says_when_the_held_out_words_vouched_for_a_version():
+    from rich.console import Console
+
+    from rlfleet.shared.status_view import versions_table
+
+    m = {"verdict": "promoted", "ratings_used": 27, "heldout_kl": 0.237, "heldout_margin_before": 1.49,
+         "heldout_margin_after": 1.658, "heldout_one_class": True, "heldout_toward_teacher": True,
+         "heldout_teacher_div_before": 0.154, "heldout_teacher_div_after": 0.063}
+    versions = [{"version": "v0001", "status": "active", "created": "2026-11-28T12:16:00Z", "parent": None,
+                 "metrics": m}]
+    console = Console(width=140, record=True)
+    console.print(versions_table(versions))
+    assert "promoted (nearer what the words asked: 0.154 → 0.063)" in console.export_text()
+    console = Console(width=140, record=True)
+    console.print(versions_table([{**versions[0], "metrics": {**m, "heldout_toward_teacher": False}}]))
+    assert "nearer" not in console.export_text()
+
+
 def test_a_run_reads_the_words_on_its_ratings_and_history_shows_the_teacher_gap(gated_home):
     """Ratings with a comment reach the run as hints (worker/orchestrate.rated_sample): the run
     reports how many came with words, how many the teacher taught from and its mean gap, and `history`
