@@ -208,7 +208,8 @@ def test_already_running_is_said_once_per_run(home):
     assert news.about_trigger(TRAINING_BUSY) is None
 
 
-def test_a_promotion_says_when_the_halfway_step_or_the_held_out_words_carried_it(queued_home, tiny_model_dir, monkeypatch):
+def test_a_promotion_says_when_the_halfway_step_or_the_held_out_words_carried_it(queued_home, tiny_model_dir,
+                                                                                 monkeypatch):
     monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
     cfg = load_config()
     slug = model_slug(cfg.model)
