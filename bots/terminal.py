@@ -169,7 +169,8 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
     screen = state.screen
     typed: str | None = None  # a chat command typed at the rating prompt, carried out as if typed here
     while True:
-        text, typed = (typed, None) if typed is not None else (screen.read("you> "), None)
+        text = typed if typed is not None else screen.read("you> ")
+        typed = None
         if text is None or text.strip() in QUIT:
             break
         text = text.strip()

@@ -155,6 +155,11 @@ def paired_noise(cand: Sequence[float], parent: Sequence[float], rewards: Sequen
     return math.sqrt(pooled * sum(1 / len(d) for d in present))
 
 
+def one_class(rewards: Sequence[float]) -> bool:
+    """Every held-out answer good, or every one bad: the margin is one-sided."""
+    return len({r > 0 for r in rewards}) == 1
+
+
 def distinct_n(token_lists: Sequence[Sequence[int | str]], n: int = 2) -> float:
     """Distinct n-grams over all n-grams of the answers (1.0 when there are none to count)."""
     grams = [tuple(t[i : i + n]) for t in token_lists for i in range(len(t) - n + 1)]
@@ -187,9 +192,8 @@ class TowardHints:
     def moved(self, cfg: GateConfig) -> tuple[float, float]:
         """The candidate's mean change (negative: closer to the teacher) and the noise it must clear:
         ``cfg.noise_sigmas`` standard errors of the paired changes, or ``cfg.min_noise``."""
-        d = [c - p for c, p in zip(self.cand, self.parent, strict=True)]
-        mean = _mean(d)
-        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else math.inf
+        mean = _mean([c - p for c, p in zip(self.cand, self.parent, strict=True)])
+        se = paired_noise(self.cand, self.parent, [0.0] * len(self.cand))  # one class: the plain paired SE
         return mean, max(cfg.min_noise, cfg.noise_sigmas * se)
 
 
@@ -226,7 +230,7 @@ def judge(
         metrics["repetition"] = cand.repetition
         metrics["repetition_base"] = base.repetition
 
-    one_class = len({r > 0 for r in rewards}) == 1
+    single = one_class(rewards)
     toward = False
     if hints is not None and len(hints.cand) >= cfg.min_hinted:
         moved, hint_noise = hints.moved(cfg)
@@ -234,8 +238,8 @@ def judge(
         metrics.update(heldout_hinted=len(hints.cand), heldout_teacher_div_before=_mean(hints.parent),
                        heldout_teacher_div_after=_mean(hints.cand), heldout_teacher_noise=hint_noise,
                        heldout_toward_teacher=toward)
-    kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if one_class and not toward else cfg.max_kl
-    metrics["heldout_one_class"] = one_class
+    kl_cap = min(cfg.max_kl, cfg.max_kl_one_class) if single and not toward else cfg.max_kl
+    metrics["heldout_one_class"] = single
 
     reasons = []
     if not all(math.isfinite(x) for x in (m_cand, cand.kl, cand.entropy)):
@@ -244,7 +248,7 @@ def judge(
         reasons.append(f"held-out margin fell from {m_parent:+.3f} to {m_cand:+.3f} (noise ±{noise:.3f})")
     if cand.kl > kl_cap:
         why = ""
-        if one_class and not toward:
+        if single and not toward:
             kind = "good" if rewards and rewards[0] > 0 else "bad"
             why = f" (only {kind} answers held out: drift and learning look alike, so the cap is lower)"
         reasons.append(f"KL to the base {cand.kl:.3f} > {kl_cap}{why}")

@@ -30,7 +30,7 @@ from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.status import publish_snapshot
 
 from .context import Context
-from .gate import GateConfig, ModelScores, TowardHints, Verdict, judge, split_holdout
+from .gate import GateConfig, ModelScores, TowardHints, Verdict, judge, one_class, split_holdout
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
@@ -360,7 +360,7 @@ class GateReferences:
         rewards = [s.reward for s in held]
         hints = divergence = None
         # Only a one-class held-out set reads the teacher: the words are its missing second side.
-        if gcfg.hint_top_k > 0 and len({r > 0 for r in rewards}) == 1:
+        if gcfg.hint_top_k > 0 and one_class(rewards):
             hints = held_hints(trainer, held, gcfg.hint_teacher, gcfg.hint_top_k, max_tokens)
             if hints is not None:
                 divergence = teacher_divergences(trainer, hints, parent_dir)

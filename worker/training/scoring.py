@@ -101,7 +101,6 @@ class HeldHints:
     """Held-out rated answers that came with words: each as the model reads it (no hint), and the
     teacher's K likeliest next tokens at each of its positions with the words in its context."""
 
-    index: list[int]  # which held-out answers (positions in the held-out list)
     encoded: list[Encoded]
     teacher: list[TopRow]
 
@@ -132,7 +131,7 @@ def held_hints(backend: Backend, held: Sequence[TrainSample], spec: str | None, 
     with _teaching(backend, spec):
         rows = rows_of(backend, [taught[i] for i in index], EVAL_BATCH_TOKENS,
                        lambda b: backend.response_top(b, top_k))
-    return HeldHints(index, [encoded[i] for i in index], rows)
+    return HeldHints([encoded[i] for i in index], rows)
 
 
 def teacher_divergences(backend: Backend, hints: HeldHints, adapter_dir: Path | None) -> list[float]:

@@ -460,7 +460,6 @@ class Trainer(TrainerInterface):
         # vocabulary-sized rows are never read.
         logits, targets = self._response_logits(batch)
         logp = torch.log_softmax(logits, dim=-1)
-        rows = batch["response_mask"][:, 1:].nonzero()[:, 0].cpu()  # row-major: the logits' order
         if with_kl:
             with self.reference():
                 ref = torch.log_softmax(self._response_logits(batch)[0], dim=-1)
@@ -469,14 +468,9 @@ class Trainer(TrainerInterface):
             kl = torch.zeros(logp.shape[0])
         ent = -(logp.exp() * logp).sum(-1)
         tok = logp.gather(-1, targets[:, None]).squeeze(-1)
-        n_rows = batch["input_ids"].shape[0]
-
-        def per_row(values: Tensor) -> list[float]:
-            return torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, values.double().cpu()).tolist()
-
-        counts = torch.bincount(rows, minlength=n_rows).tolist()
-        return [TokenSums(lp, e, d, int(n))
-                for lp, e, d, n in zip(per_row(tok), per_row(ent), per_row(kl), counts, strict=True)]
+        counts = torch.bincount(_rows_of_positions(batch), minlength=batch["input_ids"].shape[0]).tolist()
+        return [TokenSums(lp, e, d, int(n)) for lp, e, d, n in zip(
+            _per_row(batch, tok), _per_row(batch, ent), _per_row(batch, kl), counts, strict=True)]
 
     @torch.no_grad()
     def teacher_divergence(self, batch: dict[str, Tensor], targets: tuple[Tensor, Tensor, Tensor]
@@ -485,11 +479,7 @@ class Trainer(TrainerInterface):
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         t_ids, t_lp, weights = targets
         kl = hindsight_kl(logits.gather(-1, t_ids) - lse, t_lp) * weights
-        rows = batch["response_mask"][:, 1:].nonzero()[:, 0].cpu()  # row-major: the logits' order
-        n_rows = batch["input_ids"].shape[0]
-        sums = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, kl.double().cpu())
-        counts = torch.zeros(n_rows, dtype=torch.float64).index_add_(0, rows, (weights > 0).double().cpu())
-        return [(float(v), int(n)) for v, n in zip(sums.tolist(), counts.tolist(), strict=True)]
+        return [(v, int(n)) for v, n in zip(_per_row(batch, kl), _per_row(batch, weights > 0), strict=True)]
 
     @torch.no_grad()
     def sample(
@@ -512,6 +502,18 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
+    """The row of each predicted response position, in the row-major order the response logits have."""
+    return batch["response_mask"][:, 1:].nonzero()[:, 0].cpu()
+
+
+def _per_row(batch: dict[str, Tensor], values: Tensor) -> list[float]:
+    """``[N]`` values at the response positions summed per row of ``batch`` (fp64)."""
+    n_rows = batch["input_ids"].shape[0]
+    return torch.zeros(n_rows, dtype=torch.float64).index_add_(
+        0, _rows_of_positions(batch), values.double().cpu()).tolist()
 
 
 def _forward(model: Any, ids: Tensor, attn: Tensor, prefix: int) -> Any:
