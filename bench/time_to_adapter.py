@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--redis", default=None,
                     help="a Redis URL this may flush (default: the embedded one, started for this run)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for one run (default 900)")
+    ap.add_argument("--engine", default="auto", choices=["auto", "torch", "llama.cpp"],
+                    help="what draws the runs' samples (chat.engine; default auto: llama.cpp where it can run)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per worker (default: torch's choice, every core)")
     output_options(ap)
@@ -102,6 +104,7 @@ def _measure(args, home: Path, console) -> dict:
     cfg = load_config(home)
     cfg.train.threshold = args.threshold
     cfg.train.device = args.device
+    cfg.chat.engine = args.engine
     cfg.save()
     handle = open_queue(cfg)
     if args.redis:
@@ -142,7 +145,9 @@ def _measure(args, home: Path, console) -> dict:
             console.print(f"run {r + 1}: rating {args.threshold} sent ({need} new), waiting for the adapter")
             phases: dict[str, float] = {}
 
-            def finished(last=last_run, before=before, phases=phases, t0=t0):
+            ended: dict[str, float] = {}
+
+            def finished(last=last_run, before=before, phases=phases, t0=t0, ended=ended):
                 got = handle.redis.hget(progress_key(slug), "phase")
                 if got:
                     phases.setdefault(got.decode(), time.monotonic() - t0)
@@ -150,7 +155,10 @@ def _measure(args, home: Path, console) -> dict:
                     return "served"
                 run = store.latest_run(slug)
                 if run is not None and (last is None or run.id != last.id) and run.state not in ("queued", "running"):
-                    return run.state
+                    # A promoted run's state is committed just before CURRENT names its version.
+                    since = ended.setdefault(run.state, time.monotonic())
+                    if run.state != "succeeded" or time.monotonic() - since > 10:
+                        return run.state
                 return None
 
             outcome = _wait(finished, args.timeout, f"run {r + 1}")
@@ -175,9 +183,10 @@ def _measure(args, home: Path, console) -> dict:
              f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "–"] for r in runs]
     text = markdown_table(["run", "of the worker", "outcome", "threshold-th rating → served", "phases (s)",
                            "ratings trained", "steps", "train tokens/s"], rows)
-    figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "runs": runs}
+    figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "engine": args.engine,
+               "runs": runs}
     publish(figures, text, args, f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · "
-            f"{args.device} · first run's last rating {args.first_after:.0f} s after start"
+            f"{args.device} · engine {args.engine} · first run's last rating {args.first_after:.0f} s after start"
             + (f" · threads {args.threads}" if args.threads else ""))
     return figures
 

@@ -151,9 +151,10 @@ class ChatSettings(BaseModel):
     temperature: float = Field(0.7, ge=0, le=5)
     top_p: float = Field(0.9, gt=0, le=1)
     system_prompt: str | None = None
-    # What draws the answers' tokens (their log-probs are always the torch model's): llama.cpp's
-    # kernels on the GGUF file where it can run (a GGUF model on a CPU with llama-cpp-python
-    # installed), else torch; "llama.cpp" makes its absence an error, "torch" never uses it.
+    # What draws tokens, the chat's answers and the answers a training run samples from saved weights
+    # (exploration, the gate's): llama.cpp's kernels on the GGUF file where it can run (a GGUF model
+    # on a CPU with llama-cpp-python installed), else torch; "llama.cpp" makes its absence an error,
+    # "torch" never uses it.
     engine: Literal["auto", "torch", "llama.cpp"] = "auto"
 
 

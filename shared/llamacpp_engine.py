@@ -28,18 +28,52 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import serving_gguf
+from .errors import ConfigError
 from .lora_gguf import BaseShape, write_lora_gguf
 from .registry import weights_identity
+
+if TYPE_CHECKING:
+    from .models import ModelRef
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("auto", "torch", "llama.cpp")
 INSTALL_HINT = "pip install llama-cpp-python (or the rlfleet[fast] extra)"
 _RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed"
+
+
+def engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> LlamaCppEngine | None:
+    """The llama.cpp engine for ``ref`` when ``choice`` (``chat.engine``) asks for it and it can run;
+    None: torch draws the tokens. ``auto`` takes llama.cpp where the model is a GGUF file, the device a
+    CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error)."""
+    if choice not in ENGINES:
+        raise ConfigError(f"unknown engine {choice!r}: one of {', '.join(ENGINES)}")
+    if choice == "torch":
+        return None
+    problem = None
+    if ref.gguf_file is None:
+        problem = f"{ref.spec} is not a GGUF file"
+    elif device != "cpu":
+        problem = f"it runs on {device}, where torch's kernels are the fast ones"
+    elif not available():
+        problem = f"llama-cpp-python is not installed ({INSTALL_HINT})"
+    if problem is None:
+        import torch
+
+        try:
+            served = serving_gguf.served_file(Path(ref.path) / str(ref.gguf_file))
+            return LlamaCppEngine(served, threads=torch.get_num_threads(), max_adapters=max_adapters)
+        except Exception as exc:
+            problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
+    if choice == "llama.cpp":
+        raise ConfigError(f"chat.engine is llama.cpp, but {problem}")
+    log.info("tokens drawn by torch: %s", problem)
+    return None
 
 
 class EngineCannot(RuntimeError):

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import llamacpp_engine, scopes, serving_gguf
+from . import llamacpp_engine, scopes
 from .chat_prompt import prompt_ids
 from .config import Config
-from .errors import ConfigError
 from .events import FinishReason
 from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft, tuner_layers
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
@@ -188,7 +187,7 @@ class LocalResponder:
         self._tuner_layers: list | None = None  # the model's LoRA layers, found once per set of adapters
         self._eos_ids = self._end_token_ids()
         self._cache_arg = cache_argument(self._base)
-        self._engine = _engine_for(ref, engine, device, max_adapters)
+        self._engine = llamacpp_engine.engine_for(ref, engine, device, max_adapters)
         self._engine_said: set[str] = set()  # why llama.cpp could not answer, each said once
         self.refresh()
 
@@ -771,35 +770,6 @@ def seeded_rng(seed: int | None, device: str) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.manual_seed(seed)
         yield
-
-
-def _engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> Any:
-    """The llama.cpp engine for ``ref`` when ``choice`` (``chat.engine``) asks for it and it can run;
-    None: torch draws the tokens. ``auto`` takes llama.cpp where the model is a GGUF file, the device a
-    CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error)."""
-    if choice not in llamacpp_engine.ENGINES:
-        raise ConfigError(f"unknown engine {choice!r}: one of {', '.join(llamacpp_engine.ENGINES)}")
-    if choice == "torch":
-        return None
-    problem = None
-    if ref.gguf_file is None:
-        problem = f"{ref.spec} is not a GGUF file"
-    elif device != "cpu":
-        problem = f"it answers on {device}, where torch's kernels are the fast ones"
-    elif not llamacpp_engine.available():
-        problem = f"llama-cpp-python is not installed ({llamacpp_engine.INSTALL_HINT})"
-    if problem is None:
-        import torch
-
-        try:
-            served = serving_gguf.served_file(Path(ref.path) / str(ref.gguf_file))
-            return llamacpp_engine.LlamaCppEngine(served, threads=torch.get_num_threads(), max_adapters=max_adapters)
-        except Exception as exc:
-            problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
-    if choice == "llama.cpp":
-        raise ConfigError(f"chat.engine is llama.cpp, but {problem}")
-    log.info("tokens drawn by torch: %s", problem)
-    return None
 
 
 def responder_for(cfg: Config) -> LocalResponder:

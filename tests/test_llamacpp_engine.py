@@ -9,6 +9,7 @@ Face's order (the negative control)."""
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,12 @@ PROMPTS = ["What is the capital of France?", "Name a fruit.", "Give me one tip f
 
 def test_engine_choice_is_checked_and_auto_says_why_it_uses_torch(tiny_model_dir, caplog):
     from rlfleet.shared.errors import ConfigError
+    from rlfleet.shared.llamacpp_engine import engine_for as _engine_for
     from rlfleet.shared.models import resolve_model
-    from rlfleet.shared.responder import _engine_for
 
     ref = resolve_model(str(tiny_model_dir))  # a Hugging Face folder, not a GGUF file
     assert _engine_for(ref, "torch", "cpu", 8) is None
-    with caplog.at_level(logging.INFO, logger="rlfleet.shared.responder"):
+    with caplog.at_level(logging.INFO, logger="rlfleet.shared.llamacpp_engine"):
         assert _engine_for(ref, "auto", "cpu", 8) is None
     assert "not a GGUF file" in caplog.text
     with pytest.raises(ConfigError, match="chat.engine is llama.cpp, but .* is not a GGUF file"):
@@ -306,3 +307,84 @@ def test_the_base_shape_for_adapters_comes_from_the_loaded_model_as_from_the_fil
     assert engine._meta("no.such.key") is None
     shape = BaseShape.read(engine._meta, str(engine.gguf_path))
     assert shape == BaseShape.of(engine.gguf_path) == BaseShape("llama", 30, 9, 3)
+
+
+# ------------------------------------------------------------------- the trainer's samples (drawing.py)
+
+def _trainer_gaps(trainer, convs, answers) -> list[float]:
+    """As :func:`_rank_gaps`, under the trainer's weights in use now."""
+    from rlfleet.shared.chat_prompt import prompt_ids
+
+    gaps = []
+    with torch.inference_mode():
+        for conv, answer in zip(convs, answers, strict=True):
+            ids = prompt_ids(trainer.tokenizer, conv)
+            full = torch.tensor([ids + answer])
+            logp = torch.log_softmax(trainer._active()(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
+            picked = logp.gather(-1, torch.tensor(answer).view(-1, 1)).squeeze(-1)
+            gaps += (logp.max(-1).values - picked).tolist()
+    return gaps
+
+
+def test_a_run_draws_with_llama_cpp_from_saved_weights_and_from_its_weights_as_they_train(ref, adapters, tmp_path):
+    from dataclasses import replace
+
+    from rlfleet.worker.presets import preset
+    from rlfleet.worker.training.torch_backend import Trainer
+
+    trainer = Trainer(ref)
+    trainer.draw_with("auto")
+    drawer = trainer.drawer
+    assert not drawer.loaded
+    trainer.draw_with("auto", load=True)  # the training worker's preload
+    assert drawer.loaded and drawer.drawn == 0
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    end = trainer.tokenizer.eos_token_id
+
+    def greedy() -> list[list[int]]:
+        return trainer.sample(convs, 12, seed=0, temperature=0.0)
+
+    base = greedy()
+    assert drawer.engine == "llama.cpp" and drawer.drawn == len(PROMPTS)
+    assert all(0 < len(a) <= 12 and end not in a for a in base)
+    assert any(len(a) < 12 for a in base)  # an answer that ended: its end token is cut, as torch's are
+    gaps = _trainer_gaps(trainer, convs, base)
+    assert max(gaps) < 0.5 and np.mean(gaps) < 0.05, gaps
+
+    with trainer.adapter(adapters / "v0001", None):  # the gate's candidate: a saved folder
+        tuned = greedy()
+        assert drawer.drawn == 2 * len(PROMPTS) and tuned != base
+        gaps = _trainer_gaps(trainer, convs, tuned)
+        assert max(gaps) < 0.5 and np.mean(gaps) < 0.05, gaps  # llama.cpp drew with that adapter
+
+    cfg = replace(preset("balanced"), lr=1e-3)
+    with trainer.adapter(adapters / "v0001", cfg, trainable=True):  # a run, before its first step: explores
+        assert greedy() == tuned and drawer.drawn == 3 * len(PROMPTS)
+        trainer.begin_training(cfg)
+        trainer.begin_step()
+        with torch.no_grad():  # a step that takes the adapter back to the base
+            for name, p in trainer._model.named_parameters():
+                if "lora_B" in name:
+                    p.zero_()
+        trainer.finish_step(apply=True)
+        with trainer.reference():  # the base, whatever the run has done to its adapter
+            assert greedy() == base and drawer.drawn == 4 * len(PROMPTS)
+        # The loop checks: the weights as they are now, saved for llama.cpp (not v0001's folder), and
+        # the private folder gone afterwards.
+        before = set(Path(tempfile.gettempdir()).glob("rlfleet-live-adapter-*"))
+        assert greedy() == base and drawer.drawn == 5 * len(PROMPTS)
+        assert set(Path(tempfile.gettempdir()).glob("rlfleet-live-adapter-*")) == before
+
+    trainer.draw_with("torch")
+    greedy()
+    assert drawer.drawn == 5 * len(PROMPTS) and drawer.engine == "torch"
+
+
+def test_the_trainers_draws_are_cut_into_parts_that_fit_llama_cpps_context():
+    from rlfleet.worker.training.drawing import _before_end, _fitting
+
+    prompts = [[1] * 10, [2] * 10, [3] * 50, [4] * 10]
+    assert _fitting(prompts, 10, max_batch=2, n_ctx=100) == [[[1] * 10, [2] * 10], [[3] * 50, [4] * 10]]
+    assert _fitting(prompts, 10, max_batch=8, n_ctx=100) == [[[1] * 10, [2] * 10, [3] * 50], [[4] * 10]]
+    assert _fitting([[1] * 200], 10, max_batch=8, n_ctx=100) == [[[1] * 200]]  # llama.cpp refuses it: torch draws
+    assert _before_end([5, 6, 2, 7], {2}) == [5, 6] and _before_end([5, 6], {2}) == [5, 6]

@@ -28,7 +28,9 @@ def get_trainer(cfg: Config) -> Any:
     with _TRAINERS_LOCK:
         if key not in _TRAINERS:
             _TRAINERS[key] = make_trainer(ref, device)
-        return _TRAINERS[key]
+        trainer = _TRAINERS[key]
+    trainer.draw_with(cfg.chat.engine)  # llama.cpp draws the run's samples where it draws the chat's
+    return trainer
 
 
 def preload_trainer(cfg: Config) -> threading.Thread:
@@ -38,7 +40,7 @@ def preload_trainer(cfg: Config) -> threading.Thread:
     def load() -> None:
         started = time.monotonic()
         try:
-            get_trainer(cfg)
+            get_trainer(cfg).draw_with(cfg.chat.engine, load=True)
         except Exception as exc:
             log.warning("could not preload %s (%s); the first training run will try again", cfg.model, exc)
         else:

@@ -116,8 +116,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     ap.add_argument("--engine", default="torch", choices=["torch", "auto", "llama.cpp"],
-                    help="what draws the simulated chat's answers and the held-out ones (chat.engine; "
-                         "default torch, as every figure before it; llama.cpp records its own log-probs)")
+                    help="what draws the simulated chat's answers, the held-out ones and the training runs' "
+                         "samples (chat.engine; default torch, as every figure before it; llama.cpp records its "
+                         "own log-probs)")
     ap.add_argument("--no-gate", action="store_true", help="serve every run (no evaluation gate)")
     ap.add_argument("--no-fallback", action="store_true", help="train.fallback off: a version the gate refuses "
                     "is not replaced by the run's halfway step")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlfleet.shared.config import Config, TrainSettings
+from rlfleet.shared.config import ChatSettings, Config, TrainSettings
 from rlfleet.shared.events import Capture, Rating
 from rlfleet.shared.ingress.grammar import parse_rl
 from rlfleet.shared.ingress.usecases import Send, UseCases
@@ -95,7 +95,7 @@ class BenchConfig:
     max_new_tokens: int = 48
     seed: int = 0
     device: str = "auto"
-    engine: str = "torch"  # what draws the simulated chat's answers (chat.engine): torch or llama.cpp
+    engine: str = "torch"  # what draws the simulated chat's answers and the runs' samples (chat.engine)
     gate: bool = True
     overrides: dict = field(default_factory=dict)  # TrainSettings fields (lr, steps, seq_band, replay, ...)
     home: Path | None = None
@@ -218,7 +218,8 @@ def run_benchmark(bc: BenchConfig, report: Report | None = None) -> BenchResult:
         threshold=bc.threshold, preset=bc.preset, device=bc.device, gate=bc.gate,
         objective="mispo" if bc.objective == "kto" else bc.objective, seed=bc.seed, **bc.overrides,
     )
-    cfg = Config(home=home, model=bc.model, train=settings)
+    # The engine draws the training runs' samples too (exploration, the gate's answers), as a user's does.
+    cfg = Config(home=home, model=bc.model, train=settings, chat=ChatSettings(engine=bc.engine))
     cfg.save()
     # The worker's jobs read the config from the data dir named here, in this process.
     os.environ["RLFLEET_HOME"] = str(home)

@@ -18,6 +18,10 @@ Pairs = Sequence[tuple[list[dict], str]]
 
 
 class TrainerInterface:
+    def draw_with(self, engine: str, load: bool = False) -> None:
+        """What draws the answers a run samples (``chat.engine``; ``load``: load it now, not at the first
+        draw); a backend without llama.cpp draws them itself whatever it is told."""
+
     def run(
         self: Backend,
         samples: list[TrainSample],

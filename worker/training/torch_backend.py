@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from ..objective import (
 )
 from ..presets import TrainConfig
 from .backend import RefExtras, StepStats, TokenSums, TopRow
+from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
 from .precision import effective
 from .teachers import TeacherCache
@@ -95,6 +98,19 @@ class Trainer(TrainerInterface):
         self._teachers = TeacherCache(tokenizer)
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
         self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
+        self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
+        self._drawer = Drawer(ref, device, _end_ids(base, tokenizer))
+
+    def draw_with(self, engine: str, load: bool = False) -> None:
+        """What draws the answers this trainer samples (``chat.engine``; see :mod:`.drawing`);
+        ``load``: load llama.cpp now (the worker's preload) rather than at the run's first draw."""
+        self._drawer.choose(engine)
+        if load:
+            self._drawer.engine  # noqa: B018 (made on first use)
+
+    @property
+    def drawer(self) -> Drawer:
+        return self._drawer
 
     @property
     def n_params(self) -> int:
@@ -163,14 +179,23 @@ class Trainer(TrainerInterface):
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
+            # A fresh LoRA (B = 0) is the base until its first step.
+            self._weights = Path(adapter_dir) if adapter_dir is not None else None
             yield model
         finally:
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
+            self._weights = None
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
 
-    def reference(self) -> contextlib.AbstractContextManager[None]:
-        return self._model.disable_adapter()
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        weights, self._weights = self._weights, None
+        try:
+            with self._model.disable_adapter():
+                yield
+        finally:
+            self._weights = weights
 
     @contextlib.contextmanager
     def teacher(self, spec: str | None) -> Iterator[None]:
@@ -194,6 +219,19 @@ class Trainer(TrainerInterface):
         out_dir.mkdir(parents=True, exist_ok=True)
         with quiet_peft():
             self._model.save_pretrained(str(out_dir))
+        self._weights = out_dir
+
+    @contextlib.contextmanager
+    def _saved_live(self) -> Iterator[Path]:
+        """The session's adapter as it is now, saved to a private folder for the block (a LoRA of the
+        default model saves in a tenth of a second; llama.cpp holds it once it has drawn from it)."""
+        folder = Path(tempfile.mkdtemp(prefix="rlfleet-live-adapter-"))
+        try:
+            with quiet_peft():
+                self._model.save_pretrained(str(folder))
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     @property
     def precision(self) -> str:
@@ -431,6 +469,7 @@ class Trainer(TrainerInterface):
         torch.nn.utils.clip_grad_norm_(self._params, self._grad_clip)
         if apply:
             self._opt.step()
+            self._weights = LIVE
 
     # -- measurements -----------------------------------------------------------------------------
 
@@ -487,11 +526,20 @@ class Trainer(TrainerInterface):
         temperature: float = 0.7, top_p: float = 1.0,
     ) -> list[list[int]]:
         """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
-        one do), drawn as the chat draws (:func:`rlfleet.shared.responder.sampling`)."""
+        one do), drawn as the chat draws (:func:`rlfleet.shared.responder.sampling`); or llama.cpp's
+        batch, where it draws from these weights (:mod:`.drawing`)."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         rows = [prompt_ids(tok, p) for p in prompts]
+        if self._override is None:  # (a stronger teacher is a model llama.cpp does not hold)
+            if self._weights is LIVE and self._drawer.engine == "llama.cpp":
+                with self._saved_live() as folder:  # the loop checks: llama.cpp draws from a folder
+                    drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, folder)
+            else:
+                drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, self._weights)
+            if drawn is not None:
+                return drawn
         width = max(len(r) for r in rows)
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
@@ -502,6 +550,14 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _end_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer: the model's generation config's and the tokenizer's end token."""
+    config = getattr(model, "generation_config", None)
+    found = getattr(config, "eos_token_id", None)
+    ids = list(found) if isinstance(found, (list, tuple)) else [found]
+    return [int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None]
 
 
 def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
