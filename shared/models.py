@@ -279,6 +279,18 @@ def _model_from(ref: ModelRef, path: str, kwargs: dict[str, Any], device: str, d
     return model
 
 
+def end_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer, in order and once each: the tokenizer's end token, then the model's
+    generation config's (one id or several)."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (tokenizer.eos_token_id, configured):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
 def cache_argument(model: Any) -> str:
     """The keyword ``model``'s forward takes its key/value cache under: transformers renames
     ``past_key_values`` to ``cache`` (the old name warns, then goes). A PEFT wrapper passes either on:

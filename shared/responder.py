@@ -31,7 +31,15 @@ from . import llamacpp_engine, scopes
 from .chat_prompt import prompt_ids
 from .config import Config
 from .events import FinishReason
-from .models import ModelRef, cache_argument, load_model, load_tokenizer, quiet_peft, tuner_layers
+from .models import (
+    ModelRef,
+    cache_argument,
+    end_token_ids,
+    load_model,
+    load_tokenizer,
+    quiet_peft,
+    tuner_layers,
+)
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
 
 log = logging.getLogger(__name__)
@@ -637,12 +645,7 @@ class LocalResponder:
         return msgs
 
     def _end_token_ids(self) -> list[int]:
-        ids: list[int] = []
-        configured = getattr(self._base.generation_config, "eos_token_id", None)
-        for source in (self.tokenizer.eos_token_id, configured):
-            for i in source if isinstance(source, (list, tuple)) else [source]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
+        ids = end_token_ids(self._base, self.tokenizer)
         if not ids:
             raise ValueError(f"{self.ref.spec} defines no end token")
         return ids

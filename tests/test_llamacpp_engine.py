@@ -86,21 +86,28 @@ def responder(ref, adapters):
     r._engine.close()
 
 
-def _rank_gaps(responder, answers) -> list[float]:
-    """Per answer token: torch's top log-prob minus that of the token drawn (0: torch's own argmax),
-    under the state answering now."""
+def _gaps(model, rows) -> list[float]:
+    """Per answer token of each ``(prompt ids, answer ids)``: ``model``'s top log-prob minus that of the
+    token drawn (0: torch's own argmax)."""
     gaps = []
+    with torch.inference_mode():
+        for ids, answer in rows:
+            full = torch.tensor([list(ids) + list(answer)])
+            logp = torch.log_softmax(model(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
+            picked = logp.gather(-1, torch.tensor(answer).view(-1, 1)).squeeze(-1)
+            gaps += (logp.max(-1).values - picked).tolist()
+    return gaps
+
+
+def _rank_gaps(responder, answers) -> list[float]:
+    """:func:`_gaps` of the responder's answers under the state answering now."""
+    rows = [(responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
+                                                     return_tensors="pt")["input_ids"][0].tolist(), a.token_ids)
+            for a in answers]
     with responder._lock:
         chosen = responder._select(None)
-        with chosen.context, torch.inference_mode():
-            for a in answers:
-                ids = responder.tokenizer.apply_chat_template(a.messages, add_generation_prompt=True, return_dict=True,
-                                                              return_tensors="pt")["input_ids"][0].tolist()
-                full = torch.tensor([list(ids) + a.token_ids])
-                logp = torch.log_softmax(chosen.model(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
-                picked = logp.gather(-1, torch.tensor(a.token_ids).view(-1, 1)).squeeze(-1)
-                gaps += (logp.max(-1).values - picked).tolist()
-    return gaps
+        with chosen.context:
+            return _gaps(chosen.model, rows)
 
 
 def _greedy(responder):
@@ -312,18 +319,11 @@ def test_the_base_shape_for_adapters_comes_from_the_loaded_model_as_from_the_fil
 # ------------------------------------------------------------------- the trainer's samples (drawing.py)
 
 def _trainer_gaps(trainer, convs, answers) -> list[float]:
-    """As :func:`_rank_gaps`, under the trainer's weights in use now."""
+    """:func:`_gaps` of the trainer's answers under the weights it has in use now."""
     from rlfleet.shared.chat_prompt import prompt_ids
 
-    gaps = []
-    with torch.inference_mode():
-        for conv, answer in zip(convs, answers, strict=True):
-            ids = prompt_ids(trainer.tokenizer, conv)
-            full = torch.tensor([ids + answer])
-            logp = torch.log_softmax(trainer._active()(input_ids=full).logits[0, len(ids) - 1:-1].float(), -1)
-            picked = logp.gather(-1, torch.tensor(answer).view(-1, 1)).squeeze(-1)
-            gaps += (logp.max(-1).values - picked).tolist()
-    return gaps
+    rows = [(prompt_ids(trainer.tokenizer, c), a) for c, a in zip(convs, answers, strict=True)]
+    return _gaps(trainer._active(), rows)
 
 
 def test_a_run_draws_with_llama_cpp_from_saved_weights_and_from_its_weights_as_they_train(ref, adapters, tmp_path):

@@ -46,7 +46,7 @@ class Drawer:
 
     def __init__(self, ref: Any, device: str, end_ids: Sequence[int]) -> None:
         self.ref, self.device = ref, device
-        self.end_ids = sorted(set(end_ids))
+        self.end_ids = list(end_ids)
         self.choice = "torch"
         self._engine: Any = None
         self._asked = False  # engine_for was asked for this choice (None then means: torch)
@@ -64,13 +64,17 @@ class Drawer:
 
     @property
     def loaded(self) -> bool:
-        """Whether llama.cpp is loaded (it is made at the first draw, or by ``engine``)."""
+        """Whether llama.cpp is loaded (it is made at the first draw, or by :meth:`load`)."""
         return self._engine is not None
 
     @property
     def engine(self) -> str:
         """What draws from saved weights: ``llama.cpp`` or ``torch`` (asks for the engine)."""
         return "llama.cpp" if self._get() is not None else "torch"
+
+    def load(self) -> None:
+        """Make the engine now rather than at the first draw (the training worker's preload)."""
+        self._get()
 
     def _get(self) -> Any:
         with self._lock:

@@ -27,6 +27,7 @@ from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.shared.models import (
     ModelRef,
     cache_argument,
+    end_token_ids,
     load_model,
     load_tokenizer,
     quiet_peft,
@@ -99,14 +100,14 @@ class Trainer(TrainerInterface):
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
         self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
         self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
-        self._drawer = Drawer(ref, device, _end_ids(base, tokenizer))
+        self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
 
     def draw_with(self, engine: str, load: bool = False) -> None:
         """What draws the answers this trainer samples (``chat.engine``; see :mod:`.drawing`);
         ``load``: load llama.cpp now (the worker's preload) rather than at the run's first draw."""
         self._drawer.choose(engine)
         if load:
-            self._drawer.engine  # noqa: B018 (made on first use)
+            self._drawer.load()
 
     @property
     def drawer(self) -> Drawer:
@@ -550,14 +551,6 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
-
-
-def _end_ids(model: Any, tokenizer: Any) -> list[int]:
-    """The ids that end an answer: the model's generation config's and the tokenizer's end token."""
-    config = getattr(model, "generation_config", None)
-    found = getattr(config, "eos_token_id", None)
-    ids = list(found) if isinstance(found, (list, tuple)) else [found]
-    return [int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None]
 
 
 def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
