@@ -37,7 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .errors import QueueUnavailable
-from .lifecycle import held_interrupts
+from .lifecycle import exit_on_stop_signals_by_default, held_interrupts
 from .redis_text import as_text
 
 LEASES = "rlfleet:embedded:leases"
@@ -133,6 +133,8 @@ class EmbeddedRedis:
         Calling it again is harmless (same lease) and is how a holder recovers after a crash.
         """
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # A kill must reach release() (atexit) in a process that never said what a kill does.
+        exit_on_stop_signals_by_default()
         # A stop signal mid-way (a child of `up` told its parent is gone while it starts) waits until
         # the lease and its release are both in place, then unwinds through that release.
         with held_interrupts(), self._locked():

@@ -18,15 +18,23 @@ PARENT_ENV = "RLFLEET_PARENT_PID"  # set for background children: they stop when
 
 
 _held = 0  # depth of held_interrupts() blocks in this process
-_pending = False  # a stop signal came while they held it
+_pending: BaseException | None = None  # what a stop signal that came while they held it raises
 
 
 def _interrupt(signum: int, _frame: object) -> None:
+    _raise_or_hold(KeyboardInterrupt())
+
+
+def _exit(signum: int, _frame: object) -> None:
+    _raise_or_hold(SystemExit(128 + signum))  # the exit status a shell gives a process killed by it
+
+
+def _raise_or_hold(exc: BaseException) -> None:
     global _pending
     if _held:
-        _pending = True
+        _pending = exc
         return
-    raise KeyboardInterrupt
+    raise exc
 
 
 @contextmanager
@@ -44,9 +52,9 @@ def held_interrupts() -> Iterator[None]:
         yield
     finally:
         _held -= 1
-        if not _held and _pending:
-            _pending = False
-            raise KeyboardInterrupt
+        if not _held and _pending is not None:
+            exc, _pending = _pending, None
+            raise exc
 
 
 def interrupt_on_stop_signals() -> None:
@@ -55,6 +63,19 @@ def interrupt_on_stop_signals() -> None:
     handlers while it works."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+
+
+def exit_on_stop_signals_by_default() -> None:
+    """Where SIGTERM and SIGHUP still do what they do by default (a user's script that uses rlfleet as a
+    library, say ``rlfleet.gym``), they exit through ``SystemExit`` instead (status 128 + the signal, as
+    the default gives), so ``atexit`` runs: by default Python dies at once and the embedded Redis it
+    started would outlive it. A handler the program chose is left alone; only the main thread can
+    install one."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _exit)
 
 
 def stop_with_parent(poll: float = 2.0, resend: float = 10.0) -> None:
@@ -76,7 +97,7 @@ def stop_with_parent(poll: float = 2.0, resend: float = 10.0) -> None:
         while True:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(resend)
-            if signal.getsignal(signal.SIGTERM) is not _interrupt:
+            if signal.getsignal(signal.SIGTERM) not in (_interrupt, _exit):
                 return
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -212,6 +212,22 @@ def test_a_stop_signal_while_starting_leaves_no_server(tmp_path, embedded):
     assert not er.pid_alive(server)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_kill_of_a_process_that_chose_no_handler_stops_its_server(tmp_path, embedded, children, sig):
+    """A script that uses rlfleet as a library (``rlfleet.gym``) says nothing about SIGTERM: by default
+    Python would die at once, past atexit, and the server it started would run on with nobody left.
+    The kill exits through SystemExit instead (the status a shell expects), and the last lease out
+    stops the server, its data kept."""
+    proc, pid = children(tmp_path, "before-kill", "hold")
+    proc.send_signal(sig)
+    assert proc.wait(15) == 128 + sig
+    wait_until(lambda: not er.pid_alive(pid), 10)
+    assert not EmbeddedRedis.running(tmp_path), "the server outlived the process that started it"
+    conn = embedded().acquire()
+    assert conn.get("before-kill") == b"from-child"
+    assert conn.hlen(LEASES) == 1  # ours: the killed process's lease went with it
+
+
 def test_a_crashed_server_is_restarted_with_its_data(tmp_path, embedded):
     emb = embedded()
     conn = emb.acquire()

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -538,3 +542,58 @@ def test_a_run_crosses_to_the_worker_and_back_as_plain_data(home):
                              "candidate": {**asdict(c), "advantages": {"3": 0.25}}}) == c  # JSON's string keys
     with pytest.raises(NothingToLearn, match="every advantage is 0"):
         candidate_result(JobResult.failed("every advantage is 0", skipped=True).to_dict())
+
+
+# A user's script, as LlamaGym's README has one: the agent on the embedded default (no REDIS_URL),
+# training in the background worker, then killed mid-play by a `kill` it never prepared for.
+KILLED_SCRIPT = r"""
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from test_gym import Pick
+agent = Pick(model=sys.argv[1], home=sys.argv[2], episodes_per_update=2, max_new_tokens=4, device="cpu",
+             env="pick-killed", background=True, steps=2)
+for episode in range(4):
+    agent.act(episode)
+    agent.assign_reward(1.0)
+    agent.terminate_episode()
+print("worker", agent.worker_pid, flush=True)
+agent.act(99)  # an episode in hand, never terminated
+time.sleep(120)
+"""
+
+
+def test_a_killed_script_leaves_no_redis_or_worker_running_and_keeps_its_episodes(home, tiny_model_dir,
+                                                                                 tmp_path):
+    """SIGTERM to a script that never said what a kill does: it exits (status 143), its training
+    worker and the embedded Redis it started stop with it, and the episodes it ended are stored."""
+    from rlfleet.shared.embedded_redis import EmbeddedRedis, pid_alive
+
+    data = tmp_path / "agent-home"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(tiny_model_dir), str(data),
+                             os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    worker = server = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("worker "), line + proc.stderr.read()
+        worker = int(line.split()[1])
+        server = EmbeddedRedis(data)._server_pid()
+        assert server and pid_alive(server) and pid_alive(worker)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read()
+        deadline = time.monotonic() + 60
+        while (pid_alive(server) or pid_alive(worker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(worker), "the training worker outlived the script"
+        assert not pid_alive(server) and not EmbeddedRedis.running(data), "the embedded Redis outlived the script"
+    finally:  # a failure leaves nothing running either
+        if proc.poll() is None:
+            proc.kill()
+        for pid in (worker, server):
+            if pid and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    store = Store(f"sqlite:///{data / 'rlfleet.db'}")
+    with store.session() as s:
+        assert s.query(CaptureRow).filter(CaptureRow.source == "gym").count() == 4  # the four ended episodes
+    store.close()

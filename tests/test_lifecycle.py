@@ -105,3 +105,46 @@ def test_an_orphan_whose_first_stop_was_swallowed_is_stopped_again():
 def test_someone_elses_handler_gets_the_stop_once():
     said = _orphan("rq", 30)  # its handler does not raise: the 5 s sleep runs out, ten resends' worth
     assert "signals 1" in said, said
+
+
+# A script that uses rlfleet as a library: it may have chosen a SIGTERM handler of its own, or not.
+LIBRARY_USER = r"""
+import atexit, os, signal, sys, time
+from rlfleet.shared import lifecycle
+atexit.register(lambda: print("atexit ran", flush=True))
+if sys.argv[1] == "own":
+    signal.signal(signal.SIGTERM, lambda *_: (print("own handler", flush=True), os._exit(7)))
+lifecycle.exit_on_stop_signals_by_default()
+if sys.argv[1] == "held":
+    with lifecycle.held_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("block finished", flush=True)
+    print("after the block", flush=True)
+else:
+    os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+print("not stopped", flush=True)
+"""
+
+
+def _library_user(kind: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LIBRARY_USER, kind], capture_output=True, text=True, timeout=30)
+
+
+def test_a_process_that_chose_no_handler_exits_on_a_stop_signal_through_atexit():
+    out = _library_user("default")
+    assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
+    assert out.stdout.split("\n")[:1] == ["atexit ran"], out.stdout
+    assert "Traceback" not in out.stderr  # SystemExit: a quiet exit, not an error
+
+
+def test_the_exit_waits_for_a_held_block():
+    out = _library_user("held")
+    assert out.returncode == 128 + signal.SIGTERM, out.stdout + out.stderr
+    assert out.stdout.split() == ["block", "finished", "atexit", "ran"], out.stdout
+
+
+def test_a_handler_the_program_chose_is_left_alone():
+    out = _library_user("own")
+    assert out.returncode == 7 and out.stdout.split("\n")[:1] == ["own handler"], out.stdout + out.stderr

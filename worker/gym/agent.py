@@ -50,6 +50,7 @@ from rlfleet.shared.config import Config, TrainSettings, data_dir, load_config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.events import Capture, Message, Rating, well_formed
 from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
+from rlfleet.shared.lifecycle import exit_on_stop_signals_by_default
 from rlfleet.shared.llamacpp_engine import ENGINES
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
 from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key, wait_for
@@ -197,6 +198,9 @@ class Agent:
         self.episodes_per_update = episodes_per_update
         self.gamma, self.baseline = float(gamma), baseline
         self.env = env or type(self).__name__
+        # Here, on the thread that made the agent: the embedded Redis may be started by a background run's
+        # thread, which cannot say what a kill does, and a kill must still reach its release.
+        exit_on_stop_signals_by_default()
         self.home = Path(home) if home is not None else _fresh_home(type(self).__name__)
         self.cfg = _config(self.home, model, settings)
         self.slug = model_slug(self.cfg.model)
