@@ -198,8 +198,9 @@ class Agent:
         self.episodes_per_update = episodes_per_update
         self.gamma, self.baseline = float(gamma), baseline
         self.env = env or type(self).__name__
-        # Here, on the thread that made the agent: the embedded Redis may be started by a background run's
-        # thread, which cannot say what a kill does, and a kill must still reach its release.
+        # Here, on the thread that made the agent: inline training may first open the embedded Redis on
+        # the thread that plays, which cannot install a handler unless it is the main one, and a kill
+        # must still reach the server's release.
         exit_on_stop_signals_by_default()
         self.home = Path(home) if home is not None else _fresh_home(type(self).__name__)
         self.cfg = _config(self.home, model, settings)
