@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from test_trainer import LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
@@ -78,11 +79,13 @@ def _shorter_is_better(batch):
 def test_an_earlier_ending_is_added_only_where_the_reward_model_scores_it_higher():
     answers = [TrainSample(None, chat("a"), r, 0.0) for r in ("A b. C d. E f.", "Long one. More", "Fine.")]
     scored = [(s, score) for s, score in zip(answers, _shorter_is_better(answers), strict=True)]
-    got = exploration.better_endings(scored, _shorter_is_better, 2)
+    heads = exploration.ending_candidates(answers, 2)
+    assert [[c.response for c in cuts] for cuts in heads] == [["A b.", "A b. C d."], ["Long one."], []]
+    got = exploration.better_endings(scored, [list(zip(c, _shorter_is_better(c), strict=True)) for c in heads])
     assert [(i, s.response, score) for i, s, score in got] == [(0, "A b.", -2.0), (1, "Long one.", -2.0)]
     assert all(s.rating_id is None and s.prompt == chat("a") and s.complete for _, s, _ in got)
-    longer = lambda batch: [-x for x in _shorter_is_better(batch)]  # noqa: E731
-    assert exploration.better_endings([(s, -x) for s, x in scored], longer, 2) == []
+    longer = [list(zip(c, [-x for x in _shorter_is_better(c)], strict=True)) for c in heads]
+    assert exploration.better_endings([(s, -x) for s, x in scored], longer) == []
 
 
 class _Tok:
@@ -113,8 +116,11 @@ class _ShorterModel:
 def _explore_two_prompts(monkeypatch, texts, **settings):
     """``explore`` over two rated prompts (q, the newest, first), two answers each from ``texts``, scored
     by a reward model that likes fewer words."""
-    monkeypatch.setattr(exploration, "features",
-                        lambda _b, batch, _m: np.array([[len(s.response.split())] for s in batch], dtype=float))
+    def words(batch):
+        return np.array([[len(s.response.split())] for s in batch], dtype=float)
+
+    monkeypatch.setattr(exploration, "features_with_endings",
+                        lambda _b, batch, endings, _m: (words(batch), [words(cuts) for cuts in endings]))
     report = RewardModelReport(0.9, "ok", 0.0, _ShorterModel())
     rated = [TrainSample(1, chat("p"), "x", 1.0), TrainSample(2, chat("q"), "y", -1.0)]
     cfg = replace(LEARN, explore=2, explore_prompts=2, explore_weight=0.5, **settings)
@@ -226,6 +232,40 @@ def test_sample_honours_temperature_and_top_p(backend_name, tiny_trainer, reques
     assert backend.sample(rows, 12, seed=2, temperature=0.0) == greedy
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1e-6) == greedy
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1.0) != greedy
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mlx"])
+def test_earlier_endings_get_the_features_they_get_encoded_alone(backend_name, tiny_trainer, request, monkeypatch):
+    """The reward model sees an answer ended earlier as it sees that answer encoded as a row of its own;
+    on the torch backend an ending whose tokens begin its answer's costs no row (one position in its
+    answer's pass), one that does not is encoded alone."""
+    backend = tiny_trainer if backend_name == "torch" else request.getfixturevalue("mlx_trainer")
+    rain = chat("Tell me about rain.")
+    answers = [TrainSample(None, rain, "Rain is water. It falls from clouds. Then it stops.", 0.0),
+               TrainSample(None, chat("Cats?"), "Cats purr. They sleep a lot", 0.0, complete=False),
+               TrainSample(None, chat("Hi"), "Hello there", 0.0)]
+    heads = exploration.ending_candidates(answers, 2)
+    assert [len(h) for h in heads] == [2, 1, 0]
+    stranger = TrainSample(None, rain, "Snow is cold.", 0.0)  # not this answer's beginning
+    heads[0].append(stranger)
+    pooled_rows: list[int] = []
+    real = backend.pooled_hidden
+    monkeypatch.setattr(backend, "pooled_hidden",
+                        lambda batch: pooled_rows.append(len(batch["input_ids"])) or real(batch))
+    own, ended = reward_features.features_with_endings(backend, answers, heads, 1024)
+    encoded_alone = sum(pooled_rows)
+    monkeypatch.setattr(backend, "pooled_hidden", real)
+    assert np.allclose(own, reward_features.features(backend, answers, 1024), atol=1e-4)
+    assert [x.shape[0] for x in ended] == [3, 1, 0]
+    for cuts, x in zip(heads, ended, strict=True):
+        if cuts:
+            assert np.allclose(x, reward_features.features(backend, cuts, 1024), atol=1e-4)
+    # the three endings differ from their answers and from each other
+    assert not np.allclose(ended[0][0], own[0], atol=1e-3) and not np.allclose(ended[0][0], ended[0][1], atol=1e-3)
+    if backend_name == "torch":
+        assert encoded_alone == 1  # the stranger alone
+    else:
+        assert encoded_alone == len(answers) + 4  # every answer and every ending a row of its own
 
 
 def _run(backend, samples, cfg, out, captured=(), history=(), progress=None):
@@ -373,3 +413,60 @@ def test_the_reward_model_learns_from_earlier_ratings_too(tiny_trainer, tmp_path
     earlier = _run(tiny_trainer, run, cfg, tmp_path / "earlier", history=[liked[1], disliked[0]]).metrics
     assert earlier["reward_model_auc"] is not None and earlier["ratings_used"] == len(run)
     assert exploration.labelled(reward_features.with_history(run, [liked[1], disliked[0]])) == [*run, liked[1]]
+
+
+def test_the_reference_and_behaviour_passes_reuse_the_feature_passes_log_probs(tiny_trainer, tmp_path, monkeypatch):
+    """The rows a run's feature passes ran (its answers and their earlier endings) need no forward pass
+    of their own for the base's or the starting policy's log-probs: they are the values a pass of
+    their own gives. Weights an update moved are never answered from memory, nor another model's."""
+    from rlfleet.worker.batching import encode_sample
+
+    backend = tiny_trainer
+    rain = chat("Tell me about rain.")
+    answers = [TrainSample(None, rain, "Rain is water. It falls from clouds. Then it stops.", 0.0),
+               TrainSample(None, chat("Cats?"), "Cats purr. They sleep a lot", 0.0, complete=False)]
+    heads = exploration.ending_candidates(answers, 2)
+    rows = [encode_sample(backend.tokenizer, s, 1024) for s in answers + [c for h in heads for c in h]]
+    passes: list[int] = []
+    real = backend._logprobs
+    monkeypatch.setattr(backend, "_logprobs", lambda batch: passes.append(1) or real(batch))
+
+    def log_probs() -> list:
+        """Per micro-batch, the log-probs as the run asks for them, and as a pass of their own gives them."""
+        groups, batches = backend.batches(rows, 64)  # small micro-batches: not the feature passes' own
+        assert len(batches) > 1
+        asked = [backend.logprobs(b) for b in batches]
+        return [(lp[b["response_mask"]], real(b)[b["response_mask"]]) for b, lp in zip(batches, asked, strict=True)]
+
+    def matches(got) -> bool:
+        return all(torch.allclose(lp, own, atol=1e-5) for lp, own in got)
+
+    cfg = replace(LEARN, steps=1)
+    with backend.adapter(None, cfg, trainable=True):  # a fresh LoRA: the base until its first update
+        reward_features.features_with_endings(backend, answers, heads, 1024)
+        with backend.reference():
+            base = log_probs()
+        start = log_probs()
+        assert passes == [] and matches(base) and matches(start)
+        backend.begin_training(cfg)
+        backend.begin_step()
+        groups, batches = backend.batches(rows, 4096)
+        for b in batches:
+            n = len(b["input_ids"])
+            backend.accumulate(b, real(b), real(b), backend.vector([1.0] * n), 1.0)
+        backend.finish_step(apply=True)
+        moved = log_probs()
+        assert len(passes) == len(moved) and matches(moved)  # the updated policy: computed
+        backend.save(tmp_path / "v1")
+    passes.clear()
+    with backend.adapter(tmp_path / "v1", cfg, trainable=True):  # a parent's session: the policy is not the base
+        reward_features.features_with_endings(backend, answers, heads, 1024)
+        start = log_probs()
+        assert passes == [] and matches(start)
+        with backend.reference():
+            base = log_probs()
+        assert len(passes) == len(base) and matches(base)
+        passes.clear()
+        with backend.teacher(None):  # the teacher reading a hint is the base: computed as well
+            log_probs()
+        assert passes

@@ -184,6 +184,12 @@ class Backend(Protocol):
         """Per row, the active model's last hidden layer (the one the output head reads) averaged
         over its response tokens, in fp32; no gradient. What the reward model sees of an answer."""
 
+    def pooled_endings(self, batch: Batch, endings: Sequence[Sequence[int]]
+                       ) -> tuple[list[list[float]], list[list[list[float]]]]:
+        """:meth:`pooled_hidden` of the rows, and of each row's answer ended earlier: for row r, its
+        first ``endings[r][j]`` answer tokens then the end token, in the same pass; raises
+        NotImplementedError where the model cannot (the caller then encodes each ending as a row)."""
+
     def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
         """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..gate import repeated_ngrams
@@ -28,7 +28,7 @@ from ..presets import TrainConfig
 from ..samples import TrainSample
 from .advantages import group_advantages
 from .backend import Backend
-from .reward_features import RewardModelReport, features, labelled
+from .reward_features import RewardModelReport, features_with_endings, labelled
 
 SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
 # An explored answer that repeats more of its own trigrams than this ranks last in its group, whatever
@@ -154,27 +154,27 @@ def minibatches(groups: Sequence[int], n: int) -> list[list[int]]:
     return [parts[k] for k in sorted(parts)]
 
 
-Scorer = Callable[[Sequence[TrainSample]], list[float]]
+def ending_candidates(answers: Sequence[TrainSample], n: int) -> list[list[TrainSample]]:
+    """Per answer, its :func:`earlier_endings` (up to ``n``) as answers of their own, each ended there."""
+    return [[TrainSample(rating_id=None, prompt=s.prompt, response=head, reward=0.0)
+             for head in earlier_endings(s.response, n)] for s in answers]
 
 
-def better_endings(scored: Sequence[tuple[TrainSample, float]], score_all: Scorer,
-                   n: int) -> list[tuple[int, TrainSample, float]]:
-    """For each ``(answer, its score)``, its earlier ending (:func:`earlier_endings`, up to ``n`` tried)
-    that ``score_all`` (samples -> scores) scores highest, where that beats the whole answer: ``(index
-    of the answer, the ended answer, its score)``.
+def better_endings(scored: Sequence[tuple[TrainSample, float]],
+                   endings: Sequence[Sequence[tuple[TrainSample, float]]]) -> list[tuple[int, TrainSample, float]]:
+    """For each ``(answer, its score)``, the one of its scored earlier endings (``endings[i]``, from
+    :func:`ending_candidates`) the reward model scores highest, where that beats the whole answer:
+    ``(index of the answer, the ended answer, its score)``.
 
     A taste for shorter answers shows in the policy's own answers ended sooner, which the reward model
     can judge without a sample drawn: a run then compares an answer with its own first sentences, the
     one difference being where it ends. Where the taste is about something else, the model scores the
     endings no higher and nothing is added."""
-    cands = [(i, TrainSample(rating_id=None, prompt=s.prompt, response=head, reward=0.0))
-             for i, (s, _) in enumerate(scored) for head in earlier_endings(s.response, n)]
-    if not cands:
-        return []
     best: dict[int, tuple[TrainSample, float]] = {}
-    for (i, cand), score in zip(cands, score_all([c for _, c in cands]), strict=True):
-        if score > scored[i][1] and (i not in best or score > best[i][1]):
-            best[i] = (cand, float(score))
+    for i, ((_, own), cands) in enumerate(zip(scored, endings, strict=True)):
+        for cand, score in cands:
+            if score > own and (i not in best or score > best[i][1]):
+                best[i] = (cand, float(score))
     return [(i, cand, score) for i, (cand, score) in sorted(best.items())]
 
 
@@ -201,16 +201,18 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
                 for p, ids in zip(rows, answers, strict=True)]
     looping = loops(answers)
     model = report.model
-
-    def score_all(batch: Sequence[TrainSample]) -> list[float]:
-        return model.score(features(backend, batch, cfg.max_tokens)).tolist()
-
-    scores = score_all(explored)
+    # A looping answer ranks last whatever it scores (fluent_first): its endings are not tried.
+    heads = [[] if loop else cuts for cuts, loop in zip(ending_candidates(explored, cfg.explore_cuts), looping,
+                                                           strict=True)]
+    own, ended_features = features_with_endings(backend, explored, heads, cfg.max_tokens)
+    scores = model.score(own).tolist()
     groups = [i // k for i in range(len(explored))]
     n_cut = sum(not s.complete for s in explored)
-    fluent = [(s, score) for s, score, loop in zip(explored, scores, looping, strict=True) if not loop]
     index = [i for i, loop in enumerate(looping) if not loop]
-    ended = better_endings(fluent, score_all, cfg.explore_cuts) if cfg.explore_cuts > 0 else []
+    ended = better_endings(
+        [(explored[i], scores[i]) for i in index],
+        [list(zip(heads[i], model.score(ended_features[i]).tolist() if heads[i] else [], strict=True))
+         for i in index])
     for j, sample, score in ended:  # each beside its answer, in its group
         explored.append(sample)
         scores.append(score)

@@ -496,6 +496,10 @@ class MlxTrainer(TrainerInterface):
         pooled = (hidden * mask).sum(axis=1) / mx.maximum(mask.sum(axis=1), 1.0)
         return cast("list[list[float]]", np.array(pooled).tolist())
 
+    def pooled_endings(self, batch: dict, endings: Sequence[Sequence[int]]
+                       ) -> tuple[list[list[float]], list[list[list[float]]]]:
+        raise NotImplementedError("the MLX trainer encodes each earlier ending as a row of its own")
+
     def score_rows(self, batch: dict, with_kl: bool) -> list[TokenSums]:
         import numpy as np
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batching import encode_sample
+from ..batching import Encoded, encode_sample
 from ..samples import TrainSample
 from .backend import Backend
 from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, best_of, why_not
@@ -93,6 +93,59 @@ def features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int) 
             pooled[i] = row
     stats = [answer_statistics(s.response, e.n_response) for s, e in zip(samples, encoded, strict=True)]
     return np.hstack([np.asarray(pooled, dtype=np.float64), np.asarray(stats, dtype=np.float64)])
+
+
+def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
+                          endings: Sequence[Sequence[TrainSample]], max_tokens: int
+                          ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """:func:`features` of ``samples`` and of each one's ``endings`` (the same answer ended earlier,
+    an end token after it: exploration's cut answers), ``[len(endings[i]), hidden + 3]`` each.
+
+    An ending whose tokens are the first ones of its answer's costs one position in its answer's pass
+    (:meth:`Backend.pooled_endings`) instead of a pass of its own; the others (a tokenizer that splits
+    the shorter text differently, a cap that cut the prompt) are encoded as rows, as :func:`features`
+    does, and so is every ending on a backend that cannot."""
+    tok = backend.tokenizer
+    encoded = [encode_sample(tok, s, max_tokens) for s in samples]
+    ended = [[encode_sample(tok, c, max_tokens) for c in cuts] for cuts in endings]
+    shared: list[list[tuple[int, int]]] = [[] for _ in samples]  # (ending's index, its answer tokens)
+    alone: list[tuple[int, int]] = []  # (sample, ending) pairs encoded as rows of their own
+    for i, (e, cuts) in enumerate(zip(encoded, ended, strict=True)):
+        for j, c in enumerate(cuts):
+            k = c.n_response - 1
+            if (c.prompt_len == e.prompt_len and 0 < k <= e.n_response and c.input_ids[-1] == tok.eos_token_id
+                    and c.input_ids[:-1] == e.input_ids[:c.length - 1]):
+                shared[i].append((j, k))
+            else:
+                alone.append((i, j))
+    pooled: list[list[float]] = [[] for _ in samples]
+    cut_pooled: list[list[list[float]]] = [[[] for _ in cuts] for cuts in endings]
+    groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
+    for g, batch in zip(groups, batches, strict=True):
+        try:
+            own, theirs = backend.pooled_endings(batch, [[k for _, k in shared[i]] for i in g])
+        except NotImplementedError:
+            own = backend.pooled_hidden(batch)
+            theirs = [[] for _ in g]
+            alone += [(i, j) for i in g for j, _ in shared[i]]
+        for i, row, vectors in zip(g, own, theirs, strict=True):
+            pooled[i] = row
+            for (j, _), v in zip(shared[i], vectors, strict=False):
+                cut_pooled[i][j] = v
+    if alone:
+        rows = features(backend, [endings[i][j] for i, j in alone], max_tokens)
+        for (i, j), row in zip(alone, rows, strict=True):
+            cut_pooled[i][j] = row[:-N_STATISTICS].tolist()
+
+    def table(vectors: Sequence[list[float]], items: Sequence[TrainSample], enc: Sequence[Encoded]) -> np.ndarray:
+        stats = [answer_statistics(s.response, e.n_response) for s, e in zip(items, enc, strict=True)]
+        width = len(pooled[0]) + N_STATISTICS if pooled else N_STATISTICS
+        if not items:
+            return np.zeros((0, width))
+        return np.hstack([np.asarray(vectors, dtype=np.float64), np.asarray(stats, dtype=np.float64)])
+
+    return (table(pooled, samples, encoded),
+            [table(v, cuts, enc) for v, cuts, enc in zip(cut_pooled, endings, ended, strict=True)])
 
 
 def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, seed: int) -> RewardModelReport:

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -55,6 +55,14 @@ from .precision import effective
 from .teachers import TeacherCache
 
 log = logging.getLogger(__name__)
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+# Log-probs of these weights are not remembered (Trainer._memo_weights).
+UNKNOWN: Final = _Unknown()
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -100,6 +108,9 @@ class Trainer(TrainerInterface):
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
         self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
         self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
+        # Response log-probs the session's feature passes computed beside the hidden states, by the
+        # weights that gave them and the row's tokens (:meth:`_remember`); read by :meth:`logprobs`.
+        self._known: dict[tuple[Weights, int, tuple[int, ...]], list[float]] = {}
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
 
     def draw_with(self, engine: str, load: bool = False) -> None:
@@ -186,6 +197,7 @@ class Trainer(TrainerInterface):
         finally:
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
             self._weights = None
+            self._known = {}
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
 
@@ -387,7 +399,64 @@ class Trainer(TrainerInterface):
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Tensor]) -> Tensor:
-        return self._logprobs(batch)
+        known = self._recall(batch)
+        return self._logprobs(batch) if known is None else known
+
+    def _memo_weights(self) -> Weights | _Unknown:
+        """What the active model's log-probs can be remembered under: the weights on disk it is (None:
+        the base, which a fresh LoRA is until its first update), inside a session only. Not weights
+        that an update has moved, not a teacher, and not a bf16 session: there the values depend on
+        the batch a row was computed in, and the run's ratios start at exactly 1 only when the
+        behaviour pass and the policy's first pass share their batches (:mod:`.precision`)."""
+        if self._model is None or self._override is not None or self._weights is LIVE or self._bf16:
+            return UNKNOWN
+        return self._weights
+
+    def _remember(self, lm: Any, batch: dict[str, Tensor], hidden: Tensor,
+                  endings: Sequence[Sequence[int]] = ()) -> None:
+        """Keep each row's response log-probs from ``hidden`` (the last hidden layer of a pass over
+        ``batch``'s rows), and each ending's (:meth:`pooled_endings`: the row's first k answer tokens
+        then the end token): the reference and behaviour passes then need no forward of their own
+        for the rows the feature passes already ran (exploration's answers, the rated ones)."""
+        weights = self._memo_weights()
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        config = getattr(lm, "config", None)
+        if isinstance(weights, _Unknown) or not isinstance(head, torch.nn.Linear) or any(
+                getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
+            return
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        eos = int(self.tokenizer.eos_token_id)
+        for r in range(ids.shape[0]):
+            n = int(attn[r].sum())
+            start = int(resp[r].int().argmax())
+            if start == 0 or not bool(resp[r].any()):
+                continue
+            row = ids[r, :n].tolist()
+            # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
+            logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            targets = torch.tensor(row[start:] + [eos], device=logits.device)
+            lp = (logits.gather(-1, targets[:, None]).squeeze(-1) - lse).tolist()
+            self._known[(weights, start, tuple(row))] = lp[:-1]
+            for k in (endings[r] if endings else ()):
+                k = int(k)
+                eos_lp = float(logits[k, eos] - lse[k])
+                self._known[(weights, start, tuple(row[:start + k] + [eos]))] = lp[:k] + [eos_lp]
+
+    def _recall(self, batch: dict[str, Tensor]) -> Tensor | None:
+        """``batch``'s ``[B, L]`` log-probs where every row's are remembered for the active model
+        (:meth:`_remember`), else None."""
+        weights = self._memo_weights()
+        if isinstance(weights, _Unknown) or not self._known:
+            return None
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        values: list[float] = []
+        for r in range(ids.shape[0]):
+            key = (weights, int(resp[r].int().argmax()), tuple(ids[r, :int(attn[r].sum())].tolist()))
+            if key not in self._known:
+                return None
+            values += self._known[key]
+        return self._scatter(batch, torch.tensor(values, dtype=torch.float32, device=ids.device))
 
     def with_recorded(
         self, logprobs: Tensor, rows: Sequence[tuple[int, int, Sequence[float]]], shift: Tensor | None = None
@@ -487,12 +556,67 @@ class Trainer(TrainerInterface):
         with self.autocast():
             if body is not None:  # the transformer without its output head: no vocab-sized logits
                 hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+                self._remember(lm, batch, hidden)
             else:
                 out = lm(input_ids=ids, attention_mask=attn, use_cache=False, output_hidden_states=True)
                 hidden = out.hidden_states[-1]
         mask = resp.unsqueeze(-1).to(torch.float32)
         pooled = (hidden.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         return pooled.cpu().tolist()
+
+    @torch.no_grad()
+    def pooled_endings(self, batch: dict[str, Tensor], endings: Sequence[Sequence[int]]
+                       ) -> tuple[list[list[float]], list[list[list[float]]]]:
+        """In one pass (a custom attention mask): the rows' own pooled vectors, and each ending's: row
+        r's answer ended after its first ``endings[r][j]`` tokens, the end token after them. The row's
+        hidden states at those tokens are the ending's (the model is causal); only the end token is
+        new, an extra position that sees the ending's tokens and itself."""
+        model = self._active()
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+        if body is None or getattr(lm.config, "_attn_implementation", None) != "sdpa":
+            raise NotImplementedError("the model takes no custom attention mask this way")
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        rows, width = ids.shape
+        extra = max((len(e) for e in endings), default=0)
+        total = width + extra
+        eos = self.tokenizer.eos_token_id
+        lengths = attn.sum(1).tolist()
+        starts = resp.int().argmax(1).tolist()  # each row's first response position
+        full_ids = torch.cat([ids, torch.full((rows, extra), int(eos), dtype=ids.dtype, device=ids.device)], 1)
+        positions = torch.arange(total, device=ids.device).repeat(rows, 1)
+        keys = torch.arange(total, device=ids.device)
+        allowed = keys[None, :] <= keys[:, None]  # causal over the row's own positions
+        mask = allowed[None].repeat(rows, 1, 1)
+        for r in range(rows):
+            mask[r, :, lengths[r]:width] = False  # padding is never a key
+            for j in range(extra):
+                q = width + j
+                mask[r, q] = False
+                mask[r, q, q] = True
+                if j < len(endings[r]):
+                    end = starts[r] + int(endings[r][j])
+                    if not 0 < endings[r][j] <= lengths[r] - starts[r]:
+                        raise ValueError(f"ending {endings[r][j]} is outside row {r}'s answer")
+                    mask[r, q, :end] = True
+                    positions[r, q] = end
+        with self.autocast():
+            hidden = body(input_ids=full_ids, attention_mask=mask[:, None], position_ids=positions,
+                          use_cache=False).last_hidden_state
+            self._remember(lm, batch, hidden[:, :width], endings)
+        hidden = hidden.float()
+        on = resp.unsqueeze(-1).to(torch.float32)
+        own = (hidden[:, :width] * on).sum(1) / on.sum(1).clamp(min=1.0)
+        # Per row, the running sum of its hidden states over the answer: an ending's tokens are a prefix.
+        running = (hidden[:, :width] * on).cumsum(1)
+        ended: list[list[list[float]]] = []
+        for r in range(rows):
+            vectors = []
+            for j, k in enumerate(endings[r]):
+                k = int(k)
+                vectors.append(((running[r, starts[r] + k - 1] + hidden[r, width + j]) / (k + 1)).tolist())
+            ended.append(vectors)
+        return own.tolist(), ended
 
     @torch.no_grad()
     def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[TokenSums]:
