@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,14 +55,6 @@ from .precision import effective
 from .teachers import TeacherCache
 
 log = logging.getLogger(__name__)
-
-class _Unknown:
-    def __repr__(self) -> str:
-        return "UNKNOWN"
-
-
-# Log-probs of these weights are not remembered (Trainer._memo_weights).
-UNKNOWN: Final = _Unknown()
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -110,7 +102,7 @@ class Trainer(TrainerInterface):
         self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
         # Response log-probs the session's feature passes computed beside the hidden states, by the
         # weights that gave them and the row's tokens (:meth:`_remember`); read by :meth:`logprobs`.
-        self._known: dict[tuple[Weights, int, tuple[int, ...]], list[float]] = {}
+        self._known: dict[tuple[tuple[Weights], int, tuple[int, ...]], list[float]] = {}
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
 
     def draw_with(self, engine: str, load: bool = False) -> None:
@@ -312,10 +304,8 @@ class Trainer(TrainerInterface):
         targets = ids[:, 1:][pred_mask]
 
         body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-        config = getattr(lm, "config", None)
-        plain_head = not any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING)
-        split = body is not None and isinstance(head, torch.nn.Linear) and plain_head
+        head = _plain_head(lm)
+        split = body is not None and head is not None
         p = int(batch.get("shared_prefix", 0)) if self._share_prefix else 0
         try:
             with self.autocast():
@@ -402,15 +392,15 @@ class Trainer(TrainerInterface):
         known = self._recall(batch)
         return self._logprobs(batch) if known is None else known
 
-    def _memo_weights(self) -> Weights | _Unknown:
-        """What the active model's log-probs can be remembered under: the weights on disk it is (None:
+    def _memo_key(self) -> tuple[Weights] | None:
+        """What the active model's log-probs are remembered under (None: not at all): the weights on disk it is (None:
         the base, which a fresh LoRA is until its first update), inside a session only. Not weights
         that an update has moved, not a teacher, and not a bf16 session: there the values depend on
         the batch a row was computed in, and the run's ratios start at exactly 1 only when the
         behaviour pass and the policy's first pass share their batches (:mod:`.precision`)."""
         if self._model is None or self._override is not None or self._weights is LIVE or self._bf16:
-            return UNKNOWN
-        return self._weights
+            return None
+        return (self._weights,)
 
     def _remember(self, lm: Any, batch: dict[str, Tensor], hidden: Tensor,
                   endings: Sequence[Sequence[int]] = ()) -> None:
@@ -418,18 +408,16 @@ class Trainer(TrainerInterface):
         ``batch``'s rows), and each ending's (:meth:`pooled_endings`: the row's first k answer tokens
         then the end token): the reference and behaviour passes then need no forward of their own
         for the rows the feature passes already ran (exploration's answers, the rated ones)."""
-        weights = self._memo_weights()
-        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
-        config = getattr(lm, "config", None)
-        if isinstance(weights, _Unknown) or not isinstance(head, torch.nn.Linear) or any(
-                getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
+        weights = self._memo_key()
+        head = _plain_head(lm)
+        if weights is None or head is None:
             return
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         eos = int(self.tokenizer.eos_token_id)
         for r in range(ids.shape[0]):
             n = int(attn[r].sum())
             start = int(resp[r].int().argmax())
-            if start == 0 or not bool(resp[r].any()):
+            if start == 0:  # no answer in the row, or one with nothing to be predicted from
                 continue
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
@@ -446,8 +434,8 @@ class Trainer(TrainerInterface):
     def _recall(self, batch: dict[str, Tensor]) -> Tensor | None:
         """``batch``'s ``[B, L]`` log-probs where every row's are remembered for the active model
         (:meth:`_remember`), else None."""
-        weights = self._memo_weights()
-        if isinstance(weights, _Unknown) or not self._known:
+        weights = self._memo_key()
+        if weights is None or not self._known:
             return None
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         values: list[float] = []
@@ -675,6 +663,17 @@ class Trainer(TrainerInterface):
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def _plain_head(lm: Any) -> torch.nn.Linear | None:
+    """``lm``'s output head where it is a plain linear layer whose logits nothing rescales after it: the
+    head can then run on the answer's positions only. None where only the model's full logits are right."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    config = getattr(lm, "config", None)
+    if not isinstance(head, torch.nn.Linear) or any(
+            getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
+        return None
+    return head
 
 
 def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
