@@ -43,6 +43,11 @@ BAD = (
 )
 
 
+# The run's own figures kept beside the phases: its precision and the seconds of the parts inside them.
+RUN_METRICS = ("precision", "reward_model_seconds", "explore_seconds", "rewrite_seconds", "teacher_seconds",
+               "loop_seconds", "explored", "loop_checked")
+
+
 def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,8 +74,20 @@ def main(argv: list[str] | None = None) -> dict:
                     help="what draws the runs' samples (chat.engine; default auto: llama.cpp where it can run)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per worker (default: torch's choice, every core)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    help="a training setting for the runs, as in config.toml's [train] (e.g. "
+                         "micro_batch_tokens=1024; repeatable): to compare settings run by run")
     output_options(ap)
     args = ap.parse_args(argv)
+    from pydantic import ValidationError
+
+    from rlfleet.shared.config import TrainSettings
+
+    try:
+        args.train_settings = dict(_setting(s) for s in args.settings)
+        TrainSettings.model_validate(args.train_settings)
+    except (ValueError, ValidationError) as exc:
+        ap.error(f"--set: {exc}")
     # Stopped with SIGTERM (timeout, kill): unwind through `finally`, which stops the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -105,6 +122,7 @@ def _measure(args, home: Path, console) -> dict:
     cfg.train.threshold = args.threshold
     cfg.train.device = args.device
     cfg.chat.engine = args.engine
+    cfg.train = type(cfg.train).model_validate({**cfg.train.model_dump(), **args.train_settings})
     cfg.save()
     handle = open_queue(cfg)
     if args.redis:
@@ -170,6 +188,8 @@ def _measure(args, home: Path, console) -> dict:
                 "version": run.version, "verdict": metrics.get("verdict"), "reason": metrics.get("reason"),
                 "train_seconds": metrics.get("seconds"), "tokens_per_s": metrics.get("tokens_per_s"),
                 "steps": metrics.get("steps"), "ratings_used": metrics.get("ratings_used"),
+                # Where a run's own clock says its time went (the run's metrics: absent where off).
+                **{k: metrics[k] for k in RUN_METRICS if metrics.get(k) is not None},
             })
             console.print(f"run {r + 1}: {outcome} after {total:.1f} s")
     finally:
@@ -185,10 +205,21 @@ def _measure(args, home: Path, console) -> dict:
                            "ratings trained", "steps", "train tokens/s"], rows)
     figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "engine": args.engine,
                "runs": runs}
+    if args.train_settings:
+        figures["settings"] = args.train_settings
     publish(figures, text, args, f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · "
             f"{args.device} · engine {args.engine} · first run's last rating {args.first_after:.0f} s after start"
-            + (f" · threads {args.threads}" if args.threads else ""))
+            + (f" · threads {args.threads}" if args.threads else "")
+            + "".join(f" · {k} = {v}" for k, v in args.train_settings.items()))
     return figures
+
+
+def _setting(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` as a pair (the value is validated with the rest of [train])."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set takes KEY=VALUE, not {text!r}")
+    return key.strip(), value.strip()
 
 
 def spans(phases: dict[str, float], total: float) -> str:

@@ -107,14 +107,25 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
     # Two runs: the first run's held-out ratings stay pending, so fewer new ones start the second (the
     # benchmark used to wait for a run that had started before its clock did).
     figures = time_to_adapter.main(["--model", str(tiny_model_dir), "--threshold", "8", "--runs", "2",
-                                    "--first-after", "0", "--timeout", "240", "--json", "--no-record"])
+                                    "--first-after", "0", "--timeout", "240", "--json", "--no-record",
+                                    "--set", "steps=3"])
     first, second = figures["runs"]
+    assert figures["settings"] == {"steps": "3"}
     for n, run in enumerate((first, second), 1):
         assert run["outcome"] in ("served", "rejected", "succeeded")
-        assert run["version"] == f"v000{n}" and run["steps"] and math.isfinite(run["seconds"])
+        assert run["version"] == f"v000{n}" and run["steps"] == 3 and math.isfinite(run["seconds"])
         assert run["ratings_used"] >= 1
         assert "training" in run["phases"]  # the progress record was seen mid-run
+        # the run's own clock beside the phases (its loop checks are on by default)
+        assert run["precision"] in ("fp32", "bf16") and run["loop_seconds"] >= 0 and run["loop_checked"] > 0
     assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
+
+
+@pytest.mark.parametrize("setting", ["steps", "steps=0", "no_such_key=1"])
+def test_time_to_adapter_refuses_a_setting_it_cannot_apply_before_starting_anything(setting, capsys):
+    with pytest.raises(SystemExit):
+        time_to_adapter.main(["--set", setting, "--no-record"])
+    assert "--set" in capsys.readouterr().err
 
 
 def test_time_to_adapter_spans_follow_the_phases_as_they_came():

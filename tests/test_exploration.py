@@ -374,13 +374,23 @@ def test_a_run_continuing_a_parent_measures_its_start_over_every_sample_whatever
         return real_check(loss, start_kl, final_kl, max_run_kl)
 
     monkeypatch.setattr(loop, "run_check", spy)
+    kl_passes: list[bool] = []  # per kl_sum call: did it run the model (no log-probs handed to it)?
+    real_kl = tiny_trainer.kl_sum
+    monkeypatch.setattr(tiny_trainer, "kl_sum",
+                        lambda batch, ref, new=None: kl_passes.append(new is None) or real_kl(batch, ref, new))
     cfg = replace(LEARN, steps=2, unlikelihood=0.0, explore=2, explore_prompts=3, explore_max_new_tokens=8,
                   explore_cuts=0)
     for n in (1, 3):
         run_training(tiny_trainer, PolicyGradient(), RunRequest(
             samples, None, replace(cfg, explore_minibatches=n), tmp_path / "parent", tmp_path / f"mb{n}"))
+        if n == 1:
+            final_only, kl_passes = kl_passes, []
     assert starts[0] > 0  # the parent has moved from the base
     assert starts[1] == pytest.approx(starts[0], rel=1e-4)  # the first step trained one prompt's answers of 3
+    # The start is read from the run-start pass the behaviour log-probs needed: only the final KL runs the model.
+    assert final_only and all(final_only)
+    half = len(kl_passes) // 2  # the start's and the final KL's, over the same micro-batches
+    assert half > 0 and kl_passes == [False] * half + [True] * half
 
 
 def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_trainer, tmp_path, monkeypatch):

@@ -187,3 +187,40 @@ def test_bf16_lora_inputs_are_not_cast_up_and_back(tiny_trainer, monkeypatch):
     assert torch.equal(lean[0], cast[0])
     assert all(torch.equal(a, b) for a, b in zip(lean[1], cast[1], strict=True))
     assert lean[2] < cast[2], (lean[2], cast[2])
+
+
+def test_a_bf16_session_holds_the_frozen_weights_in_bf16_with_the_same_products(tiny_trainer):
+    """Autocast would cast every frozen weight to bf16 again on every forward pass: a bf16 session
+    holds them in bf16 from its start, with bit-identical log-probs and gradients, the fp32 weights
+    inside full_precision (and generate), and the base's own fp32 weights once it closes."""
+    from rlfleet.worker.batching import encode_sample
+
+    enc = [encode_sample(tiny_trainer.tokenizer, s, 1024) for s in recorded(tiny_trainer)]
+    _, batches = tiny_trainer.batches(enc, 4096)
+    before = {n: p.detach().clone() for n, p in tiny_trainer.base.named_parameters()}
+    linears = [m for m in tiny_trainer.base.modules() if isinstance(m, torch.nn.Linear)]
+    with tiny_trainer.adapter(None, preset("careful"), trainable=True, precision="bf16") as model:
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # a fresh LoRA's B is 0: give the adapter something to say
+                torch.nn.init.normal_(p, std=0.05)
+        tiny_trainer._params = [p for p in model.parameters() if p.requires_grad]
+        frozen = [layer.get_base_layer().weight for layer in tiny_trainer._lora]
+        assert len(tiny_trainer._frozen) == len(frozen) > 0
+        assert all(w.dtype == torch.bfloat16 for w in frozen)
+        held = _pass_with_grads(tiny_trainer, batches[0])
+        with tiny_trainer.full_precision():
+            assert all(w.dtype == torch.float32 for w in frozen)
+        assert all(w.dtype == torch.bfloat16 for w in frozen)
+        drawn = tiny_trainer.sample([s.prompt for s in recorded(tiny_trainer)][:2], 4, seed=0)
+        assert len(drawn) == 2 and all(w.dtype == torch.bfloat16 for w in frozen)
+        tiny_trainer._frozen.hold(half=False)  # autocast casting the fp32 weights on every pass, as before
+        cast = _pass_with_grads(tiny_trainer, batches[0])
+        tiny_trainer._frozen.hold(half=True)
+    assert torch.equal(held[0], cast[0])
+    assert all(torch.equal(a, b) for a, b in zip(held[1], cast[1], strict=True))
+    assert held[2] < cast[2], (held[2], cast[2])  # the casts left out
+    assert len(tiny_trainer._frozen) == 0 and all(m.weight.dtype == torch.float32 for m in linears)
+    assert all(torch.equal(p, before[n]) for n, p in tiny_trainer.base.named_parameters())
+    with tiny_trainer.adapter(None, preset("careful"), precision="fp32"):
+        assert len(tiny_trainer._frozen) == 0  # an fp32 session holds nothing twice

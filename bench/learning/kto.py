@@ -135,6 +135,9 @@ class Kto:
         train_started = [time.perf_counter()]
         with (
             tempfile.TemporaryDirectory(prefix="rlfleet-kto-") as scratch,
+            # TRL runs the model its own way (fp32 on a CPU, its own autocast on CUDA): the base's
+            # fp32 weights, not the ones a bf16 session holds for our own passes.
+            backend.full_precision(),
             _restore_base(backend.base),
             _quiet_datasets(),
             quiet_peft(),

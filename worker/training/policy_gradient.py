@@ -49,7 +49,8 @@ class PolicyGradient:
             batches += b
             part_of += [p] * len(g)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
-        ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k, cfg.entropy_hinge > 0)
+        ref, extras, beh, start = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k,
+                                                  cfg.entropy_hinge > 0)
         lesson = teach(backend, data.samples, data.encoded, groups, batches, cfg)
         extras = [x if t is None else replace(x or RefExtras(), teacher=t)
                   for x, t in zip(extras, lesson.targets, strict=True)]
@@ -67,10 +68,10 @@ class PolicyGradient:
         # The run's check compares the KL to the base where the run ends (over every sample) with where
         # it starts: a first step that trains one explored minibatch sees only some of the samples, so
         # a run continuing a parent measures its start over all of them first (a fresh adapter starts
-        # at the base: 0 on any of them).
+        # at the base: 0 on any of them), from the run-start pass where the behaviour needed one.
         measured_start = len(parts) > 2 and data.parent_adapter is not None
         if measured_start:
-            start_kl = _mean_kl(backend, batches, ref)
+            start_kl = _mean_kl(backend, batches, ref, start)
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         distills: list[float] = []  # per step: the hindsight term, a mean over the step's samples
@@ -168,10 +169,11 @@ def step_part(step: int, n_parts: int) -> int:
 def _fixed_logprobs(
     backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0,
     entropy: bool = False,
-) -> tuple[list[Tensor], list[RefExtras | None], list[Tensor]]:
+) -> tuple[list[Tensor], list[RefExtras | None], list[Tensor], list[Tensor] | None]:
     """Per micro-batch: reference log-probs (adapter off), what the reference pass keeps beside them
     (the base's ``top_k`` likeliest next tokens, with ``entropy`` its next-token entropy; None each
-    without either), and behaviour log-probs.
+    without either), behaviour log-probs, and the run-start policy's own log-probs where a pass
+    computed them for a parent adapter (None: it did not; a fresh adapter's are the reference's).
 
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
@@ -209,13 +211,15 @@ def _fixed_logprobs(
             with backend.full_precision():
                 shift = lp - backend.logprobs(batch)
         beh.append(backend.with_recorded(lp, recorded, shift))
-    return ref, extras, beh
+    return ref, extras, beh, start if need_start else None
 
 
-def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:
+def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor], new: list[Tensor] | None = None) -> float:
+    """The active model's mean k3 KL to ``ref`` per response token; ``new``: its log-probs per
+    micro-batch where a pass already has them (None: a forward each)."""
     total = count = 0.0
-    for batch, ref_lp in zip(batches, ref, strict=True):
-        kl, n = backend.kl_sum(batch, ref_lp)
+    for k, (batch, ref_lp) in enumerate(zip(batches, ref, strict=True)):
+        kl, n = backend.kl_sum(batch, ref_lp, None if new is None else new[k])
         total += kl
         count += n
     return total / max(count, 1)

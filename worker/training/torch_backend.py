@@ -91,6 +91,7 @@ class Trainer(TrainerInterface):
         self._model: Any = None  # the LoRA-wrapped base while an adapter session is open
         self._bf16 = False  # bf16 autocast in this session's forward passes
         self._lora: list[Any] = []  # the session's LoRA layers (see autocast)
+        self._frozen = FrozenWeights()  # a bf16 session's frozen weights, held in bf16 (see autocast)
         self._loss: Any = None
         self._opt: Any = None
         self._params: list[Tensor] = []
@@ -183,10 +184,15 @@ class Trainer(TrainerInterface):
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
+            if self._bf16:
+                self._frozen = FrozenWeights.of(self._lora)
+                self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
             yield model
         finally:
+            self._frozen.hold(half=False)  # the base's own fp32 weights back before anything else
+            self._frozen = FrozenWeights()
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
             self._weights = None
             self._known = {}
@@ -249,7 +255,11 @@ class Trainer(TrainerInterface):
         Under autocast peft's LoRA layers would cast a bf16 input up to their fp32 weights' type, and
         autocast cast it straight back down for the product: two elementwise passes over every
         adapted layer's input, forward and backward, for bit-identical results. They are left out
-        while the block runs (a LoRA layer's input then goes to its product as it is)."""
+        while the block runs (a LoRA layer's input then goes to its product as it is). Likewise
+        autocast would cast every frozen weight to bf16 again on every forward pass (it keeps only
+        the casts of weights that train): a bf16 session holds the adapted layers' frozen weights in
+        bf16 from its start (:class:`FrozenWeights`), rounded as autocast rounds them, so the
+        products are the same."""
         if not self._bf16:
             yield
             return
@@ -265,10 +275,12 @@ class Trainer(TrainerInterface):
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
         bf16, self._bf16 = self._bf16, False
+        self._frozen.hold(half=False)
         try:
             yield
         finally:
             self._bf16 = bf16
+            self._frozen.hold(half=bf16)
 
     # -- tensors ----------------------------------------------------------------------------------
 
@@ -458,9 +470,10 @@ class Trainer(TrainerInterface):
         return out
 
     @torch.no_grad()
-    def kl_sum(self, batch: dict[str, Tensor], ref: Tensor) -> tuple[float, float]:
+    def kl_sum(self, batch: dict[str, Tensor], ref: Tensor, new: Tensor | None = None) -> tuple[float, float]:
         mask = batch["response_mask"]
-        new = self._logprobs(batch)
+        if new is None:
+            new = self._logprobs(batch)
         return float(k3_kl(new[mask], ref[mask]).sum()), int(mask.sum())
 
     # -- optimizer --------------------------------------------------------------------------------
@@ -657,12 +670,41 @@ class Trainer(TrainerInterface):
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        with seeded_rng(seed, self.device):
+        # generate runs without autocast: the fp32 weights, whatever the session trains in.
+        with seeded_rng(seed, self.device), self.full_precision():
             out = self._active().generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
                 **sampling(temperature, top_p),
             )
         return [row[: row.index(eos)] if eos in row else row for row in out[:, width:].tolist()]
+
+
+class FrozenWeights:
+    """The frozen weights of a session's adapted linear layers, each in fp32 (the base's own) and a
+    bf16 copy, and which of the two the layers hold. The copy is made once per session; switching is
+    a pointer swap. Only outside a pass that autograd will go back through (the backward reads the
+    weights the forward saw)."""
+
+    def __init__(self, pairs: Sequence[tuple[Tensor, Tensor, Tensor]] = ()) -> None:
+        self._pairs = list(pairs)
+
+    @classmethod
+    def of(cls, layers: Sequence[Any]) -> FrozenWeights:
+        """Those of ``layers`` (peft tuner layers) whose base layer is a plain fp32 linear one."""
+        pairs = []
+        for layer in layers:
+            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else None
+            if isinstance(base, torch.nn.Linear) and base.weight.dtype == torch.float32:
+                full = base.weight.data
+                pairs.append((base.weight, full, full.to(torch.bfloat16)))
+        return cls(pairs)
+
+    def hold(self, half: bool) -> None:
+        for param, full, bf16 in self._pairs:
+            param.data = bf16 if half else full
+
+    def __len__(self) -> int:
+        return len(self._pairs)
 
 
 def _plain_head(lm: Any) -> torch.nn.Linear | None:
