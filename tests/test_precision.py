@@ -189,7 +189,7 @@ def test_bf16_lora_inputs_are_not_cast_up_and_back(tiny_trainer, monkeypatch):
     assert lean[2] < cast[2], (lean[2], cast[2])
 
 
-def test_a_bf16_session_holds_the_frozen_weights_in_bf16_with_the_same_products(tiny_trainer):
+def test_a_bf16_session_holds_the_frozen_weights_in_bf16_with_the_same_products(tiny_trainer, monkeypatch):
     """Autocast would cast every frozen weight to bf16 again on every forward pass: a bf16 session
     holds them in bf16 from its start, with bit-identical log-probs and gradients, the fp32 weights
     inside full_precision (and generate), and the base's own fp32 weights once it closes."""
@@ -224,3 +224,13 @@ def test_a_bf16_session_holds_the_frozen_weights_in_bf16_with_the_same_products(
     assert all(torch.equal(p, before[n]) for n, p in tiny_trainer.base.named_parameters())
     with tiny_trainer.adapter(None, preset("careful"), precision="fp32"):
         assert len(tiny_trainer._frozen) == 0  # an fp32 session holds nothing twice
+    # Without the memory to spare for the copies, a bf16 session casts on every pass, as before.
+    from rlfleet.worker.training import torch_backend
+
+    assert torch_backend.spare_memory() > 0  # read on this (Linux) machine
+    with tiny_trainer.adapter(None, preset("careful"), precision="bf16"):
+        fresh = tiny_trainer.logprobs(batches[0])
+    monkeypatch.setattr(torch_backend, "spare_memory", lambda: 0)
+    with tiny_trainer.adapter(None, preset("careful"), precision="bf16"):
+        assert len(tiny_trainer._frozen) == 0 and all(m.weight.dtype == torch.float32 for m in linears)
+        assert torch.equal(tiny_trainer.logprobs(batches[0]), fresh)

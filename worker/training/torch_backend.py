@@ -184,8 +184,8 @@ class Trainer(TrainerInterface):
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
-            if self._bf16:
-                self._frozen = FrozenWeights.of(self._lora)
+            if self._bf16 and self.device == "cpu":  # (on a GPU the casts cost little, memory more)
+                self._frozen = FrozenWeights.of(self._lora, spare_memory() // 4)
                 self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
@@ -257,9 +257,9 @@ class Trainer(TrainerInterface):
         adapted layer's input, forward and backward, for bit-identical results. They are left out
         while the block runs (a LoRA layer's input then goes to its product as it is). Likewise
         autocast would cast every frozen weight to bf16 again on every forward pass (it keeps only
-        the casts of weights that train): a bf16 session holds the adapted layers' frozen weights in
-        bf16 from its start (:class:`FrozenWeights`), rounded as autocast rounds them, so the
-        products are the same."""
+        the casts of weights that train): a bf16 session on a CPU with the memory to spare holds the
+        adapted layers' frozen weights in bf16 from its start (:class:`FrozenWeights`), rounded as
+        autocast rounds them, so the products are the same."""
         if not self._bf16:
             yield
             return
@@ -689,15 +689,18 @@ class FrozenWeights:
         self._pairs = list(pairs)
 
     @classmethod
-    def of(cls, layers: Sequence[Any]) -> FrozenWeights:
-        """Those of ``layers`` (peft tuner layers) whose base layer is a plain fp32 linear one."""
-        pairs = []
+    def of(cls, layers: Sequence[Any], budget: int) -> FrozenWeights:
+        """Those of ``layers`` (peft tuner layers) whose base layer is a plain fp32 linear one; none
+        when their bf16 copies would take more than ``budget`` bytes (a large model on a machine
+        without the memory to spare trains as before, autocast casting each pass)."""
+        weights = []
         for layer in layers:
             base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else None
             if isinstance(base, torch.nn.Linear) and base.weight.dtype == torch.float32:
-                full = base.weight.data
-                pairs.append((base.weight, full, full.to(torch.bfloat16)))
-        return cls(pairs)
+                weights.append(base.weight)
+        if sum(2 * w.numel() for w in weights) > budget:
+            return cls()
+        return cls([(w, w.data, w.data.to(torch.bfloat16)) for w in weights])
 
     def hold(self, half: bool) -> None:
         for param, full, bf16 in self._pairs:
@@ -705,6 +708,17 @@ class FrozenWeights:
 
     def __len__(self) -> int:
         return len(self._pairs)
+
+
+def spare_memory() -> int:
+    """Bytes of memory the machine can still give (Linux: MemAvailable; 0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _plain_head(lm: Any) -> torch.nn.Linear | None:
