@@ -86,11 +86,22 @@ def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
 def features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int) -> np.ndarray:
     """``[n, hidden + 3]``: per sample its pooled last hidden state, then :func:`answer_statistics`."""
     encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
+    return _with_statistics(_pooled(backend, encoded), samples, encoded)
+
+
+def _pooled(backend: Backend, encoded: Sequence[Encoded]) -> list[list[float]]:
+    """Each encoded row's pooled last hidden state (:meth:`Backend.pooled_hidden`), in order."""
     groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
-    pooled: list[list[float]] = [[] for _ in samples]
+    pooled: list[list[float]] = [[] for _ in encoded]
     for g, batch in zip(groups, batches, strict=True):
         for i, row in zip(g, backend.pooled_hidden(batch), strict=True):
             pooled[i] = row
+    return pooled
+
+
+def _with_statistics(pooled: Sequence[list[float]], samples: Sequence[TrainSample],
+                     encoded: Sequence[Encoded]) -> np.ndarray:
+    """The pooled vectors with each sample's :func:`answer_statistics` after its own."""
     stats = [answer_statistics(s.response, e.n_response) for s, e in zip(samples, encoded, strict=True)]
     return np.hstack([np.asarray(pooled, dtype=np.float64), np.asarray(stats, dtype=np.float64)])
 
@@ -132,17 +143,14 @@ def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
             pooled[i] = row
             for (j, _), v in zip(shared[i], vectors, strict=False):
                 cut_pooled[i][j] = v
-    if alone:
-        rows = features(backend, [endings[i][j] for i, j in alone], max_tokens)
-        for (i, j), row in zip(alone, rows, strict=True):
-            cut_pooled[i][j] = row[:-N_STATISTICS].tolist()
+    if alone:  # the endings' own encodings, as rows of their own
+        for (i, j), row in zip(alone, _pooled(backend, [ended[i][j] for i, j in alone]), strict=True):
+            cut_pooled[i][j] = row
 
     def table(vectors: Sequence[list[float]], items: Sequence[TrainSample], enc: Sequence[Encoded]) -> np.ndarray:
-        stats = [answer_statistics(s.response, e.n_response) for s, e in zip(items, enc, strict=True)]
-        width = len(pooled[0]) + N_STATISTICS if pooled else N_STATISTICS
         if not items:
-            return np.zeros((0, width))
-        return np.hstack([np.asarray(vectors, dtype=np.float64), np.asarray(stats, dtype=np.float64)])
+            return np.zeros((0, len(pooled[0]) + N_STATISTICS if pooled else N_STATISTICS))
+        return _with_statistics(vectors, items, enc)
 
     return (table(pooled, samples, encoded),
             [table(v, cuts, enc) for v, cuts, enc in zip(cut_pooled, endings, ended, strict=True)])
