@@ -23,6 +23,12 @@ count for every method.
     python -m bench.train_step --model default                  # the default model, CPU
     python -m bench.train_step --model tiny --rounds 5          # the tests' tiny model
     python -m bench.train_step --model arch:smollm2-135m --device cuda --dtype bf16
+    python -m bench.train_step --model default --methods ours --rounds 1 --profile   # where a step goes
+
+``--profile``: one more ``ours`` run whose second optimizer step (a steady one) is recorded with
+torch.profiler and summed by family (:func:`families`): the output head's products, the LoRA's, the
+other products, attention, vocabulary-wide elementwise work (the log-softmax, entropy and their
+gradients), casts and copies, and the rest; seconds of the step and each family's share.
 """
 
 from __future__ import annotations
@@ -188,9 +194,13 @@ def child(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         stamps.setdefault(step, time.perf_counter())
 
+    profiled = StepProfile(device) if args.profile else None
+
     def on_progress(p: Progress) -> None:
         if p.phase == "training" and p.step >= 1:
             on_step(p.step)
+            if profiled is not None:
+                profiled.after_step(p.step)
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as out:
@@ -203,6 +213,8 @@ def child(args: argparse.Namespace) -> dict:
         else:
             two_copy_run(trainer, samples, cfg, on_step)
     seconds = time.perf_counter() - started
+    if profiled is not None:
+        profiled.stop()
     peak = memory.peak()
     steady = [stamps[s] for s in sorted(stamps)]
     if len(steady) < 2:
@@ -223,7 +235,91 @@ def child(args: argparse.Namespace) -> dict:
         "peak_bytes": peak,
         "base_bytes": base_bytes,
         "above_base_bytes": peak - base_bytes,
+        **({"profile": profiled.families(_vocab(trainer), cfg.rank)} if profiled is not None else {}),
     }
+
+
+class StepProfile:
+    """torch.profiler over one optimizer step: started when step 1 reports, stopped when step 2 does
+    (the whole run's events would take gigabytes of memory with their shapes)."""
+
+    def __init__(self, device: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        self.cuda = device.startswith("cuda")
+        self.prof = profile(activities=acts, record_shapes=True)
+        self.running = self.done = False
+        self.seconds = 0.0
+
+    def after_step(self, step: int) -> None:
+        if step == 1 and not self.running and not self.done:
+            self.prof.start()
+            self.running, self.started = True, time.perf_counter()
+        elif step == 2 and self.running:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            self.prof.stop()
+            self.running, self.done, self.seconds = False, True, time.perf_counter() - self.started
+
+    def families(self, vocab: int | None, rank: int) -> dict[str, Any]:
+        if not self.done:
+            raise RuntimeError("--profile: the run ended before its second optimizer step")
+        events = [(e.key, [list(s) for s in e.input_shapes if s], _self_us(e, self.cuda))
+                  for e in self.prof.key_averages(group_by_input_shape=True)]
+        return {"step_seconds": self.seconds, "self_seconds": families(events, vocab, rank)}
+
+
+def _self_us(event: Any, cuda: bool) -> float:
+    if cuda:
+        return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
+    return float(event.self_cpu_time_total)
+
+
+def _vocab(trainer: Any) -> int | None:
+    head = trainer.base.get_output_embeddings() if hasattr(trainer.base, "get_output_embeddings") else None
+    return int(head.out_features) if head is not None and hasattr(head, "out_features") else None
+
+
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_matmul"}
+COPIES = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"}
+FAMILIES = ("head products", "LoRA products", "other products", "attention", "vocabulary-wide elementwise",
+            "casts and copies", "other")
+
+
+def families(events: list[tuple[str, list[list[int]], float]], vocab: int | None, rank: int) -> dict[str, float]:
+    """Self time (µs in, seconds out) by family, from ``(op name, its input shapes, self µs)`` rows: a
+    product with a vocabulary-sized dimension is the head's, one with a ``rank``-sized one the LoRA's;
+    any other op with a vocabulary-sized dimension is the log-softmax's kind of work. The shares add
+    up to the step's profiled self time."""
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for name, shapes, us in events:
+        dims = {d for shape in shapes for d in shape}
+        wide = vocab is not None and vocab in dims
+        if name in PRODUCTS:
+            family = "head products" if wide else "LoRA products" if rank in dims else "other products"
+        elif "scaled_dot_product" in name or "flash_attention" in name:
+            family = "attention"
+        elif wide:
+            family = "vocabulary-wide elementwise"
+        elif name in COPIES:
+            family = "casts and copies"
+        else:
+            family = "other"
+        out[family] += us / 1e6
+    return out
+
+
+def profile_table(profile: dict[str, Any]) -> str:
+    from .record import markdown_table
+
+    total = sum(profile["self_seconds"].values()) or 1.0
+    rows = [[k, f"{v:.3f}", f"{v / total:.0%}"] for k, v in
+            sorted(profile["self_seconds"].items(), key=lambda kv: -kv[1])]
+    return (markdown_table(["family (ours, one steady step)", "self seconds", "share"], rows)
+            + f"\n\nThe profiled step took {profile['step_seconds']:.2f} s (the profiler's own cost included).")
 
 
 def _step_flops(trainer: Any, lengths: list[tuple[int, int]], rank: int) -> float | None:
@@ -291,14 +387,25 @@ def run_rounds(args: argparse.Namespace, methods: list[str]) -> list[dict]:
             order = methods[r % len(methods):] + methods[: r % len(methods)]  # interleaved, rotated
             for m in order:
                 bar.update(task, description=f"round {r + 1}/{args.rounds} · {m}")
-                cmd = [sys.executable, "-m", "bench.train_step", "--child", m, *_forward(args)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-                if proc.returncode != 0:
-                    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-                    raise SystemExit(f"{m} failed (exit {proc.returncode}):\n{tail}")
-                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                results.append(_child_run(args, m))
                 bar.advance(task)
     return results
+
+
+def _child_run(args: argparse.Namespace, method: str, *extra: str) -> dict:
+    """One run of ``method`` in a fresh process: its JSON figures."""
+    cmd = [sys.executable, "-m", "bench.train_step", "--child", method, *_forward(args), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"{method} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _profiled_run(args: argparse.Namespace) -> dict:
+    """The extra ``ours`` run of ``--profile`` (not among the timed rounds: the profiler slows it)."""
+    print("profiling one step of ours ...", file=sys.stderr)
+    return _child_run(args, "ours", "--profile")
 
 
 def summarise(results: list[dict], methods: list[str]) -> list[dict]:
@@ -371,6 +478,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (default: torch's choice)")
     output_options(ap)
     ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one steady step of `ours` (an extra run) and print where its time goes")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is not timed)")
@@ -389,6 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
     rows = summarise(run_rounds(args, methods), methods)
+    profile = _profiled_run(args)["profile"] if args.profile else None
     from rlfleet.shared.models import pick_device
 
     device = pick_device(args.device)
@@ -396,13 +506,13 @@ def main(argv: list[str] | None = None) -> dict:
     ceiling_bf16 = matmul_gflops(device, args.threads, dtype="bf16")
     summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "precision": args.precision,
                "rounds": args.rounds, "rows": rows, "matmul_gflops_per_s": ceiling,
-               "matmul_bf16_gflops_per_s": ceiling_bf16}
+               "matmul_bf16_gflops_per_s": ceiling_bf16, **({"profile": profile} if profile else {})}
     text = table(rows) + (
         f"\n\nMatrix products on this machine (1024², same threads): fp32 {ceiling:,.1f} GFLOP/s, bf16 "
         f"{ceiling_bf16:,.1f} GFLOP/s. Model GFLOP/s "
         "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
         "causal attention, the head on answer tokens)."
-    )
+    ) + (f"\n\n{profile_table(profile)}" if profile else "")
     title = f"`bench.train_step` · {args.model} · weights {args.dtype} · precision {args.precision}"
     publish(summary, text, args, title)
     return summary

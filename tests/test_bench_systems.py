@@ -31,6 +31,36 @@ def test_train_step_compares_the_methods_on_the_same_tokens():
     assert summary["matmul_gflops_per_s"] > 0 and summary["matmul_bf16_gflops_per_s"] > 0
 
 
+def test_train_step_profiles_one_steady_step_by_family():
+    summary = train_step.main(["--model", "tiny", "--methods", "ours", "--rounds", "1", "--steps", "2",
+                               "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
+                               "--profile", "--json", "--no-record"])
+    profile = summary["profile"]
+    assert set(profile["self_seconds"]) == set(train_step.FAMILIES)
+    assert profile["step_seconds"] > 0 and profile["self_seconds"]["other products"] > 0
+    assert sum(profile["self_seconds"].values()) <= profile["step_seconds"] * 1.05 + 0.01  # one step, not the run
+
+
+def test_train_step_sums_a_profile_by_family():
+    vocab, rank = 1000, 8
+    events = [
+        ("aten::mm", [[30, 64], [64, vocab]], 500.0),  # the head
+        ("aten::mm", [[30, 64], [64, rank]], 100.0),  # a LoRA product
+        ("aten::addmm", [[64], [30, 64], [64, 64]], 200.0),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", [[1, 4, 30, 16]], 50.0),
+        ("aten::sub", [[30, vocab], [30, 1]], 80.0),  # the log-softmax's kind of work
+        ("aten::_to_copy", [[30, 64]], 40.0),
+        ("aten::mul", [[30, 64], [30, 64]], 30.0),
+    ]
+    out = train_step.families(events, vocab, rank)
+    assert out["head products"] == pytest.approx(5e-4) and out["LoRA products"] == pytest.approx(1e-4)
+    assert out["other products"] == pytest.approx(2e-4) and out["attention"] == pytest.approx(5e-5)
+    assert out["vocabulary-wide elementwise"] == pytest.approx(8e-5)
+    assert out["casts and copies"] == pytest.approx(4e-5) and out["other"] == pytest.approx(3e-5)
+    assert sum(out.values()) == pytest.approx(1e-3)
+    assert train_step.families(events, None, rank)["head products"] == 0  # no head known: not guessed
+
+
 def test_train_gpu_takes_the_unlikelihood_weight_and_profiles(capsys):
     figures = train_gpu.main(["--arch", "tiny", "--device", "cpu", "--steps", "2", "--samples", "2",
                               "--prompt-tokens", "16", "--response-tokens", "8", "--unlikelihood", "0",
