@@ -53,6 +53,7 @@ from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
 from .precision import effective
 from .teachers import TeacherCache
+from .token_logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -349,8 +350,7 @@ class Trainer(TrainerInterface):
         """The response positions' ``[N, V]`` logits and ``[N, 1]`` logsumexp, and the ``[B, L]`` fp32
         log-prob of each response token given its prefix (0 off the response mask)."""
         logits, targets = self._response_logits(batch)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        lp = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1)
+        lp, lse = token_logprobs(logits, targets)
         return logits, lse, self._scatter(batch, lp)
 
     def _logprobs(self, batch: dict[str, Tensor]) -> Tensor:
