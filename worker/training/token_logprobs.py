@@ -30,12 +30,13 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_lp: torch.Tensor | None, grad_lse: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, None]:
         logits, lse, targets = ctx.saved_tensors
-        if grad_lp is None and grad_lse is None:
-            return None, None
         # What reaches the logsumexp: the log-prob's -g_lp and whatever else read lse.
-        into_lse = -grad_lp[:, None] if grad_lp is not None else None
-        if grad_lse is not None:
-            into_lse = grad_lse if into_lse is None else grad_lse + into_lse
+        if grad_lp is None:
+            if grad_lse is None:
+                return None, None
+            into_lse = grad_lse
+        else:
+            into_lse = -grad_lp[:, None] if grad_lse is None else grad_lse - grad_lp[:, None]
         grad = torch.sub(logits, lse).exp_().mul_(into_lse)
         if grad_lp is not None:
             grad.scatter_add_(-1, targets[:, None], grad_lp[:, None])
