@@ -246,26 +246,26 @@ class StepProfile:
     def __init__(self, device: str) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
         self.cuda = device.startswith("cuda")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(activities=acts, record_shapes=True)
-        self.running = self.done = False
-        self.seconds = 0.0
+        self.started: float | None = None  # when step 1 reported (None: not yet)
+        self.seconds: float | None = None  # the profiled span once it has ended
 
     def after_step(self, step: int) -> None:
-        if step == 1 and not self.running and not self.done:
+        if step == 1 and self.started is None:
             self.prof.start()
-            self.running, self.started = True, time.perf_counter()
-        elif step == 2 and self.running:
+            self.started = time.perf_counter()
+        elif step == 2:
             self.stop()
 
     def stop(self) -> None:
-        if self.running:
+        if self.started is not None and self.seconds is None:
             self.prof.stop()
-            self.running, self.done, self.seconds = False, True, time.perf_counter() - self.started
+            self.seconds = time.perf_counter() - self.started
 
     def families(self, vocab: int | None, rank: int) -> dict[str, Any]:
-        if not self.done:
+        if self.seconds is None:
             raise RuntimeError("--profile: the run ended before its second optimizer step")
         events = [(e.key, [list(s) for s in e.input_shapes if s], _self_us(e, self.cuda))
                   for e in self.prof.key_averages(group_by_input_shape=True)]

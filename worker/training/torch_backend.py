@@ -370,9 +370,8 @@ class Trainer(TrainerInterface):
     @torch.no_grad()
     def response_top(self, batch: dict[str, Tensor], top_k: int) -> list[TopRow]:
         logits, targets = self._response_logits(batch)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        token, lse = token_logprobs(logits, targets)
         top_logits, top_ids = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-        token = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1)
         counts = batch["response_mask"].sum(dim=1).tolist()
         rows = zip(top_ids.split(counts), (top_logits - lse).split(counts), token.split(counts), strict=True)
         return [TopRow(i.cpu().numpy(), lp.cpu().numpy(), t.cpu().numpy()) for i, lp, t in rows]
@@ -434,13 +433,13 @@ class Trainer(TrainerInterface):
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
             logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
-            lse = torch.logsumexp(logits, dim=-1)
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
-            lp = (logits.gather(-1, targets[:, None]).squeeze(-1) - lse).tolist()
+            token, lse = token_logprobs(logits, targets)
+            lp = token.tolist()
             self._known[(weights, start, tuple(row))] = lp[:-1]
             for k in (endings[r] if endings else ()):
                 k = int(k)
-                eos_lp = float(logits[k, eos] - lse[k])
+                eos_lp = float(logits[k, eos] - lse[k, 0])
                 self._known[(weights, start, tuple(row[:start + k] + [eos]))] = lp[:k] + [eos_lp]
 
     def _recall(self, batch: dict[str, Tensor]) -> Tensor | None:
