@@ -11,6 +11,9 @@ the methods interleaved round by round, medians reported.
   plus its KL pass over mismatched pairs.
 * ``ours-fp32``: ours with ``train.precision = "fp32"``, beside ``ours`` at ``--precision`` (auto:
   bf16 where the GPU or CPU does it natively), so one run shows what bf16 buys.
+* ``ours-serial``: ours with ``train.parallel_batches = 1``, one micro-batch at a time on every
+  thread, beside ``ours`` (two side by side on a CPU: worker/training/parallel.py), so one run shows
+  what that buys.
 * ``two-copy``: what a plain implementation does: a second, frozen copy of the model as the
   reference, run every step, full-vocabulary logits at every position; the same MIS-PO loss.
 
@@ -49,7 +52,8 @@ from typing import Any
 
 from .record import output_options, parser, publish
 
-METHODS = ("ours", "ours-fp32", "kto", "two-copy")
+METHODS = ("ours", "ours-fp32", "ours-serial", "kto", "two-copy")
+DEFAULT_METHODS = ("ours", "ours-fp32", "kto", "two-copy")  # ours-serial on demand
 
 
 # -- one run, in its own process -------------------------------------------------------------------
@@ -174,6 +178,8 @@ def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads) if args.threads else None
     device = pick_device(args.device)
     trainer = build_trainer(args.model, device, args.dtype)
+    if args.child == "ours-serial":
+        trainer.parallel_batches(1)
     samples = synthetic.ratings(args.samples, args.prompt_chars, args.response_chars, seed=0)
     cfg = replace(
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
@@ -204,7 +210,7 @@ def child(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as out:
-        if args.child in ("ours", "ours-fp32"):
+        if args.child in ("ours", "ours-fp32", "ours-serial"):
             trainer.run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
         elif args.child == "kto":
             from .learning.kto import KtoTrainer
@@ -426,9 +432,12 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
         })
     kto = next((r for r in rows if r["method"] == "kto"), None)
     fp32 = next((r for r in rows if r["method"] == "ours-fp32"), None)
+    serial = next((r for r in rows if r["method"] == "ours-serial"), None)
     for r in rows:
         if fp32:
             r["speed_vs_ours_fp32"] = r["step_tokens_per_s"] / fp32["step_tokens_per_s"]
+        if serial:
+            r["speed_vs_ours_serial"] = r["step_tokens_per_s"] / serial["step_tokens_per_s"]
         if kto:
             r["speed_vs_kto"] = r["step_tokens_per_s"] / kto["step_tokens_per_s"]
             r["peak_vs_kto"] = r["peak_bytes"] / kto["peak_bytes"]
@@ -443,7 +452,8 @@ def table(rows: list[dict]) -> str:
         return f"{b / 2**20:,.0f} MiB"
 
     header = ["method", "precision", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
-              "above base", "speed vs KTO", "speed vs ours fp32", "peak vs KTO", "above-base vs KTO"]
+              "above base", "speed vs KTO", "speed vs ours fp32", "speed vs ours serial", "peak vs KTO",
+              "above-base vs KTO"]
     body = [
         [r["method"], r["precision"], r["tokens_per_step"],
          f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
@@ -451,6 +461,7 @@ def table(rows: list[dict]) -> str:
          mib(r["peak_bytes"]), mib(r["above_base_bytes"]),
          f"{r['speed_vs_kto']:.2f}×" if "speed_vs_kto" in r else "–",
          f"{r['speed_vs_ours_fp32']:.2f}×" if "speed_vs_ours_fp32" in r else "–",
+         f"{r['speed_vs_ours_serial']:.2f}×" if "speed_vs_ours_serial" in r else "–",
          f"{r['peak_vs_kto']:.2f}×" if "peak_vs_kto" in r else "–",
          f"{r['above_base_vs_kto']:.2f}×" if "above_base_vs_kto" in r else "–"]
         for r in rows
@@ -466,7 +477,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="ours' and two-copy's forward passes, as train.precision (default auto: bf16 where "
                          "the GPU or CPU does it natively); ours-fp32 is always fp32")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma list of {', '.join(METHODS)} (default {','.join(DEFAULT_METHODS)})")
     ap.add_argument("--samples", type=int, default=32, help="rated samples per step (default 32)")
     ap.add_argument("--prompt-chars", type=int, default=200, help="prompt length in characters (default 200)")
     ap.add_argument("--response-chars", type=int, default=400, help="answer length in characters (default 400)")

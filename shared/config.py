@@ -92,6 +92,11 @@ class TrainSettings(BaseModel):
     # Padded tokens per micro-batch (gradients accumulate to the same step either way). None: 512 on a
     # CPU, where a smaller one costs no speed and a quarter of the memory (bench/RESULTS.md), else 2048.
     micro_batch_tokens: int | None = Field(None, ge=64)
+    # Micro-batches a pass runs at once, each on its own thread with its share of the cores (the
+    # torch trainer; worker/training/parallel.py). None: two on a CPU with two threads or more and
+    # the memory to spare, where short answers leave a lone pass too little work per thread
+    # (bench/RESULTS.md), else one (a GPU: one). Each one in flight holds its own activations.
+    parallel_batches: int | None = Field(None, ge=1, le=64)
     seed: int = 0
     # The training loss; the alternatives exist for the learning benchmark's comparison.
     objective: Literal["mispo", "soft", "reinforce"] = "mispo"

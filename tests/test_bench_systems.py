@@ -31,6 +31,17 @@ def test_train_step_compares_the_methods_on_the_same_tokens():
     assert summary["matmul_gflops_per_s"] > 0 and summary["matmul_bf16_gflops_per_s"] > 0
 
 
+def test_train_step_sets_one_micro_batch_at_a_time_beside_ours():
+    summary = train_step.main(["--model", "tiny", "--methods", "ours,ours-serial", "--rounds", "1", "--steps", "2",
+                               "--samples", "6", "--prompt-chars", "40", "--response-chars", "60", "--threads", "2",
+                               "--micro-batch-tokens", "128", "--json", "--no-record"])
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert set(rows) == {"ours", "ours-serial"} and rows["ours-serial"]["speed_vs_ours_serial"] == 1.0
+    assert rows["ours"]["speed_vs_ours_serial"] == pytest.approx(
+        rows["ours"]["step_tokens_per_s"] / rows["ours-serial"]["step_tokens_per_s"])
+    assert rows["ours"]["tokens_per_step"] == rows["ours-serial"]["tokens_per_step"]
+
+
 def test_train_step_profiles_one_steady_step_by_family():
     summary = train_step.main(["--model", "tiny", "--methods", "ours", "--rounds", "1", "--steps", "2",
                                "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",

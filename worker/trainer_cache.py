@@ -30,6 +30,7 @@ def get_trainer(cfg: Config) -> Any:
             _TRAINERS[key] = make_trainer(ref, device)
         trainer = _TRAINERS[key]
     trainer.draw_with(cfg.chat.engine)  # llama.cpp draws the run's samples where it draws the chat's
+    trainer.parallel_batches(cfg.train.parallel_batches)
     return trainer
 
 

@@ -9,17 +9,19 @@ the backend's own array type and ``Batch`` its collated micro-batch; the loop on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..batching import Encoded
 from ..presets import TrainConfig
 
 Tensor = Any
 Batch = Any
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class Backend(Protocol):
         """Write the active adapter to ``out_dir`` as a peft adapter folder."""
 
     # -- tensors -------------------------------------------------------------------------------
+
+    def each(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``[fn(x) for x in items]``, where ``fn`` is one pass's work on one micro-batch (a forward, or
+        :meth:`accumulate`): the backend may run several at once. Results in ``items``' order; the
+        gradients of :meth:`accumulate` calls are accumulated in that order too."""
 
     def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[Batch]]:
         """Length-bucketed micro-batches of at most ``budget`` padded tokens: the sample indices

@@ -123,8 +123,8 @@ def rows_of(backend: Backend, encoded: Sequence[Encoded], budget: int, score: An
     tokens), in the given order."""
     groups, batches = backend.batches(encoded, budget)
     out: list[Any] = [None] * len(encoded)
-    for g, b in zip(groups, batches, strict=True):
-        for i, row in zip(g, score(b), strict=True):
+    for g, rows in zip(groups, backend.each(score, batches), strict=True):
+        for i, row in zip(g, rows, strict=True):
             out[i] = row
     return out
 

@@ -3,8 +3,9 @@ a run with the worker's learning signal, and the measurements of :mod:`.scoring`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from ..gate import GateConfig, ModelScores
 from ..presets import TrainConfig
@@ -15,9 +16,20 @@ from .loop import Report, RunRequest, run_training
 from .policy_gradient import PolicyGradient
 
 Pairs = Sequence[tuple[list[dict], str]]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class TrainerInterface:
+    def parallel_batches(self, workers: int | None) -> None:
+        """How many micro-batches a pass may run at once (``train.parallel_batches``); a backend that
+        runs one at a time ignores it."""
+
+    def each(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``[fn(x) for x in items]``: one pass's work per micro-batch, which a backend may run several
+        of at once (the results in ``items``' order, gradients accumulated in that order)."""
+        return [fn(x) for x in items]
+
     def draw_with(self, engine: str, load: bool = False) -> None:
         """What draws the answers a run samples (``chat.engine``; ``load``: load it now, not at the first
         draw); a backend without llama.cpp draws them itself whatever it is told."""

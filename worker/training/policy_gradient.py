@@ -89,8 +89,10 @@ class PolicyGradient:
             explored_part = step_part(step, len(parts))
             active = [k for k in range(len(batches)) if part_of[k] in (0, explored_part)]
             step_loss = kl_sum = anchor_sum = excess_sum = distill_sum = tok_acc = seq_acc = 0.0
-            for k in active:
-                stats = backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k])
+            step_stats = backend.each(
+                lambda k: backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k]),
+                active)
+            for k, stats in zip(active, step_stats, strict=True):
                 step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
                 anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
@@ -189,40 +191,34 @@ def _fixed_logprobs(
     extras: list[RefExtras | None] = [None] * len(batches)
     with backend.reference():
         if top_k or entropy:
-            pairs = [backend.reference_logprobs(b, top_k, entropy) for b in batches]
+            pairs = backend.each(lambda b: backend.reference_logprobs(b, top_k, entropy), batches)
             ref, extras = [lp for lp, _ in pairs], [x for _, x in pairs]
         else:
-            ref = [backend.logprobs(b) for b in batches]
+            ref = backend.each(backend.logprobs, batches)
     # In bf16 the rounding shift below is measured on the run-start policy itself, so with a parent
     # adapter its pass is needed even when every sample brings recorded log-probs.
     need_start = data.parent_adapter is not None and (backend.precision != "fp32" or any(
         e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
     ))
-    start = [backend.logprobs(b) for b in batches] if need_start else ref
-    beh = []
-    for g, batch, lp in zip(groups, batches, start, strict=True):
-        recorded = [
-            (row, encoded[i].prompt_len, encoded[i].behaviour_logprobs or [])
-            for row, i in enumerate(g)
-            if encoded[i].behaviour_logprobs
-        ]
-        shift = None
-        if recorded and backend.precision != "fp32":
-            with backend.full_precision():
-                shift = lp - backend.logprobs(batch)
-        beh.append(backend.with_recorded(lp, recorded, shift))
+    start = backend.each(backend.logprobs, batches) if need_start else ref
+    recorded = [[(row, encoded[i].prompt_len, encoded[i].behaviour_logprobs or [])
+                 for row, i in enumerate(g) if encoded[i].behaviour_logprobs] for g in groups]
+    shifted = [k for k, rows in enumerate(recorded) if rows] if backend.precision != "fp32" else []
+    full: dict[int, Tensor] = {}
+    if shifted:
+        with backend.full_precision():
+            full = dict(zip(shifted, backend.each(lambda k: backend.logprobs(batches[k]), shifted), strict=True))
+    beh = [backend.with_recorded(lp, rows, lp - full[k] if k in full else None)
+           for k, (lp, rows) in enumerate(zip(start, recorded, strict=True))]
     return ref, extras, beh, start if need_start else None
 
 
 def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor], new: list[Tensor] | None = None) -> float:
     """The active model's mean k3 KL to ``ref`` per response token; ``new``: its log-probs per
     micro-batch where a pass already has them (None: a forward each)."""
-    total = count = 0.0
-    for k, (batch, ref_lp) in enumerate(zip(batches, ref, strict=True)):
-        kl, n = backend.kl_sum(batch, ref_lp, None if new is None else new[k])
-        total += kl
-        count += n
-    return total / max(count, 1)
+    sums = backend.each(lambda k: backend.kl_sum(batches[k], ref[k], None if new is None else new[k]),
+                        range(len(batches)))
+    return sum(kl for kl, _ in sums) / max(sum(n for _, n in sums), 1)
 
 
 def _mean(values: Sequence[float]) -> float:

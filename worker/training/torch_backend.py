@@ -2,7 +2,8 @@
 
 The base model is loaded once per :class:`Trainer` and kept between runs. Each run wraps it with a
 LoRA (fresh, or the parent adapter's weights so the lineage continues) and unwraps it afterwards,
-so the base is clean for the next run. Not thread-safe: a run mutates the base's modules in place.
+so the base is clean for the next run. Not thread-safe: a run mutates the base's modules in place
+(inside a run, :meth:`Trainer.each` runs a pass's micro-batches on threads of its own: :mod:`.parallel`).
 
 Log-probs are computed in fp32. The forward passes of an adapter session run under bf16 autocast
 when its ``precision`` resolves to bf16 (:mod:`.precision`: a GPU, or a CPU with native bf16); a
@@ -16,9 +17,10 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -51,11 +53,15 @@ from ..presets import TrainConfig
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
+from .parallel import MicroBatchPool, auto_workers
 from .precision import effective
 from .teachers import TeacherCache
 from .token_logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # Config fields that change logits after the output head: with any of them set the cheap path
 # (output head on response positions only) would be wrong, so full logits are used instead.
@@ -106,6 +112,12 @@ class Trainer(TrainerInterface):
         # weights that gave them and the row's tokens (:meth:`_remember`); read by :meth:`logprobs`.
         self._known: dict[tuple[tuple[Weights], int, tuple[int, ...]], list[float]] = {}
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
+        self._parallel: int | None = None  # train.parallel_batches (None: auto_workers decides)
+        self._pool = MicroBatchPool()
+        # The LoRA layers' input casts are off while any pass is under autocast (see autocast): with
+        # micro-batches on several threads the last one out turns them back on.
+        self._casts_lock = threading.Lock()
+        self._casts_off = 0
 
     def draw_with(self, engine: str, load: bool = False) -> None:
         """What draws the answers this trainer samples (``chat.engine``; see :mod:`.drawing`);
@@ -113,6 +125,14 @@ class Trainer(TrainerInterface):
         self._drawer.choose(engine)
         if load:
             self._drawer.load()
+
+    def parallel_batches(self, workers: int | None) -> None:
+        """How many micro-batches a session's passes run at once (``train.parallel_batches``; None:
+        :func:`.parallel.auto_workers`), from the next session on."""
+        self._parallel = workers
+
+    def each(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        return self._pool.map(fn, items, self._params)
 
     @property
     def drawer(self) -> Drawer:
@@ -184,6 +204,10 @@ class Trainer(TrainerInterface):
             # differ from the one the behaviour and reference log-probs were computed with.
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
+            # Decided once a session, so that a run's passes all split their micro-batches alike.
+            self._pool.resize(self._parallel or auto_workers(
+                self.device.split(":")[0], torch.get_num_threads(), spare_memory(),
+                sum(p.numel() * p.element_size() for p in self.base.parameters())))
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
             if self._bf16 and self.device == "cpu":  # (on a GPU the casts cost little, memory more)
                 self._frozen = FrozenWeights.of(self._lora, spare_memory() // 4)
@@ -197,6 +221,7 @@ class Trainer(TrainerInterface):
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
             self._weights = None
             self._known = {}
+            self._pool.resize(1)  # outside a session a pass runs in the caller's thread
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
 
@@ -265,13 +290,18 @@ class Trainer(TrainerInterface):
             yield
             return
         with torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16):
-            for layer in self._lora:
-                layer.cast_input_dtype_enabled = False
+            self._lora_casts(off=True)
             try:
                 yield
             finally:
+                self._lora_casts(off=False)
+
+    def _lora_casts(self, off: bool) -> None:
+        with self._casts_lock:
+            self._casts_off += 1 if off else -1
+            if self._casts_off == (1 if off else 0):
                 for layer in self._lora:
-                    layer.cast_input_dtype_enabled = True
+                    layer.cast_input_dtype_enabled = not off
 
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
@@ -513,7 +543,7 @@ class Trainer(TrainerInterface):
             student = logits.gather(-1, t_ids) - lse
             distill = per_answer_mean(hindsight_kl(student, t_lp), weights, batch["input_ids"].shape[0])
             loss = loss + self._hindsight * distill
-        (loss * share).backward()
+        self._pool.backward(loss * share, self._params)
         return StepStats(
             loss=float(out.loss.detach()),
             mean_kl=out.mean_kl,
@@ -532,7 +562,7 @@ class Trainer(TrainerInterface):
         for row, start, positions in marks:
             hit[row, [start + t for t in positions]] = True
         loss = unlikelihood(self._logprobs(batch), batch["response_mask"], hit)
-        (loss * (weight * share)).backward()
+        self._pool.backward(loss * (weight * share), self._params)
         return float(loss.detach())
 
     def finish_step(self, apply: bool) -> None:
