@@ -254,7 +254,12 @@ class StepProfile:
 
         self.cuda = device.startswith("cuda")
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=acts, record_shapes=True)
+        # Every thread's operators: a step's micro-batches run on the trainer's pool threads
+        # (worker/training/parallel.py), whose self times then add up to more than the step's wall time.
+        import torch
+
+        threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        self.prof = profile(activities=acts, record_shapes=True, experimental_config=threads)
         self.started: float | None = None  # when step 1 reported (None: not yet)
         self.seconds: float | None = None  # the profiled span once it has ended
 
@@ -325,7 +330,8 @@ def profile_table(profile: dict[str, Any]) -> str:
     rows = [[k, f"{v:.3f}", f"{v / total:.0%}"] for k, v in
             sorted(profile["self_seconds"].items(), key=lambda kv: -kv[1])]
     return (markdown_table(["family (ours, one steady step)", "self seconds", "share"], rows)
-            + f"\n\nThe profiled step took {profile['step_seconds']:.2f} s (the profiler's own cost included).")
+            + f"\n\nThe profiled step took {profile['step_seconds']:.2f} s (the profiler's own cost included); "
+            "self seconds are summed over every thread (micro-batches side by side on a CPU: more than the step).")
 
 
 def _step_flops(trainer: Any, lengths: list[tuple[int, int]], rank: int) -> float | None:

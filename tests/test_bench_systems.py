@@ -43,9 +43,11 @@ def test_train_step_sets_one_micro_batch_at_a_time_beside_ours():
 
 
 def test_train_step_profiles_one_steady_step_by_family():
+    # Two threads and small micro-batches: the step's products run on the trainer's pool threads, and
+    # the profile must see them there.
     summary = train_step.main(["--model", "tiny", "--methods", "ours", "--rounds", "1", "--steps", "2",
-                               "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
-                               "--profile", "--json", "--no-record"])
+                               "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "2",
+                               "--micro-batch-tokens", "128", "--profile", "--json", "--no-record"])
     profile = summary["profile"]
     assert set(profile["self_seconds"]) == set(train_step.FAMILIES)
     assert profile["step_seconds"] > 0 and profile["self_seconds"]["other products"] > 0
