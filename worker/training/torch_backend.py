@@ -204,13 +204,14 @@ class Trainer(TrainerInterface):
             # differ from the one the behaviour and reference log-probs were computed with.
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
+            spare = spare_memory()  # one reading for both of the session's memory decisions below
             # Decided once a session, so that a run's passes all split their micro-batches alike.
             self._pool.resize(self._parallel or auto_workers(
-                self.device.split(":")[0], torch.get_num_threads(), spare_memory(),
+                self.device.split(":")[0], torch.get_num_threads(), spare,
                 sum(p.numel() * p.element_size() for p in self.base.parameters())))
             self._bf16 = effective(precision, self.device, self._width) == "bf16"
             if self._bf16 and self.device == "cpu":  # (on a GPU the casts cost little, memory more)
-                self._frozen = FrozenWeights.of(self._lora, spare_memory() // 4)
+                self._frozen = FrozenWeights.of(self._lora, spare // 4)
                 self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
