@@ -14,7 +14,12 @@ Run 1 is the first run of a freshly started training worker (it loads the model 
 `train.preload`, so the load overlaps the time the ratings take to arrive: a few seconds here,
 minutes for a real user); later runs are what every run after it costs.
 
-    python -m bench.time_to_adapter [--threshold 32] [--runs 2] [--redis URL] [--json] [--no-record]
+`--history N` starts the user further along: N earlier ratings, already trained on by a served
+version (a fresh LoRA: what it answers does not matter to the timing), which every run's reward model
+reads (up to 256 of them) beside its own; `--between S` waits S seconds after each run before the next
+run's last rating (a user's next ratings take minutes; the worker's idle work fills them).
+
+    python -m bench.time_to_adapter [--threshold 32] [--runs 2] [--history 256] [--between 60] [--json]
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ BAD = (
 
 
 # The run's own figures kept beside the phases: its precision and the seconds of the parts inside them.
-RUN_METRICS = ("precision", "reward_model_seconds", "explore_seconds", "rewrite_seconds", "teacher_seconds",
-               "loop_seconds", "explored", "loop_checked")
+RUN_METRICS = ("precision", "reward_model_seconds", "reward_model_known", "explore_seconds", "rewrite_seconds",
+               "teacher_seconds", "loop_seconds", "explored", "loop_checked")
 
 
 def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
@@ -74,6 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="what draws the runs' samples (chat.engine; default auto: llama.cpp where it can run)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads per worker (default: torch's choice, every core)")
+    ap.add_argument("--history", type=int, default=0,
+                    help="earlier ratings a served version already trained on, as after a few runs "
+                         "(default 0: a new user)")
+    ap.add_argument("--between", type=float, default=0.0,
+                    help="seconds between a run's end and the next run's last rating (default 0)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                     help="a training setting for the runs, as in config.toml's [train] (e.g. "
                          "micro_batch_tokens=1024; repeatable): to compare settings run by run")
@@ -137,13 +147,16 @@ def _measure(args, home: Path, console) -> dict:
             capture_id=f"c{i}", prompt=[Message(role="user", content=FORMS[i % len(FORMS)].format(topic))],
             response=(GOOD if i % 2 == 0 else BAD).format(t=topic.capitalize()), model=cfg.model,
         ))
+    if args.history:
+        seed_history(cfg, store, registry, slug, args.history)
+        console.print(f"{args.history} earlier ratings, trained on by {registry.current()}")
     logs = open(home / "workers.log", "ab")
     procs = [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env,
                               stdout=logs, stderr=logs) for q in ("events", "train")]
     workers_started = time.monotonic()
     runs: list[dict] = []
     try:
-        sent = 0
+        sent, ended_at = 0, 0.0
         for r in range(args.runs):
             # The worker's own rule: a run's held-out slice stays pending (it trains the next run), so
             # after the first run fewer than `threshold` new ratings start one; after a refused run,
@@ -156,6 +169,8 @@ def _measure(args, home: Path, console) -> dict:
             _wait(lambda s=sent - 1: store.counts(slug).total >= s, 120, "ratings stored")
             if r == 0:
                 time.sleep(max(0.0, workers_started + args.first_after - time.monotonic()))
+            else:
+                time.sleep(max(0.0, ended_at + args.between - time.monotonic()))
             before = registry.current()
             last_run = store.latest_run(slug)
             t0 = time.monotonic()
@@ -180,7 +195,8 @@ def _measure(args, home: Path, console) -> dict:
                 return None
 
             outcome = _wait(finished, args.timeout, f"run {r + 1}")
-            total = time.monotonic() - t0
+            ended_at = time.monotonic()
+            total = ended_at - t0
             run = store.latest_run(slug)
             metrics = run.metrics or {}
             runs.append({
@@ -204,14 +220,47 @@ def _measure(args, home: Path, console) -> dict:
     text = markdown_table(["run", "of the worker", "outcome", "threshold-th rating → served", "phases (s)",
                            "ratings trained", "steps", "train tokens/s"], rows)
     figures = {"model": args.model, "threshold": args.threshold, "device": args.device, "engine": args.engine,
-               "runs": runs}
+               "history": args.history, "between": args.between, "runs": runs}
     if args.train_settings:
         figures["settings"] = args.train_settings
     publish(figures, text, args, f"`bench.time_to_adapter` · {args.model} · threshold {args.threshold} · "
             f"{args.device} · engine {args.engine} · first run's last rating {args.first_after:.0f} s after start"
             + (f" · threads {args.threads}" if args.threads else "")
+            + (f" · {args.history} earlier ratings" if args.history else "")
+            + (f" · {args.between:.0f} s between runs" if args.between else "")
             + "".join(f" · {k} = {v}" for k, v in args.train_settings.items()))
     return figures
+
+
+def seed_history(cfg, store, registry, slug: str, n: int) -> None:
+    """``n`` rated answers, consumed by a promoted run whose version is a fresh LoRA (the base's
+    answers), served: the store and the registry as a user's are after a few runs, without the time
+    of training them (the timing does not depend on what the version learned)."""
+    from rlfleet.shared.events import Capture, Message, Rating
+    from rlfleet.worker import trainer_cache
+    from rlfleet.worker.presets import resolve
+
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        store.apply_capture(Capture(
+            capture_id=f"h{i}", model=cfg.model, response=(GOOD if i % 2 == 0 else BAD).format(t=topic.capitalize()),
+            prompt=[Message(role="user", content=f"{FORMS[i % len(FORMS)].format(topic)} (question {i})")],
+        ))
+        store.apply_rating(Rating(target=f"h{i}", value=1 if i % 2 == 0 else -1), slug)
+    rows = store.pending_ratings(slug, n)
+    run_id = store.create_run(slug)
+    store.start_run(run_id, None)
+    trainer = trainer_cache.get_trainer(cfg)
+    tcfg = resolve(cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
+    version = registry.next_version()
+    staging = registry.staging(version)
+    with trainer.adapter(None, tcfg, trainable=True):
+        trainer.save(staging)
+    registry.commit(staging, version, {"version": version, "parent": None, "seeded_by": "bench.time_to_adapter"})
+    store.finish_run(run_id, model=slug, version=version, parent=None, metrics={},
+                     advantages={rating.id: 0.0 for rating, _ in rows}, retracted=[], new_ema=0.0, promote=True)
+    registry.set_current(version)
+    trainer_cache.forget_trainers()  # the workers load their own
 
 
 def _setting(text: str) -> tuple[str, str]:

@@ -149,12 +149,17 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
     monkeypatch.delenv("REDIS_URL", raising=False)  # the embedded server, as a new user gets it
     # Two runs: the first run's held-out ratings stay pending, so fewer new ones start the second (the
     # benchmark used to wait for a run that had started before its clock did).
+    # A user with 12 earlier ratings (a seeded v0001 trained on them), and time between the runs.
     figures = time_to_adapter.main(["--model", str(tiny_model_dir), "--threshold", "8", "--runs", "2",
                                     "--first-after", "0", "--timeout", "240", "--json", "--no-record",
-                                    "--set", "steps=3"])
+                                    "--set", "steps=3", "--history", "12", "--between", "5"])
     first, second = figures["runs"]
-    assert figures["settings"] == {"steps": "3"}
-    for n, run in enumerate((first, second), 1):
+    assert figures["settings"] == {"steps": "3"} and (figures["history"], figures["between"]) == (12, 5)
+    # In the 5 s before run 2 the training worker pooled every earlier rating its reward model reads:
+    # the 12 seeded ones and those run 1 consumed (none if it was refused).
+    consumed = first["ratings_used"] if first["outcome"] == "served" else 0
+    assert second["reward_model_known"] == 12 + consumed
+    for n, run in enumerate((first, second), 2):
         assert run["outcome"] in ("served", "rejected", "succeeded")
         assert run["version"] == f"v000{n}" and run["steps"] == 3 and math.isfinite(run["seconds"])
         assert run["ratings_used"] >= 1

@@ -31,6 +31,7 @@ from rlfleet.shared.status import publish_snapshot
 
 from .context import Context
 from .gate import GateConfig, ModelScores, TowardHints, Verdict, judge, one_class, split_holdout
+from .idle_work import LEASE, idle_work_due
 from .presets import TrainConfig, resolve
 from .push_schedule import schedule_push
 from .replay import draw, wanted
@@ -85,6 +86,7 @@ def run_training_job(ctx: Context, conn: redis.Redis, run_id: int, slug: str) ->
             publish_snapshot(ctx.cfg, ctx.store, conn, ctx.slug)
         except (redis.ConnectionError, redis.TimeoutError):
             pass  # Redis is gone: runner.recover releases the lock of this ended job once it is back
+        idle_work_due(slug)  # the next run's features, under whichever version is served now
 
 
 def train_once(ctx: Context, conn: redis.Redis, run_id: int) -> JobResult:
@@ -165,10 +167,18 @@ def with_earlier(ctx: Context, run_id: int, inputs: RunInputs,
     once: the ones it replays, the user's newest earlier ones (at most :data:`REWARD_MODEL_HISTORY`)
     for its reward model, and, when it explores, the prompts of the newest answers nobody rated."""
     pool = ctx.store.replay_pool(ctx.slug)
-    history = _earlier_samples(ctx, [rid for rid, _ in pool][-REWARD_MODEL_HISTORY:], centres)
+    history = reward_history(ctx, pool, centres)
     captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if ctx.cfg.train.explore > 0 else []
     return replace(inputs, replayed=replay_samples(ctx, run_id, len(inputs.fresh), pool, centres), history=history,
                    captured=captured)
+
+
+def reward_history(ctx: Context, pool: list[tuple[int, int]] | None = None,
+                   centres: Mapping[str, float] | None = None) -> list[TrainSample]:
+    """The user's newest earlier ratings (at most :data:`REWARD_MODEL_HISTORY`) that a run's reward
+    model reads beside the run's own, from ``pool`` (default: the store's replay pool)."""
+    pool = ctx.store.replay_pool(ctx.slug) if pool is None else pool
+    return _earlier_samples(ctx, [rid for rid, _ in pool][-REWARD_MODEL_HISTORY:], centres)
 
 
 def replay_samples(ctx: Context, run_id: int, n_new: int, pool: list[tuple[int, int]] | None = None,
@@ -223,6 +233,12 @@ class Candidate:
 def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | None, gcfg: GateConfig,
                     board: ProgressBoard) -> Candidate:
     """Train, evaluate and commit the next version (a failure leaves no folder behind)."""
+    with LEASE.run():  # the trainer is the run's: the worker's idle work lets go of it (idle_work.py)
+        return _train_candidate(ctx, run_id, inputs, parent, gcfg, board)
+
+
+def _train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | None, gcfg: GateConfig,
+                     board: ProgressBoard) -> Candidate:
     trainer = get_trainer(ctx.cfg)
     tcfg = resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
     ema, _lineage = ctx.store.baseline(ctx.slug)

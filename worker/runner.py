@@ -235,6 +235,11 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
             from rlfleet.worker.trainer_cache import preload_trainer
 
             preload_trainer(cfg)
+        if which in ("train", "all"):
+            from rlfleet.worker.idle_work import start_idle_work
+
+            # after the preload (it waits for the model): the next run's features of earlier ratings
+            start_idle_work(cfg, model_slug(cfg.model) if cfg.train.preload else None)
         if which in ("events", "all"):
             from rlfleet.worker.drain_job import warm_up
 
@@ -277,6 +282,10 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
                 _forget(worker)
             log.warning("the worker starts again on Redis at %s", redact_url(handle.url))
     finally:
+        if not burst and which in ("train", "all"):
+            from rlfleet.worker.idle_work import stop_idle_work
+
+            stop_idle_work()
         if own:
             handle.close()
 

@@ -34,6 +34,12 @@ def get_trainer(cfg: Config) -> Any:
     return trainer
 
 
+def forget_trainers() -> None:
+    """Let go of this process's trainers (one that needed a model for a moment: a benchmark's set-up)."""
+    with _TRAINERS_LOCK:
+        _TRAINERS.clear()
+
+
 def preload_trainer(cfg: Config) -> threading.Thread:
     """Load the model in the background as the training worker starts. A failure is only logged: the
     first run loads again and says why in status."""

@@ -26,7 +26,7 @@ from ..batching import Encoded, encode_sample, ended_as_recorded
 from ..objective import run_check
 from ..presets import TrainConfig
 from ..samples import Progress, RunResult, TrainSample, started_from
-from . import exploration, reward_features, rewrite, scoring
+from . import exploration, feature_memo, reward_features, rewrite, scoring
 from .backend import Backend
 
 Report = Callable[[Progress], None]
@@ -146,8 +146,10 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
             report(Progress(0, cfg.steps, 0.0, phase="exploring"))
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
+        # The earlier ratings' features the worker computed while it waited are read, not run again.
+        known = feature_memo.rows_for(backend, run.parent_adapter, precision)
         reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),
-                                               cfg.max_tokens, cfg.seed)
+                                               cfg.max_tokens, cfg.seed, known)
         explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
         # The teacher's rewrites train beside the ratings, in every step; the explored answers last.
         rewrites = rewrite.rewrite(backend, samples, reward_model, cfg)

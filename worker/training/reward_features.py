@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ import numpy as np
 from ..batching import Encoded, encode_sample
 from ..samples import TrainSample
 from .backend import Backend
+from .feature_memo import RowKey, Rows, row_key
 from .reward_model import MAX_FOLDS, CrossValidated, RewardModel, best_of, why_not
 from .scoring import EVAL_BATCH_TOKENS
 
@@ -48,10 +49,11 @@ class RewardModelReport:
     reason: str
     seconds: float
     model: RewardModel | None = None
+    known: int = 0  # answers whose features were remembered from the worker's idle time, not computed
 
     def metrics(self) -> dict[str, float | str | None]:
         return {"reward_model_auc": self.auc, "reward_model_reason": self.reason,
-                "reward_model_seconds": self.seconds}
+                "reward_model_seconds": self.seconds, "reward_model_known": self.known}
 
     def unusable(self, min_auc: float) -> str | None:
         """Why answers may not be scored with this model (none fitted, or its AUC under ``min_auc``:
@@ -85,18 +87,52 @@ def labelled(samples: Sequence[TrainSample]) -> list[TrainSample]:
 
 def features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int) -> np.ndarray:
     """``[n, hidden + 3]``: per sample its pooled last hidden state, then :func:`answer_statistics`."""
+    return _features(backend, samples, max_tokens)[0]
+
+
+def _features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int,
+              known: Mapping[RowKey, list[float]] | None = None) -> tuple[np.ndarray, int]:
+    """:func:`features`, the hidden states taken from ``known`` where the active model already pooled
+    a row (:mod:`.feature_memo`); and how many were."""
     encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
-    return _with_statistics(_pooled(backend, encoded), samples, encoded)
+    pooled, n_known = _pooled(backend, encoded, known)
+    return _with_statistics(pooled, samples, encoded), n_known
 
 
-def _pooled(backend: Backend, encoded: Sequence[Encoded]) -> list[list[float]]:
-    """Each encoded row's pooled last hidden state (:meth:`Backend.pooled_hidden`), in order."""
-    groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
-    pooled: list[list[float]] = [[] for _ in encoded]
-    for g, batch in zip(groups, batches, strict=True):
+def remember(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, rows: Rows,
+             stop: Callable[[], bool] = lambda: False) -> int:
+    """Pool ``samples``' answers under the active model into ``rows`` where they are not there yet,
+    a batch at a time, until ``stop()`` says to let go; returns how many it added. The batches are
+    smaller than a run's measurements: whoever stops this waits for the batch in hand."""
+    encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
+    todo = list({row_key(e): e for e in encoded if row_key(e) not in rows}.values())
+    added = 0
+    for g, batch in zip(*backend.batches(todo, EVAL_BATCH_TOKENS // 4), strict=True):
+        if stop():
+            break
         for i, row in zip(g, backend.pooled_hidden(batch), strict=True):
-            pooled[i] = row
-    return pooled
+            rows[row_key(todo[i])] = row
+            added += 1
+    return added
+
+
+def _pooled(backend: Backend, encoded: Sequence[Encoded],
+            known: Mapping[RowKey, list[float]] | None = None) -> tuple[list[list[float]], int]:
+    """Each encoded row's pooled last hidden state (:meth:`Backend.pooled_hidden`), in order, taken
+    from ``known`` where it is there; and how many were."""
+    pooled: list[list[float]] = [[] for _ in encoded]
+    todo: list[int] = []
+    for i, e in enumerate(encoded):
+        hit = None if known is None else known.get(row_key(e))
+        if hit is None:
+            todo.append(i)
+        else:
+            pooled[i] = hit
+    groups, batches = backend.batches([encoded[i] for i in todo], EVAL_BATCH_TOKENS)
+    for g, batch in zip(groups, batches, strict=True):
+        for j, row in zip(g, backend.pooled_hidden(batch), strict=True):
+            pooled[todo[j]] = row
+    return pooled, len(encoded) - len(todo)
 
 
 def _with_statistics(pooled: Sequence[list[float]], samples: Sequence[TrainSample],
@@ -144,7 +180,7 @@ def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
             for (j, _), v in zip(shared[i], vectors, strict=False):
                 cut_pooled[i][j] = v
     if alone:  # the endings' own encodings, as rows of their own
-        for (i, j), row in zip(alone, _pooled(backend, [ended[i][j] for i, j in alone]), strict=True):
+        for (i, j), row in zip(alone, _pooled(backend, [ended[i][j] for i, j in alone])[0], strict=True):
             cut_pooled[i][j] = row
 
     def table(vectors: Sequence[list[float]], items: Sequence[TrainSample], enc: Sequence[Encoded]) -> np.ndarray:
@@ -156,21 +192,24 @@ def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
             [table(v, cuts, enc) for v, cuts, enc in zip(cut_pooled, endings, ended, strict=True)])
 
 
-def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, seed: int) -> RewardModelReport:
+def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, seed: int,
+            known: Mapping[RowKey, list[float]] | None = None) -> RewardModelReport:
     """Cross-validate a reward model on ``samples``' ratings under the active model; no forward pass
-    when either class is too small to cross-validate."""
+    when either class is too small to cross-validate. ``known``: answers the active model already
+    pooled (:mod:`.feature_memo`), read instead of run again."""
     started = time.perf_counter()
     rated = labelled(samples)
     labels = np.array([1.0 if s.reward > 0 else 0.0 for s in rated])
     refused = why_not(labels)
     model = None
+    n_known = 0
     if refused is not None:
         result = CrossValidated(None, refused)
     else:
         try:
-            x = features(backend, rated, max_tokens)
+            x, n_known = _features(backend, rated, max_tokens, known)
         except NotImplementedError as exc:  # a backend that cannot read this model's hidden states
             result = CrossValidated(None, f"no features: {exc}")
         else:
             result, model = best_of(x, labels, FEATURE_SETS, MAX_FOLDS, seed=seed)
-    return RewardModelReport(result.auc, result.reason, time.perf_counter() - started, model)
+    return RewardModelReport(result.auc, result.reason, time.perf_counter() - started, model, n_known)
