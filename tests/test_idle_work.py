@@ -40,6 +40,12 @@ def test_remembered_features_are_the_ones_a_pass_computes(tiny_trainer, tmp_path
 
         # Rows of another model are not these: an adapter folder, another precision.
         tiny_trainer.save(tmp_path / "v1")
+    # The worker's idle work pools in a session that does not train: it keeps no log-probs beside the
+    # hidden states (a run's session keeps them for its reference and behaviour passes).
+    for trainable in (True, False):
+        with tiny_trainer.adapter(None, LEARN, trainable=trainable, precision="fp32"):
+            reward_features.remember(tiny_trainer, samples[:4], 96, {})
+            assert bool(tiny_trainer._known) == trainable
     assert feature_memo.rows_for(tiny_trainer, None, "fp32") is rows
     assert feature_memo.rows_for(tiny_trainer, None, "bf16") == {}
     assert feature_memo.rows_for(tiny_trainer, tmp_path / "v1", "fp32") == {}

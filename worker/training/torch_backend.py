@@ -108,6 +108,7 @@ class Trainer(TrainerInterface):
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
         self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
         self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
+        self._memo = False  # whether this session keeps its feature passes' log-probs (a training one)
         # Response log-probs the session's feature passes computed beside the hidden states, by the
         # weights that gave them and the row's tokens (:meth:`_remember`); read by :meth:`logprobs`.
         self._known: dict[tuple[tuple[Weights], int, tuple[int, ...]], list[float]] = {}
@@ -215,12 +216,13 @@ class Trainer(TrainerInterface):
                 self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
+            self._memo = trainable  # only a run has reference and behaviour passes to spare
             yield model
         finally:
             self._frozen.hold(half=False)  # the base's own fp32 weights back before anything else
             self._frozen = FrozenWeights()
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
-            self._weights = None
+            self._weights, self._memo = None, False
             self._known = {}
             self._pool.resize(1)  # outside a session a pass runs in the caller's thread
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
@@ -439,8 +441,10 @@ class Trainer(TrainerInterface):
         the base, which a fresh LoRA is until its first update), inside a session only. Not weights
         that an update has moved, not a teacher, and not a bf16 session: there the values depend on
         the batch a row was computed in, and the run's ratios start at exactly 1 only when the
-        behaviour pass and the policy's first pass share their batches (:mod:`.precision`)."""
-        if self._model is None or self._override is not None or self._weights is LIVE or self._bf16:
+        behaviour pass and the policy's first pass share their batches (:mod:`.precision`). Nor in a
+        session that does not train (a measurement's, the worker's idle work): no pass there reads them."""
+        if (not self._memo or self._model is None or self._override is not None or self._weights is LIVE
+                or self._bf16):
             return None
         return (self._weights,)
 
