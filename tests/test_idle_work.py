@@ -88,6 +88,28 @@ def test_the_idle_work_lets_go_of_the_trainer_when_a_run_wants_it():
     assert not idle._thread.is_alive()
 
 
+def test_a_run_waiting_behind_another_keeps_the_idle_work_out():
+    lease = idle_work.TrainerLease()
+    second_in = threading.Event()
+
+    def second() -> None:
+        with lease.run():
+            second_in.set()
+
+    with lease.run():
+        assert not lease.wanted()  # this run has it; nobody waits
+        t = threading.Thread(target=second)
+        t.start()
+        deadline = time.monotonic() + 5
+        while not lease.wanted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.wanted() and not second_in.is_set()
+    t.join(5)
+    assert second_in.is_set() and not lease.wanted()
+    with lease.idle() as mine:
+        assert mine
+
+
 def test_the_idle_work_survives_a_failing_pass():
     calls: list[str] = []
 

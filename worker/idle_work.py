@@ -32,19 +32,29 @@ class TrainerLease:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting = threading.Event()
+        self._count = threading.Lock()
+        self._waiting = 0  # runs waiting for the trainer (a count: two may wait at once in one process)
 
     @contextlib.contextmanager
     def run(self) -> Iterator[None]:
-        self._waiting.set()
-        with self._lock:
-            self._waiting.clear()
+        self._wait(+1)
+        try:
+            self._lock.acquire()
+        finally:
+            self._wait(-1)
+        try:
             yield
+        finally:
+            self._lock.release()
+
+    def _wait(self, delta: int) -> None:
+        with self._count:
+            self._waiting += delta
 
     @contextlib.contextmanager
     def idle(self) -> Iterator[bool]:
         """True (held for the block) when no run has the trainer or is waiting for it, else False."""
-        got = not self._waiting.is_set() and self._lock.acquire(blocking=False)
+        got = not self.wanted() and self._lock.acquire(blocking=False)
         try:
             yield got
         finally:
@@ -53,7 +63,7 @@ class TrainerLease:
 
     def wanted(self) -> bool:
         """Whether a run is waiting for the trainer."""
-        return self._waiting.is_set()
+        return self._waiting > 0
 
 
 LEASE = TrainerLease()
