@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "micro_batch_tokens=1024; repeatable): to compare settings run by run")
     output_options(ap)
     args = ap.parse_args(argv)
+    if args.history < 0 or args.between < 0:
+        ap.error("--history and --between take a number of 0 or more")
     from pydantic import ValidationError
 
     from rlfleet.shared.config import TrainSettings
@@ -238,7 +240,7 @@ def seed_history(cfg, store, registry, slug: str, n: int) -> None:
     of training them (the timing does not depend on what the version learned)."""
     from rlfleet.shared.events import Capture, Message, Rating
     from rlfleet.worker import trainer_cache
-    from rlfleet.worker.presets import resolve
+    from rlfleet.worker.presets import for_trainer
 
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
@@ -251,7 +253,7 @@ def seed_history(cfg, store, registry, slug: str, n: int) -> None:
     run_id = store.create_run(slug)
     store.start_run(run_id, None)
     trainer = trainer_cache.get_trainer(cfg)
-    tcfg = resolve(cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
+    tcfg = for_trainer(cfg.train, trainer)
     version = registry.next_version()
     staging = registry.staging(version)
     with trainer.adapter(None, tcfg, trainable=True):

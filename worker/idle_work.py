@@ -163,28 +163,23 @@ def warm_features(slug: str, stop: Callable[[], bool]) -> int:
     """Pool the answers of lineage ``slug``'s earlier ratings under its served version, as its next run
     will read them (:func:`.orchestrate.reward_history`, in the run's session and precision), where
     they are not remembered yet; returns how many it pooled (fewer when ``stop()`` said to let go)."""
-    from rlfleet.shared import scopes
-
     from .context import context
     from .orchestrate import reward_history
-    from .presets import resolve
+    from .presets import for_trainer
     from .trainer_cache import get_trainer
     from .training import feature_memo, reward_features
 
     ctx = context().scoped(slug)
-    train = ctx.cfg.train
-    current = ctx.registry.current()
-    if not train.idle_features or (
-        # a scope's first run starts from a copy of the shared version that does not exist yet
-        current is None and scopes.is_scoped(slug) and train.scope_parent == "shared"
-        and not ctx.registry.versions()
-    ):
+    if not ctx.cfg.train.idle_features:
         return 0
+    # (Earlier ratings are those a promoted run of the lineage consumed: a scope still waiting for its
+    # first version, whose run may start from a copy of the shared one, has none.)
     history = reward_history(ctx)
     if not history or stop():
         return 0
+    current = ctx.registry.current()
     trainer = get_trainer(ctx.cfg)
-    tcfg = resolve(train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
+    tcfg = for_trainer(ctx.cfg.train, trainer)
     adapter_dir = ctx.registry.path(current) if current is not None else None
     if stop():  # (the model may have been loading until now)
         return 0

@@ -32,7 +32,7 @@ from rlfleet.shared.status import publish_snapshot
 from .context import Context
 from .gate import GateConfig, ModelScores, TowardHints, Verdict, judge, one_class, split_holdout
 from .idle_work import LEASE, idle_work_due
-from .presets import TrainConfig, resolve
+from .presets import TrainConfig, for_trainer
 from .push_schedule import schedule_push
 from .replay import draw, wanted
 from .samples import Progress, RunResult, TrainSample, drawn_by
@@ -240,7 +240,7 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
 def _train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | None, gcfg: GateConfig,
                      board: ProgressBoard) -> Candidate:
     trainer = get_trainer(ctx.cfg)
-    tcfg = resolve(ctx.cfg.train, trainer.n_params, trainer.is_moe, device=str(trainer.device))
+    tcfg = for_trainer(ctx.cfg.train, trainer)
     ema, _lineage = ctx.store.baseline(ctx.slug)
     version = ctx.registry.next_version()
     staging = ctx.registry.staging(version)

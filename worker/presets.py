@@ -10,6 +10,7 @@ measurements in bench/RESULTS.md (the learning benchmark, bench/learning, is wha
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from rlfleet.shared.config import Preset, TrainSettings
 
@@ -150,3 +151,8 @@ def resolve(
         rewrite=settings.rewrite,
     )
     return cfg
+
+
+def for_trainer(settings: TrainSettings, trainer: Any) -> TrainConfig:
+    """``settings`` resolved for the model ``trainer`` holds and the device it trains on."""
+    return resolve(settings, trainer.n_params, trainer.is_moe, device=str(trainer.device))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,13 +107,20 @@ def remember(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, 
     encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
     todo = list({row_key(e): e for e in encoded if row_key(e) not in rows}.values())
     added = 0
-    for g, batch in zip(*backend.batches(todo, EVAL_BATCH_TOKENS // 4), strict=True):
-        if stop():
-            break
-        for i, row in zip(g, backend.pooled_hidden(batch), strict=True):
-            rows[row_key(todo[i])] = row
-            added += 1
+    for i, row in _pooled_rows(backend, todo, EVAL_BATCH_TOKENS // 4, stop):
+        rows[row_key(todo[i])] = row
+        added += 1
     return added
+
+
+def _pooled_rows(backend: Backend, encoded: Sequence[Encoded], budget: int = EVAL_BATCH_TOKENS,
+                 stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, list[float]]]:
+    """``(index, pooled last hidden state)`` of ``encoded``'s rows (:meth:`Backend.pooled_hidden`), a
+    batch of ``budget`` padded tokens at a time, until ``stop()`` says to let go."""
+    for g, batch in zip(*backend.batches(encoded, budget), strict=True):
+        if stop():
+            return
+        yield from zip(g, backend.pooled_hidden(batch), strict=True)
 
 
 def _pooled(backend: Backend, encoded: Sequence[Encoded],
@@ -128,10 +135,8 @@ def _pooled(backend: Backend, encoded: Sequence[Encoded],
             todo.append(i)
         else:
             pooled[i] = hit
-    groups, batches = backend.batches([encoded[i] for i in todo], EVAL_BATCH_TOKENS)
-    for g, batch in zip(groups, batches, strict=True):
-        for j, row in zip(g, backend.pooled_hidden(batch), strict=True):
-            pooled[todo[j]] = row
+    for j, row in _pooled_rows(backend, [encoded[i] for i in todo]):
+        pooled[todo[j]] = row
     return pooled, len(encoded) - len(todo)
 
 
