@@ -16,6 +16,7 @@ from rlfleet.worker.batching import (
     collate,
     encode_sample,
     ended_as_recorded,
+    fold_hosts,
     micro_batches,
     shared_prefix,
 )
@@ -261,6 +262,77 @@ def test_a_batch_sharing_its_prompt_gets_the_same_logprobs_and_gradients(trainer
     assert torch.allclose(shared_lp, full_lp, atol=1e-5)
     assert float(full_grad.norm()) > 0
     assert float((shared_grad - full_grad).norm() / full_grad.norm()) < 1e-4
+
+
+def test_a_row_that_is_another_rows_beginning_and_an_end_token_is_read_from_its_pass():
+    answer = Encoded(input_ids=[1, 2, 3, 4, 5, 6, 9], prompt_len=3)
+    ended = [Encoded(input_ids=[1, 2, 3, 4, 9], prompt_len=3), Encoded(input_ids=[1, 2, 3, 4, 5, 9], prompt_len=3)]
+    other = Encoded(input_ids=[1, 2, 7, 8, 9], prompt_len=3)
+    twin = Encoded(input_ids=[1, 2, 7, 8, 9], prompt_len=3)  # the same row twice: the earlier one runs
+    same_length = Encoded(input_ids=[1, 2, 7, 8, 4], prompt_len=3)  # differs only in its last token
+    assert fold_hosts([ended[0], answer, ended[1], other, twin, same_length]) == [1, 1, 1, 3, 3, 3]
+    # a row's host is the longest that begins with all its tokens but the last; a host runs itself
+    longer = Encoded(input_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], prompt_len=3)
+    assert fold_hosts([answer, ended[0], longer]) == [2, 2, 2]
+    # one shorter than the row, or different before its last token, does not host it
+    assert fold_hosts([Encoded(input_ids=[1, 2, 3], prompt_len=2), Encoded(input_ids=[1, 2, 3, 4], prompt_len=2),
+                       Encoded(input_ids=[1, 5, 3, 4, 6], prompt_len=2)]) == [1, 1, 2]
+    assert fold_hosts([]) == []
+
+
+def test_a_folded_row_rides_in_its_hosts_micro_batch_and_costs_it_nothing():
+    answers = [Encoded(input_ids=[50 + i] * 30 + [9], prompt_len=10) for i in range(4)]
+    ends = [Encoded(input_ids=[50 + i] * k + [9], prompt_len=10) for i in range(4) for k in (12, 20)]
+    encoded = answers + ends
+    hosts = fold_hosts(encoded)
+    assert hosts == [0, 1, 2, 3] + [i for i in range(4) for _ in (12, 20)]
+    batches = micro_batches(encoded, 62, hosts=hosts)  # two 31-token hosts a batch; their endings ride free
+    assert sorted(i for b in batches for i in b) == list(range(12))
+    assert len(batches) == 2
+    for b in batches:
+        assert {hosts[i] for i in b} <= set(b)
+    assert len(micro_batches(encoded, 62)) > 2  # unfolded, the endings take batches of their own
+
+
+def test_rows_read_from_their_hosts_pass_get_their_own_logprobs_and_gradients(trainer, tok):
+    """An explored answer and its earlier endings (its first tokens, then the end token) run as one
+    row: each ending's log-probs, its top tokens and the gradient through all of them are those of a
+    pass over every row whole."""
+    eos = tok.eos_token_id
+    answer = encode_sample(tok, TrainSample(None, chat("Card ace?"), "Hit me. Then stay. Then go home now.", 0.0), 256)
+    other = encode_sample(tok, TrainSample(None, chat("Card two?"), "Stay.", 0.0), 256)
+    ends = [Encoded(input_ids=answer.input_ids[:answer.prompt_len + k] + [eos], prompt_len=answer.prompt_len)
+            for k in (3, 6)]
+    encoded = [answer, *ends, other]
+    groups, batches = trainer.batches(encoded, 4096)
+    assert len(groups) == 1
+    folded = batches[0]
+    assert folded["run_rows"].tolist() == sorted(groups[0].index(i) for i in (0, 3))
+    whole = {k: v for k, v in folded.items() if k not in ("run_rows", "row_host")}
+
+    def pass_(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        with trainer.adapter(None, LEARN, trainable=True) as model:
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.data.normal_(0, 0.05)
+            params = [p for p in model.parameters() if p.requires_grad]
+            top = trainer.reference_logprobs(batch, top_k=4)[1].top[1]
+            lp = trainer._logprobs(batch)
+            (lp * batch["response_mask"]).sum().backward()
+            grad = torch.cat([p.grad.flatten() for p in params])
+        return lp.detach(), top, grad
+
+    got_lp, got_top, got_grad = pass_(folded)
+    want_lp, want_top, want_grad = pass_(whole)
+    assert torch.allclose(got_lp, want_lp, atol=1e-5)
+    assert torch.allclose(got_top, want_top, atol=1e-5)
+    # the endings' end tokens are their own (not the answer's next token): the rows differ there
+    rows = [groups[0].index(i) for i in (0, 1)]
+    end = answer.prompt_len + 3
+    assert float(got_lp[rows[1], end]) != pytest.approx(float(got_lp[rows[0], end]), abs=1e-3)
+    assert float(want_grad.norm()) > 0
+    assert float((got_grad - want_grad).norm() / want_grad.norm()) < 1e-4
 
 
 def test_a_model_that_takes_no_shared_cache_trains_each_row_whole(trainer, tok, monkeypatch, caplog):

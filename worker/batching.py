@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -110,8 +111,42 @@ def shared_prefix(items: Sequence[Encoded]) -> int:
     return p if p >= MIN_SHARED_PREFIX else 0
 
 
+def fold_hosts(encoded: Sequence[Encoded]) -> list[int]:
+    """Per item, the item whose pass computes its log-probs: itself, or a longer one (of equal length:
+    an earlier one) that begins with all of its tokens but the last.
+
+    A causal model predicts a row's tokens from the hidden states of the positions before them, and
+    a row's last position predicts nothing: so such a row (an explored answer ended at an earlier
+    sentence end is its answer's first tokens, then the end token) has its host's hidden states at
+    every position it reads, and a trainer can read them there instead of running the row through
+    the model. The host is the longest such item, and never folded itself."""
+    keys = [tuple(e.input_ids) for e in encoded]
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    ordered = [keys[i] for i in order]
+    rank = {i: (len(keys[i]), -i) for i in range(len(keys))}
+    hosts = list(range(len(keys)))
+    for i, key in enumerate(keys):
+        head = key[:-1]
+        if not head:
+            continue
+        best = i
+        # Everything that begins with ``head`` sorts in one run from the first key not below it.
+        for j in order[bisect_left(ordered, head):]:
+            if keys[j][:len(head)] != head:
+                break
+            if rank[j] > rank[best]:
+                best = j
+        hosts[i] = best
+    # A host's own host begins with all of the host's tokens but its last, so with all of the row's.
+    for i in range(len(hosts)):
+        while hosts[hosts[i]] != hosts[i]:
+            hosts[i] = hosts[hosts[i]]
+    return hosts
+
+
 def micro_batches(
-    encoded: Sequence[Encoded], max_tokens_per_batch: int, share_prefix: bool = False
+    encoded: Sequence[Encoded], max_tokens_per_batch: int, share_prefix: bool = False,
+    hosts: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Indices grouped into micro-batches of similar length.
 
@@ -119,10 +154,18 @@ def micro_batches(
     size * longest length`` (the padded token count), or with ``share_prefix`` (a backend that encodes a
     batch's :func:`shared_prefix` once) ``prefix + batch size * (longest - prefix)``. Similar lengths
     waste little on padding. A sample longer than the budget gets a batch of its own.
+
+    With ``hosts`` (:func:`fold_hosts`) an item computed from another's pass goes into its host's
+    micro-batch and costs it nothing: only hosts run, and only they are counted.
     """
-    order = sorted(range(len(encoded)), key=lambda i: (encoded[i].length, i))
+    hosts = list(range(len(encoded))) if hosts is None else list(hosts)
+    members: dict[int, list[int]] = {}
+    for i, h in enumerate(hosts):
+        if h != i:
+            members.setdefault(h, []).append(i)
+    order = sorted((i for i, h in enumerate(hosts) if h == i), key=lambda i: (encoded[i].length, i))
     batches: list[list[int]] = []
-    current: list[int] = []
+    current: list[int] = []  # the hosts of the batch being filled
     for i in order:
         longest = encoded[i].length  # sorted ascending: the newcomer is the longest
         p = shared_prefix([encoded[j] for j in (*current, i)]) if share_prefix and current else 0
@@ -132,7 +175,7 @@ def micro_batches(
         current.append(i)
     if current:
         batches.append(current)
-    return batches
+    return [[j for i in batch for j in (i, *members.get(i, ()))] for batch in batches]
 
 
 def collate(items: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:

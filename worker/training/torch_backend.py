@@ -38,7 +38,7 @@ from rlfleet.shared.models import (
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
 from rlfleet.shared.responder import sampling, seeded_rng
 
-from ..batching import Encoded, collate, micro_batches, shared_prefix
+from ..batching import Encoded, collate, fold_hosts, micro_batches, shared_prefix
 from ..objective import (
     entropy_excess,
     hindsight_kl,
@@ -319,7 +319,8 @@ class Trainer(TrainerInterface):
     # -- tensors ----------------------------------------------------------------------------------
 
     def batches(self, encoded: Sequence[Encoded], budget: int) -> tuple[list[list[int]], list[dict]]:
-        groups = micro_batches(encoded, budget, share_prefix=True)
+        hosts = fold_hosts(encoded)
+        groups = micro_batches(encoded, budget, share_prefix=True, hosts=hosts)
         pad = self.tokenizer.pad_token_id
         tensors = []
         for g in groups:
@@ -327,6 +328,11 @@ class Trainer(TrainerInterface):
             batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
             # what every pass over the batch encodes once (a CPU scalar: read without a device sync)
             batch["shared_prefix"] = torch.tensor(shared_prefix(items))
+            run = [row for row, i in enumerate(g) if hosts[i] == i]
+            if len(run) < len(g):  # rows read from their host's pass (fold_hosts): only the hosts run
+                at = {g[row]: k for k, row in enumerate(run)}
+                batch["run_rows"] = torch.tensor(run, device=self.device)
+                batch["row_host"] = torch.tensor([at[hosts[i]] for i in g], device=self.device)
             tensors.append(batch)
         return groups, tensors
 
@@ -353,9 +359,11 @@ class Trainer(TrainerInterface):
         head = _plain_head(lm)
         split = body is not None and head is not None
         p = int(batch.get("shared_prefix", 0)) if self._share_prefix else 0
+        run = batch.get("run_rows")  # None: every row runs (see batches)
+        run_ids, run_attn = (ids, attn) if run is None else (ids[run], attn[run])
         try:
             with self.autocast():
-                out = _forward(body if split else lm, ids, attn, p)
+                out = _forward(body if split else lm, run_ids, run_attn, p)
         except (TypeError, ValueError, NotImplementedError, AttributeError) as exc:
             if p == 0:
                 raise
@@ -364,13 +372,18 @@ class Trainer(TrainerInterface):
                         self.ref.spec, type(exc).__name__, exc)
             self._share_prefix, p = False, 0
             with self.autocast():
-                out = _forward(body if split else lm, ids, attn, 0)
+                out = _forward(body if split else lm, run_ids, run_attn, 0)
         pred_mask = pred_mask[:, p:]  # the positions the pass computed: p onwards
-        if split and head is not None:
-            hidden = out.last_hidden_state[:, :-1][pred_mask].to(head.weight.dtype)
-            logits = head(hidden).float()  # outside autocast: the log-softmax needs fp32 logits
+        states = out.last_hidden_state if split else out.logits
+        if run is None:
+            states = states[:, :-1][pred_mask]
+        else:  # each row's positions read from its host's row (row-major, as the mask orders them)
+            rows, cols = pred_mask.nonzero(as_tuple=True)
+            states = states[batch["row_host"][rows], cols]
+        if split and head is not None:  # outside autocast: the log-softmax needs fp32 logits
+            logits = head(states.to(head.weight.dtype)).float()
         else:
-            logits = out.logits[:, :-1][pred_mask].float()
+            logits = states.float()
         return logits, targets
 
     def _scatter(self, batch: dict[str, Tensor], values: Tensor) -> Tensor:
