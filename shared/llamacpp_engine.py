@@ -10,7 +10,11 @@ products), a difference ``tests/test_llamacpp_engine.py`` bounds.
 
 Requests that arrive together are decoded together: each conversation is a llama.cpp sequence in one
 context, and every step decodes the next token of all of them in one batch, so the weights are read
-once per step for the whole batch. Each sequence samples with its own chain (temperature, then top-p,
+once per step for the whole batch. What the batch's prompts share is decoded once: the prefix all of
+them begin with (the system prompt) and each prompt asked more than once (a run's several answers to
+a prompt, the gate's samples cycling its held-out prompts); the other sequences get those keys and
+values by ``llama_memory_seq_cp``, cells shared, not computed again: a row draws what it draws with its
+prompt decoded whole in its own sequence. Each sequence samples with its own chain (temperature, then top-p,
 then a draw seeded per sequence), the order transformers applies them in. Adapters (PEFT LoRA
 folders) are converted to llama.cpp's LoRA GGUF (:mod:`.lora_gguf`) into a private temporary folder
 the first time they answer and kept loaded, the least recently used let go beyond ``max_adapters``.
@@ -178,6 +182,9 @@ class LlamaCppEngine:
         self._set: tuple | None = ()  # the adapter key set on the context (None: unknown)
         self._cached: list[int] = []  # the tokens whose keys and values sequence 0 holds, alone in memory
         self.reused = 0  # prompt tokens whose keys and values were kept from the call before, over all calls
+        self.shared = 0  # prompt tokens a batch decoded once for several of its rows, over all calls
+        # Copying a prefix's keys and values between sequences needs a memory of cells per position.
+        self._copies = not (L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model))
 
     # ------------------------------------------------------------------ adapters
 
@@ -247,6 +254,41 @@ class LlamaCppEngine:
         s = _RANDOM_SEED if seed is None else int(seed) & 0xFFFFFFFF
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(s if s != _RANDOM_SEED else s - 1))
         return chain
+
+    def _decode_shared(self, prompts: Sequence[list[int]], drawn: Callable[[int, int], None]) -> None:
+        """Every row's prompt into its sequence (row ``i`` is sequence ``i``) and the first draw of each,
+        with what rows share decoded once: the prefix every prompt begins with (a system prompt) runs in
+        the first row's sequence and the same prompt asked again (a run's several answers to one prompt,
+        the gate's samples cycling its held-out prompts) in its first row's; the others' sequences get
+        those keys and values by ``llama_memory_seq_cp``, which shares the cells. Each row's last prompt
+        token, whose logits its first draw reads, is decoded in one batch with the others'."""
+        L = self._L
+        memory = L.llama_get_memory(self._ctx)
+        common = min(min(len(p) for p in prompts) - 1, *(shared_prefix(prompts[0], p) for p in prompts[1:]))
+        first: dict[tuple[int, ...], int] = {}
+        for row, ids in enumerate(prompts):
+            first.setdefault(tuple(ids), row)
+        leaders = sorted(first.values())
+        self._decode_all([(t, i, 0, False) for i, t in enumerate(prompts[0][:common])])
+        for row in leaders[1:]:
+            L.llama_memory_seq_cp(memory, 0, row, 0, common)
+        self._decode_all([(t, common + i, row, False)
+                          for row in leaders for i, t in enumerate(prompts[row][common:-1])])
+        for row, ids in enumerate(prompts):
+            if first[tuple(ids)] != row:
+                L.llama_memory_seq_cp(memory, first[tuple(ids)], row, 0, len(ids) - 1)
+        decoded = common + sum(len(prompts[row]) - 1 - common for row in leaders)
+        self.shared += sum(len(ids) - 1 for ids in prompts) - decoded
+        for start in range(0, len(prompts), self._n_batch):
+            rows = range(start, min(start + self._n_batch, len(prompts)))
+            self._decode([(prompts[row][-1], len(prompts[row]) - 1, row, True) for row in rows])
+            for j, row in enumerate(rows):
+                drawn(row, j)
+
+    def _decode_all(self, tokens: Sequence[tuple[int, int, int, bool]]) -> None:
+        """:meth:`_decode` in batches of at most ``n_batch`` rows, in order."""
+        for start in range(0, len(tokens), self._n_batch):
+            self._decode(tokens[start:start + self._n_batch])
 
     def _decode(self, tokens: Sequence[tuple[int, int, int, bool]]) -> None:
         """One ``llama_decode`` of ``(token, position, sequence, wants logits)`` rows."""
@@ -323,12 +365,16 @@ class LlamaCppEngine:
                 live.append(row)
 
         try:
-            for row, ids in enumerate(prompts):
-                for start in range(kept if row == 0 else 0, len(ids), self._n_batch):
-                    chunk = ids[start:start + self._n_batch]
-                    last = start + len(chunk) == len(ids)
-                    self._decode([(t, start + i, row, last and i == len(chunk) - 1) for i, t in enumerate(chunk)])
-                drawn(row, len(chunk) - 1)
+            if len(prompts) > 1 and self._copies:
+                self._decode_shared(prompts, drawn)
+            else:
+                for row, ids in enumerate(prompts):
+                    for start in range(kept if row == 0 else 0, len(ids), self._n_batch):
+                        chunk = ids[start:start + self._n_batch]
+                        last = start + len(chunk) == len(ids)
+                        self._decode([(t, start + i, row, last and i == len(chunk) - 1)
+                                      for i, t in enumerate(chunk)])
+                    drawn(row, len(chunk) - 1)
             while live:
                 step, live[:] = list(live), []
                 self._decode([(outs[r][-1], len(prompts[r]) + len(outs[r]) - 1, r, True) for r in step])

@@ -307,6 +307,42 @@ def test_a_prompt_after_a_prompt_reuses_the_shared_prefix_and_draws_the_same(res
     assert engine.reused == before
 
 
+def test_a_batch_decodes_what_its_prompts_share_once_and_draws_the_same(responder, adapters, monkeypatch):
+    """The system prompt every row begins with, and a prompt asked again, are decoded once and their keys
+    and values copied to the other rows' sequences: every row draws, token for token, what it draws when
+    each prompt is decoded whole in its own sequence, with the adapter on too; from the base, what it
+    draws alone."""
+    engine = responder._engine
+    msgs = [responder._with_system([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    rows = [responder.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True,
+                                                    return_tensors="pt")["input_ids"][0].tolist() for m in msgs]
+    batch = [rows[0], rows[1], rows[0], rows[2], rows[0], rows[1]]
+    seeds = [11, 12, 13, 14, 15, 16]
+    common = min(next(i for i, (a, b) in enumerate(zip(rows[0], r, strict=False)) if a != b) for r in rows[1:])
+
+    def draw(prompts, row_seeds, weights, copies=True):
+        monkeypatch.setattr(engine, "_copies", copies)
+        return engine.generate(prompts, 12, 0.8, 0.95, responder._eos_ids, row_seeds, weights)
+
+    for version in (None, "v0001"):
+        _pointing(adapters, version)
+        weights = None if version is None else adapters / version
+        with responder._lock:
+            responder._select(None)
+            before = engine.shared
+            together = draw(batch, seeds, weights)
+            shared = engine.shared - before
+            whole = draw(batch, seeds, weights, copies=False)
+            alone = [draw([r], [s], weights)[0] for r, s in zip(batch, seeds, strict=True)]
+        assert together == whole
+        assert len({tuple(t) for t in together}) > 1  # the seeds draw different answers
+        if version is None:  # (an adapter's products in a batch of rows differ from one row's by rounding)
+            assert together == alone
+        # the common prefix once, each distinct prompt's rest once, every row's last token its own
+        assert shared == sum(len(r) - 1 for r in batch) - common - sum(len(r) - 1 - common for r in rows) > 0
+    _pointing(adapters, None)
+
+
 def test_the_base_shape_for_adapters_comes_from_the_loaded_model_as_from_the_file(responder):
     from rlfleet.shared.lora_gguf import BaseShape
 
