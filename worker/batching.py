@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any
 
 import torch
@@ -123,7 +124,7 @@ def fold_hosts(encoded: Sequence[Encoded]) -> list[int]:
     keys = [tuple(e.input_ids) for e in encoded]
     order = sorted(range(len(keys)), key=lambda i: keys[i])
     ordered = [keys[i] for i in order]
-    rank = {i: (len(keys[i]), -i) for i in range(len(keys))}
+    rank = [(len(key), -i) for i, key in enumerate(keys)]
     hosts = list(range(len(keys)))
     for i, key in enumerate(keys):
         head = key[:-1]
@@ -131,7 +132,7 @@ def fold_hosts(encoded: Sequence[Encoded]) -> list[int]:
             continue
         best = i
         # Everything that begins with ``head`` sorts in one run from the first key not below it.
-        for j in order[bisect_left(ordered, head):]:
+        for j in islice(order, bisect_left(ordered, head), None):
             if keys[j][:len(head)] != head:
                 break
             if rank[j] > rank[best]:

@@ -374,12 +374,11 @@ class Trainer(TrainerInterface):
             with self.autocast():
                 out = _forward(body if split else lm, run_ids, run_attn, 0)
         pred_mask = pred_mask[:, p:]  # the positions the pass computed: p onwards
-        states = out.last_hidden_state if split else out.logits
-        if run is None:
-            states = states[:, :-1][pred_mask]
-        else:  # each row's positions read from its host's row (row-major, as the mask orders them)
-            rows, cols = pred_mask.nonzero(as_tuple=True)
-            states = states[batch["row_host"][rows], cols]
+        # Each predicting position in row-major order (the mask's), read from the row that ran it: the
+        # row itself, or its host (see batches).
+        rows, cols = pred_mask.nonzero(as_tuple=True)
+        ran = rows if run is None else batch["row_host"][rows]
+        states = (out.last_hidden_state if split else out.logits)[ran, cols]
         if split and head is not None:  # outside autocast: the log-softmax needs fp32 logits
             logits = head(states.to(head.weight.dtype)).float()
         else:
