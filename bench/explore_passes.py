@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.worker.batching import encode_sample
     from rlfleet.worker.presets import CPU_MICRO_BATCH_TOKENS, preset
     from rlfleet.worker.samples import TrainSample
-    from rlfleet.worker.training import exploration
+    from rlfleet.worker.training import exploration, feature_memo
     from rlfleet.worker.training.reward_features import features, features_with_endings
     from rlfleet.worker.training.torch_backend import Trainer
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         own = features(backend, answers, cfg.max_tokens)
         cuts = [c for h in heads for c in h]
         parts = [own, features(backend, cuts, cfg.max_tokens)] if cuts else [own]
-        backend._known.clear()  # this way has nothing kept: its reference pass runs over every row
+        feature_memo.forget(backend)  # this way has nothing kept: its reference pass runs over every row
         return np.vstack(parts), reference()
 
     def shared() -> tuple[np.ndarray, list]:
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, tuple[np.ndarray, list]] = {}
     for _ in range(args.rounds):
         for name, way in ways.items():
+            feature_memo.forget(backend)  # nothing an earlier round or way kept
             with backend.adapter(None, cfg, trainable=True):  # a first run's session: a fresh LoRA
                 t0 = time.perf_counter()
                 results[name] = way()

@@ -67,9 +67,10 @@ class TrainSettings(BaseModel):
     # on a CPU for the default model) overlaps the minutes it takes to collect the first ratings.
     # false: load on the first run (memory is held only once training has happened).
     preload: bool = True
-    # Between runs the training worker computes the features of the earlier ratings that the next
-    # run's reward model reads, under the version being served (worker/idle_work.py): a run then
-    # spends its time on its own ratings, however many came before. false: each run computes them.
+    # While it waits the training worker does what the next run would do first, under the version
+    # being served (worker/idle_work.py): the earlier and pending ratings' features, the answers it
+    # explores, the base's log-probs of them. A run then spends its time on the last ratings and its
+    # training. false: each run does it all.
     idle_features: bool = True
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"

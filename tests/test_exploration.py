@@ -13,7 +13,7 @@ from test_trainer import LEARN, chat, preference_samples
 
 from rlfleet.shared.models import resolve_model
 from rlfleet.worker.samples import TrainSample
-from rlfleet.worker.training import exploration, reward_features
+from rlfleet.worker.training import exploration, feature_memo, reward_features
 from rlfleet.worker.training.advantages import group_advantages
 from rlfleet.worker.training.reward_features import RewardModelReport
 
@@ -120,7 +120,7 @@ def _explore_two_prompts(monkeypatch, texts, **settings):
         return np.array([[len(s.response.split())] for s in batch], dtype=float)
 
     monkeypatch.setattr(exploration, "features_with_endings",
-                        lambda _b, batch, endings, _m: (words(batch), [words(cuts) for cuts in endings]))
+                        lambda _b, batch, endings, _m, _known: (words(batch), [words(cuts) for cuts in endings]))
     report = RewardModelReport(0.9, "ok", 0.0, _ShorterModel())
     rated = [TrainSample(1, chat("p"), "x", 1.0), TrainSample(2, chat("q"), "y", -1.0)]
     cfg = replace(LEARN, explore=2, explore_prompts=2, explore_weight=0.5, **settings)
@@ -452,6 +452,7 @@ def test_the_reference_and_behaviour_passes_reuse_the_feature_passes_log_probs(t
         return all(torch.allclose(lp, own, atol=1e-5) for lp, own in got)
 
     cfg = replace(LEARN, steps=1)
+    feature_memo.forget(backend)
     with backend.adapter(None, cfg, trainable=True):  # a fresh LoRA: the base until its first update
         reward_features.features_with_endings(backend, answers, heads, 1024)
         with backend.reference():
@@ -470,13 +471,54 @@ def test_the_reference_and_behaviour_passes_reuse_the_feature_passes_log_probs(t
         backend.save(tmp_path / "v1")
     passes.clear()
     with backend.adapter(tmp_path / "v1", cfg, trainable=True):  # a parent's session: the policy is not the base
+        start = log_probs()
+        assert len(passes) == len(start) and matches(start)  # nothing pooled under v1 yet: computed
+        passes.clear()
         reward_features.features_with_endings(backend, answers, heads, 1024)
         start = log_probs()
         assert passes == [] and matches(start)
-        with backend.reference():
+        with backend.reference():  # the base's, kept by the first session's feature passes
             base = log_probs()
-        assert len(passes) == len(base) and matches(base)
-        passes.clear()
-        with backend.teacher(None):  # the teacher reading a hint is the base: computed as well
-            log_probs()
-        assert passes
+        assert passes == [] and matches(base)
+        with backend.teacher(None):  # the teacher reading a hint is the base: its remembered values too
+            assert matches(log_probs())
+        assert passes == []
+
+
+def test_a_run_explores_with_the_answers_and_features_its_worker_drew_ahead(tiny_trainer, monkeypatch):
+    """What the worker drew and pooled for a prompt while it waited is what the run explores: no draw
+    and no pass of its own for it, the same features as a pass of its own gives; a prompt it did not
+    draw ahead is drawn in the run and remembered."""
+    backend = tiny_trainer
+    cfg = replace(LEARN, explore=3, explore_prompts=2, explore_cuts=2, explore_max_new_tokens=24, max_tokens=96)
+    rated = [TrainSample(1, chat("Tell me about rain."), "Rain falls.", 1.0),
+             TrainSample(2, chat("Tell me about snow."), "Snow is cold. It is white.", -1.0)]
+    report = RewardModelReport(0.9, "ok", 0.0, _ShorterModel())
+    feature_memo.forget(backend)
+    drawn: list[int] = []
+    real = backend.sample
+    monkeypatch.setattr(backend, "sample", lambda rows, *a, **k: drawn.append(len(rows)) or real(rows, *a, **k))
+    with backend.adapter(None, cfg, trainable=True):
+        memo = feature_memo.memo_for(backend, None, backend.precision)
+        snow, rain = exploration.prompts_to_explore(rated, 2)  # the newest rating's prompt first
+        assert exploration.draw_ahead(backend, [snow], cfg, memo) == 1
+        assert exploration.draw_ahead(backend, [snow], cfg, memo, stop=lambda: True) == 0  # (held already)
+        assert drawn == [3] and exploration.draw_key(snow, cfg) in memo.drawn
+        ahead = memo.drawn[exploration.draw_key(snow, cfg)]
+        out = exploration.explore(backend, rated, report, cfg, memo=memo)
+        assert drawn == [3, 3]  # rain's three answers only
+        assert out.metrics()["explored_known"] == 1 and out.metrics()["explored"] >= 6
+        snow_answers = [s.response for s, g in zip(out.samples, out.groups, strict=True) if g == 0][:3]
+        assert snow_answers == [backend.tokenizer.decode(a, skip_special_tokens=True) for a in ahead]
+        assert exploration.draw_key(rain, cfg) in memo.drawn  # drawn in the run: remembered
+        # The features it read are those a pass of its own gives (another batch: rounding only).
+        explored, _, heads = exploration.as_samples(backend, [snow] * 3, ahead, cfg)
+        read = reward_features.features_with_endings(backend, explored, heads, cfg.max_tokens, memo.pooled)
+        own = reward_features.features_with_endings(backend, explored, heads, cfg.max_tokens)
+        assert np.allclose(read[0], own[0], atol=1e-5)
+        assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(read[1], own[1], strict=True))
+        # Without the memo the run draws every prompt itself, as before.
+        drawn.clear()
+        plain = exploration.explore(backend, rated, report, cfg)
+        assert drawn == [6] and plain.metrics()["explored_known"] == 0
+    feature_memo.forget(backend)

@@ -4,11 +4,13 @@ the next run's reward model reads them instead of running the model over them ag
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 from test_gate_runs import BAD, GOOD, TOPICS, _prefer, gated_home  # noqa: F401 (a fixture)
 from test_spine import _work_train_queue, opened_queue, status
 from test_trainer import LEARN, preference_samples
@@ -16,9 +18,11 @@ from test_trainer import LEARN, preference_samples
 from rlfleet.shared.config import load_config
 from rlfleet.shared.models import model_slug
 from rlfleet.worker import idle_work
+from rlfleet.worker.batching import encode_sample
 from rlfleet.worker.idle_work import LEASE, IdleWorker, warm_features
+from rlfleet.worker.presets import for_trainer
 from rlfleet.worker.trainer_cache import get_trainer
-from rlfleet.worker.training import feature_memo, reward_features
+from rlfleet.worker.training import exploration, feature_memo, reward_features
 
 
 def test_remembered_features_are_the_ones_a_pass_computes(tiny_trainer, tmp_path):
@@ -40,12 +44,6 @@ def test_remembered_features_are_the_ones_a_pass_computes(tiny_trainer, tmp_path
 
         # Rows of another model are not these: an adapter folder, another precision.
         tiny_trainer.save(tmp_path / "v1")
-    # The worker's idle work pools in a session that does not train: it keeps no log-probs beside the
-    # hidden states (a run's session keeps them for its reference and behaviour passes).
-    for trainable in (True, False):
-        with tiny_trainer.adapter(None, LEARN, trainable=trainable, precision="fp32"):
-            reward_features.remember(tiny_trainer, samples[:4], 96, {})
-            assert bool(tiny_trainer._known) == trainable
     assert feature_memo.rows_for(tiny_trainer, None, "fp32") is rows
     assert feature_memo.rows_for(tiny_trainer, None, "bf16") == {}
     assert feature_memo.rows_for(tiny_trainer, tmp_path / "v1", "fp32") == {}
@@ -55,6 +53,33 @@ def test_remembered_features_are_the_ones_a_pass_computes(tiny_trainer, tmp_path
     weights.write_bytes(weights.read_bytes() + b" ")  # the folder written again (after a reset, say)
     assert feature_memo.identity(tmp_path / "v1", "fp32") != before
     assert feature_memo.rows_for(tiny_trainer, tmp_path / "v1", "fp32") == {}
+    feature_memo.forget(tiny_trainer)
+
+
+def test_log_probs_a_feature_pass_kept_are_read_by_a_later_session_of_the_same_model(tiny_trainer, tmp_path):
+    """The worker's idle work pools in a session of its own: the run's reference and run-start passes
+    read the log-probs it kept, and only under the model that computed them."""
+    samples = preference_samples()[:6]
+    encoded = [encode_sample(tiny_trainer.tokenizer, s, 96) for s in samples]
+    feature_memo.forget(tiny_trainer)
+    with tiny_trainer.adapter(None, LEARN, trainable=True, precision="fp32"):
+        _, batches = tiny_trainer.batches(encoded, 4096)
+        assert [tiny_trainer._recall(b) for b in batches] == [None] * len(batches)
+        fresh = [tiny_trainer.logprobs(b) for b in batches]
+        tiny_trainer.save(tmp_path / "v1")
+    with tiny_trainer.adapter(None, LEARN, precision="fp32"):  # the idle work's session: no training
+        reward_features.remember(tiny_trainer, samples, 96, feature_memo.rows_for(tiny_trainer, None, "fp32"))
+    with tiny_trainer.adapter(None, LEARN, trainable=True, precision="fp32"):
+        for batch, want in zip(batches, fresh, strict=True):
+            got = tiny_trainer._recall(batch)
+            assert got is not None
+            mask = batch["response_mask"]
+            assert torch.allclose(got[mask], want[mask], atol=1e-5) and bool(got[mask].ne(0).all())
+    with tiny_trainer.adapter(tmp_path / "v1", None, precision="fp32"):  # another model: nothing of the base's
+        assert all(tiny_trainer._recall(b) is None for b in batches)
+    with tiny_trainer.adapter(None, LEARN, trainable=True, precision="bf16"):  # batch-dependent: never kept
+        reward_features.remember(tiny_trainer, samples, 96, {})
+        assert tiny_trainer._known() is None
     feature_memo.forget(tiny_trainer)
 
 
@@ -129,7 +154,8 @@ def test_the_idle_work_survives_a_failing_pass():
         idle.stop()
 
 
-def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_home):  # noqa: F811 (the fixture)
+def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_home, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(idle_work, "IDLE_POLL", None)  # no look for new ratings in between: run 2's own unpooled
     cfg = load_config()
     cfg.train.explore, cfg.train.steps = 0, 2  # only the reward model's reading of the history matters here
     cfg.save()
@@ -153,8 +179,9 @@ def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_h
             idle_work.stop_idle_work()
         runs = {v["version"]: v["metrics"] for v in status()["adapter"]["versions"]}
         assert runs["v0001"]["reward_model_known"] == 0
-        # Run 2's reward model read the 8 ratings run 1 consumed without a pass of its own over them.
-        assert runs["v0002"]["reward_model_known"] == 8
+        # Run 2's reward model read the 8 ratings run 1 consumed and the 4 its gate held out (pending since)
+        # without a pass of its own over them.
+        assert runs["v0002"]["reward_model_known"] == 12
         assert runs["v0002"]["reward_model_auc"] is not None
         feature_memo.forget(trainer)
 
@@ -175,3 +202,61 @@ def test_without_idle_features_the_worker_does_none(gated_home):  # noqa: F811 (
 def _no_idle_worker_left():
     yield
     idle_work.stop_idle_work()
+
+
+def test_the_idle_work_looks_again_at_the_lineages_it_worked_on():
+    calls: list[str] = []
+    idle = IdleWorker(lambda slug, stop: calls.append(slug) or 0, poll=0.05)
+    idle.start()
+    try:
+        idle.due("m")
+        deadline = time.monotonic() + 10
+        while calls.count("m") < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert calls.count("m") >= 3 and set(calls) == {"m"}  # only what it was told of
+    finally:
+        idle.stop()
+    assert not idle._thread.is_alive()
+
+
+def test_a_run_reads_what_its_worker_did_ahead_while_the_ratings_came_in(gated_home):  # noqa: F811 (the fixture)
+    """The pending ratings' features, the answers the run explores with theirs, and, for a run continuing
+    a version, the base's log-probs of both: done by the worker before the threshold-th rating, read by
+    the run; done once (a second look with nothing new does nothing)."""
+    cfg = load_config()
+    cfg.train.steps, cfg.train.explore, cfg.train.explore_prompts, cfg.train.explore_max_new_tokens = 2, 2, 4, 16
+    cfg.train.reward_model_min_auc = 0.5  # the tiny model's reward model need not be good for this
+    cfg.save()
+    slug = model_slug(str(cfg.model))
+    with opened_queue() as (cfg, handle):
+        trainer = get_trainer(cfg)
+        feature_memo.forget(trainer)
+        _prefer(cfg, handle, TOPICS[:5], GOOD, BAD)  # 10 of the 12 ratings that start a run
+        assert warm_features(slug, lambda: False) > 0
+        assert warm_features(slug, lambda: False) == 0  # nothing new since
+        memo = feature_memo.memo_for(trainer, None, "fp32")
+        assert len(memo.drawn) == 5  # every pending prompt: the run's newest training ones among them
+        _prefer(cfg, handle, TOPICS[5:6], GOOD, BAD)  # the last two: the run is queued
+        _work_train_queue(handle)
+        v1 = {v["version"]: v["metrics"] for v in status()["adapter"]["versions"]}["v0001"]
+        # Held out: the 4 newest (topics 4 and 5); trained: topics 0-3, whose 8 answers and 4 prompts'
+        # explored answers the worker had pooled and drawn.
+        assert v1["explored_known"] == 4 and v1["explored"] >= 8, v1
+        assert v1["reward_model_known"] == 8
+        assert status()["adapter"]["current"] == "v0001"
+
+        _prefer(cfg, handle, TOPICS[6:8], GOOD, BAD)
+        assert warm_features(slug, lambda: False) > 0
+        # A run continuing v0001 reads the base's log-probs in its reference pass: kept for the pending
+        # answers and the explored ones, beside v0001's own.
+        base = feature_memo.memo_for(trainer, None, "fp32")
+        served = feature_memo.memo_for(trainer, cfg.adapters_root / slug / "v0001", "fp32")
+        assert len(served.drawn) == 4  # the 4 held-out ratings' prompts and the 2 new ones: 4 topics
+        tcfg = for_trainer(cfg.train, trainer)
+        rows = [feature_memo.row_key(encode_sample(trainer.tokenizer, s, tcfg.max_tokens))
+                for (prompt, *_), answers in served.drawn.items()
+                for s in exploration.as_samples(trainer, [json.loads(prompt)] * len(answers), answers, tcfg)[0]]
+        assert rows and all(k in served.logprobs and k in base.logprobs for k in rows)
+        rated = [k for k in served.logprobs if k not in rows]  # the pending ratings' answers
+        assert len(rated) >= 8 and all(k in base.logprobs for k in rated)
+    feature_memo.forget(trainer)

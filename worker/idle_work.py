@@ -1,10 +1,13 @@
 """What the training worker does while it waits for the next run.
 
-A run's reward model reads the features of the user's earlier ratings (up to
-:data:`~.orchestrate.REWARD_MODEL_HISTORY` of them) under the version being served, the policy the next
-run starts from. Neither changes until that run, so the worker computes them as soon as it is idle (after
-the model's load, after each run) and remembers them (:mod:`.training.feature_memo`); the next run then
-spends its time on its own answers only. ``train.idle_features = false`` turns this off.
+What a run does before its first update depends only on the ratings it will read and the version it
+starts from (the one being served): its reward model reads the features of the user's earlier ratings
+(up to :data:`~.orchestrate.REWARD_MODEL_HISTORY` of them) and of the pending ones, it samples and pools
+answers to the newest rated prompts to explore them, and its reference and run-start passes read the
+log-probs of all those answers. So the worker does that as soon as it is idle (after the model's load,
+after each run, and again every :data:`IDLE_POLL` seconds once new ratings came in) and remembers it
+(:mod:`.training.feature_memo`); the run then reads what is there and spends its time on the ratings
+that came last. ``train.idle_features = false`` turns this off.
 
 The trainer belongs to runs: a run takes :data:`LEASE` for its whole length, and the idle work looks
 between two passes whether one is waiting, and lets go at once. It runs in a thread of the training
@@ -16,12 +19,18 @@ thread that made them).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+from rlfleet.shared import scopes
 from rlfleet.shared.config import Config
+
+from .batching import ended_as_recorded
+from .samples import TrainSample
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -72,9 +81,11 @@ LEASE = TrainerLease()
 class IdleWorker:
     """The thread that does the idle work of one training worker, lineage by lineage as runs end."""
 
-    def __init__(self, work: Callable[[str, Callable[[], bool]], int]) -> None:
+    def __init__(self, work: Callable[[str, Callable[[], bool]], int], poll: float | None = None) -> None:
         self._work = work
+        self._poll = poll  # seconds between looks at the lineages it worked on (None: only when due)
         self._due: list[str] = []
+        self._seen: list[str] = []  # lineages it has worked on: looked at again every poll seconds
         self._busy = False
         self._wake = threading.Condition()
         self._stopping = False
@@ -113,10 +124,16 @@ class IdleWorker:
                 self._busy = False
                 self._wake.notify_all()
                 while not self._due and not self._stopping:
-                    self._wake.wait()
+                    if not self._wake.wait(self._poll) and self._poll is not None:
+                        self._due = list(self._seen)  # new ratings since: the next run's work grew
+                        break
                 if self._stopping:
                     return
+                if not self._due:
+                    continue
                 slug, self._busy = self._due.pop(0), True
+                if slug not in self._seen:
+                    self._seen.append(slug)
             started = time.monotonic()
             try:
                 with LEASE.idle() as mine:
@@ -125,11 +142,12 @@ class IdleWorker:
                 log.warning("idle work on %s stopped: %s: %s", slug, type(exc).__name__, exc)
                 continue
             if done:
-                log.info("computed the features of %d earlier ratings of %s for its next run in %.1f s",
+                log.info("did %d answers' and prompts' work of %s's next run ahead in %.1f s",
                          done, slug, time.monotonic() - started)
 
 
 _IDLE: IdleWorker | None = None
+IDLE_POLL = 5.0  # seconds between the idle work's looks for new ratings (a look that finds none costs a query)
 
 
 def start_idle_work(cfg: Config, first: str | None) -> IdleWorker | None:
@@ -139,7 +157,7 @@ def start_idle_work(cfg: Config, first: str | None) -> IdleWorker | None:
     global _IDLE
     if not cfg.train.idle_features or cfg.train.device == "mlx":
         return None
-    _IDLE = IdleWorker(warm_features)
+    _IDLE = IdleWorker(warm_features, IDLE_POLL)
     _IDLE.start()
     if first is not None:
         _IDLE.due(first)
@@ -160,29 +178,75 @@ def stop_idle_work() -> None:
 
 
 def warm_features(slug: str, stop: Callable[[], bool]) -> int:
-    """Pool the answers of lineage ``slug``'s earlier ratings under its served version, as its next run
-    will read them (:func:`.orchestrate.reward_history`, in the run's session and precision), where
-    they are not remembered yet; returns how many it pooled (fewer when ``stop()`` said to let go)."""
+    """Do, under lineage ``slug``'s served version, what its next run would do first if it started now
+    (each as the run does it, in the run's session and precision): pool the answers of its earlier
+    ratings (:func:`.orchestrate.reward_history`) and of its pending ones, draw and pool the answers it
+    would explore (:func:`.training.exploration.draw_ahead`), and, where it continues an adapter, the
+    base's log-probs of those answers (its reference pass); only what is not remembered yet, and
+    nothing when neither the ratings nor the version changed since the last time. Returns how many
+    answers and prompts it did (fewer when ``stop()`` said to let go)."""
     from .context import context
-    from .orchestrate import reward_history
-    from .presets import for_trainer
+    from .orchestrate import RunInputs, gate_config, reward_history
     from .trainer_cache import get_trainer
-    from .training import feature_memo, reward_features
+    from .training import feature_memo
+    from .training.rewards import star_centres
 
     ctx = context().scoped(slug)
     if not ctx.cfg.train.idle_features:
         return 0
-    # (Earlier ratings are those a promoted run of the lineage consumed: a scope still waiting for its
-    # first version, whose run may start from a copy of the shared one, has none.)
-    history = reward_history(ctx)
-    if not history or stop():
-        return 0
     current = ctx.registry.current()
+    # A scope's first run may start from a copy of the shared version (worker/scope_start.py): unknown yet.
+    ahead = current is not None or not scopes.is_scoped(ctx.slug)
+    rows = ctx.store.pending_ratings(ctx.slug, ctx.cfg.train.max_ratings) if ahead else []
+    explore = ctx.cfg.train.explore > 0 and bool(rows)
+    captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if explore else []
     trainer = get_trainer(ctx.cfg)
+    # What the work depends on: the settings, the version, the pending ratings and the unrated prompts.
+    mark = (ctx.config_mtime, current, tuple((r.id, r.state, r.value, r.stars) for r, _ in rows),
+            json.dumps(captured))
+    done_for = feature_memo.done_for(trainer)
+    if done_for.get(ctx.slug) == mark or stop():  # (the model may have been loading until now)
+        return 0
+    centres = star_centres(ctx.store.stars_given(ctx.cfg.model))
+    history = reward_history(ctx, None, centres)
+    if not history and not rows:
+        done_for[ctx.slug] = mark
+        return 0
+    inputs = RunInputs.of(rows, ctx.cfg.model, gate_config(ctx.cfg), centres)
+    done = _warm(ctx, trainer, current, history, inputs.train + inputs.held, captured, len(inputs.held), stop)
+    if not stop():
+        done_for[ctx.slug] = mark
+    return done
+
+
+def _warm(ctx: Any, trainer: Any, current: str | None, history: list[TrainSample], pending: list[TrainSample],
+          captured: list[list[dict]], n_held: int, stop: Callable[[], bool]) -> int:
+    from .presets import for_trainer
+    from .training import exploration, feature_memo, reward_features
+
     tcfg = for_trainer(ctx.cfg.train, trainer)
     adapter_dir = ctx.registry.path(current) if current is not None else None
-    if stop():  # (the model may have been loading until now)
-        return 0
+    # As the run's own ratings (ended_as_recorded): a cut-off answer trains without an end token.
+    pending = [ended_as_recorded(s, trainer.tokenizer) for s in pending]
     with trainer.adapter(adapter_dir, tcfg, precision=tcfg.precision):
-        rows = feature_memo.rows_for(trainer, adapter_dir, trainer.precision)
-        return reward_features.remember(trainer, history, tcfg.max_tokens, rows, stop)
+        memo = feature_memo.memo_for(trainer, adapter_dir, trainer.precision)
+        done = reward_features.remember(trainer, pending + history, tcfg.max_tokens, memo.pooled, stop)
+        prompts: list[list[dict]] = []
+        if tcfg.explore > 0 and pending:
+            # The run explores its newest training prompts; the newest pending ones it may hold out.
+            prompts = exploration.prompts_to_explore(pending, tcfg.explore_prompts + n_held + 1, captured)
+            done += exploration.draw_ahead(trainer, prompts, tcfg, memo, stop)
+        if adapter_dir is not None and trainer.precision == "fp32" and not stop():
+            # The run's reference pass reads the base's log-probs of the same rows (remembered in fp32
+            # sessions only): pooled under the base, the log-probs are kept beside the hidden states.
+            base = feature_memo.memo_for(trainer, None, trainer.precision)
+            with trainer.reference():
+                done += reward_features.remember(trainer, pending, tcfg.max_tokens, base.pooled, stop)
+                for prompt in prompts:
+                    got = memo.drawn.get(exploration.draw_key(prompt, tcfg))
+                    if got is None or stop():
+                        break
+                    rows = [prompt] * len(got)
+                    explored, _, heads = exploration.as_samples(trainer, rows, got, tcfg)
+                    reward_features.features_with_endings(trainer, explored, heads, tcfg.max_tokens, base.pooled)
+        return done

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..gate import repeated_ngrams
@@ -28,6 +29,7 @@ from ..presets import TrainConfig
 from ..samples import TrainSample
 from .advantages import group_advantages
 from .backend import Backend
+from .feature_memo import DrawKey, Draws, Memo
 from .reward_features import RewardModelReport, features_with_endings, labelled
 
 SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
@@ -53,11 +55,13 @@ class Exploration:
     looping: int = 0  # explored answers ranked last for repeating themselves (REPEAT_GUARD)
     cut: int = 0  # explored answers cut off at train.explore_max_new_tokens (trained without an end token)
     ended_earlier: int = 0  # answers ended at an earlier sentence end that the reward model scored higher
+    known: int = 0  # prompts whose answers the worker had drawn before the run (draw_ahead)
 
     def metrics(self) -> dict[str, float | int | str]:
         out: dict[str, float | int | str] = {
             "explored": len(self.samples), "explore_reason": self.reason, "explore_seconds": self.seconds,
-            "explored_looping": self.looping, "explored_cut": self.cut, "explored_ended_earlier": self.ended_earlier}
+            "explored_looping": self.looping, "explored_cut": self.cut, "explored_ended_earlier": self.ended_earlier,
+            "explored_known": self.known}
         spread = quartiles([abs(a) for a in self.advantages])
         if spread is not None:
             q1, median, q3 = spread
@@ -178,21 +182,59 @@ def better_endings(scored: Sequence[tuple[TrainSample, float]],
     return [(i, cand, score) for i, (cand, score) in sorted(best.items())]
 
 
-def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
-            cfg: TrainConfig, captured: Sequence[list[dict]] = ()) -> Exploration:
-    """Sample, score and weigh the run's explored answers under the active model (the policy the run
-    starts from); nothing is sampled when :func:`why_not` gives a reason."""
-    started = time.perf_counter()
-    refused = why_not(report, cfg)
-    if refused is not None or report.model is None:
-        return Exploration(reason=refused or "no reward model", seconds=time.perf_counter() - started)
+def draw_key(prompt: list[dict], cfg: TrainConfig) -> DrawKey:
+    """What a prompt's explored answers are remembered under (beside the model that drew them)."""
+    return json.dumps(prompt, sort_keys=True), cfg.explore, cfg.explore_max_new_tokens, cfg.seed
+
+
+def draws(backend: Backend, prompts: Sequence[list[dict]], cfg: TrainConfig, drawn: Draws | None = None
+          ) -> list[list[int]]:
+    """``cfg.explore`` answers to each of ``prompts`` from the active model, as token ids, prompt after
+    prompt: those ``drawn`` remembers for it (the worker drew them while it waited:
+    :func:`draw_ahead`), the others sampled now, batched, and remembered there."""
     k = cfg.explore
-    prompts = prompts_to_explore(samples, cfg.explore_prompts, captured)
-    rows = [p for p in prompts for _ in range(k)]
+    keys = [draw_key(p, cfg) for p in prompts]
+    missing = [i for i, key in enumerate(keys) if drawn is None or key not in drawn]
+    rows = [prompts[i] for i in missing for _ in range(k)]
     answers: list[list[int]] = []
     for start in range(0, len(rows), SAMPLE_ROWS):
         # seeded per chunk (the torch backend draws one stream per batch, MLX seed + row)
         answers += backend.sample(rows[start:start + SAMPLE_ROWS], cfg.explore_max_new_tokens, cfg.seed + start)
+    fresh = {i: answers[m * k:(m + 1) * k] for m, i in enumerate(missing)}
+    if drawn is None:
+        return answers
+    drawn.update({keys[i]: got for i, got in fresh.items()})
+    return [ids for key in keys for ids in drawn[key]]
+
+
+def draw_ahead(backend: Backend, prompts: Sequence[list[dict]], cfg: TrainConfig, memo: Memo,
+               stop: Callable[[], bool] = lambda: False) -> int:
+    """Draw and pool, into ``memo``, the explored answers of each of ``prompts`` that it does not hold
+    yet, as :func:`explore` would under the active model, prompt by prompt until ``stop()`` says to let
+    go; returns how many prompts it did. Each prompt's answers are one batch, seeded by the run's seed
+    and the prompt (whichever prompts come before it), so they are the same whenever they are drawn."""
+    done = 0
+    for prompt in prompts:
+        key = draw_key(prompt, cfg)
+        if key in memo.drawn:
+            continue
+        if stop():
+            break
+        rows = [prompt] * cfg.explore
+        seed = (cfg.seed + zlib.crc32(key[0].encode())) % 2**31
+        answers = backend.sample(rows, cfg.explore_max_new_tokens, seed)
+        explored, _, heads = as_samples(backend, rows, answers, cfg)
+        features_with_endings(backend, explored, heads, cfg.max_tokens, memo.pooled)
+        memo.drawn[key] = answers  # last: a prompt is drawn ahead once its features are pooled too
+        done += 1
+    return done
+
+
+def as_samples(backend: Backend, rows: Sequence[list[dict]], answers: Sequence[list[int]], cfg: TrainConfig
+               ) -> tuple[list[TrainSample], list[bool], list[list[TrainSample]]]:
+    """The drawn ``answers`` (one per prompt in ``rows``) as samples, whether each loops
+    (:func:`loops`), and the earlier endings the reward model scores for each (none for a looping one:
+    it ranks last whatever it scores, :func:`fluent_first`)."""
     tok = backend.tokenizer
     # An answer as long as the cap did not end: it trains without an end token (TrainSample.complete).
     cap = cfg.explore_max_new_tokens
@@ -200,11 +242,28 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
                             complete=len(ids) < cap)
                 for p, ids in zip(rows, answers, strict=True)]
     looping = loops(answers)
-    model = report.model
-    # A looping answer ranks last whatever it scores (fluent_first): its endings are not tried.
     heads = [[] if loop else cuts for cuts, loop in zip(ending_candidates(explored, cfg.explore_cuts), looping,
                                                            strict=True)]
-    own, ended_features = features_with_endings(backend, explored, heads, cfg.max_tokens)
+    return explored, looping, heads
+
+
+def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardModelReport,
+            cfg: TrainConfig, captured: Sequence[list[dict]] = (), memo: Memo | None = None) -> Exploration:
+    """Sample, score and weigh the run's explored answers under the active model (the policy the run
+    starts from); nothing is sampled when :func:`why_not` gives a reason. ``memo``: what the worker
+    drew and pooled under that model while it waited (:func:`draw_ahead`), read instead of done again."""
+    started = time.perf_counter()
+    refused = why_not(report, cfg)
+    if refused is not None or report.model is None:
+        return Exploration(reason=refused or "no reward model", seconds=time.perf_counter() - started)
+    k = cfg.explore
+    prompts = prompts_to_explore(samples, cfg.explore_prompts, captured)
+    known = 0 if memo is None else sum(draw_key(p, cfg) in memo.drawn for p in prompts)
+    drawn = draws(backend, prompts, cfg, None if memo is None else memo.drawn)
+    explored, looping, heads = as_samples(backend, [p for p in prompts for _ in range(k)], drawn, cfg)
+    model = report.model
+    own, ended_features = features_with_endings(backend, explored, heads, cfg.max_tokens,
+                                                None if memo is None else memo.pooled)
     scores = model.score(own).tolist()
     groups = [i // k for i in range(len(explored))]
     n_cut = sum(not s.complete for s in explored)
@@ -228,4 +287,4 @@ def explore(backend: Backend, samples: Sequence[TrainSample], report: RewardMode
     reason = (f"{k} answers to each of {len(prompts)} prompts, reward model AUC {report.auc:.3f} "
               f">= {cfg.reward_model_min_auc}")
     return Exploration(explored, advantages, groups, reason, time.perf_counter() - started, sum(looping), n_cut,
-                       len(ended))
+                       len(ended), known)

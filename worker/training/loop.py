@@ -146,11 +146,11 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
             report(Progress(0, cfg.steps, 0.0, phase="exploring"))
         # Before the first update: the reward model sees the answers as the run's starting policy
         # does, and explored answers are sampled from that policy (their behaviour policy).
-        # The earlier ratings' features the worker computed while it waited are read, not run again.
-        known = feature_memo.rows_for(backend, run.parent_adapter, precision)
+        # What the worker pooled and drew under that policy while it waited is read, not done again.
+        memo = feature_memo.memo_for(backend, run.parent_adapter, precision)
         reward_model = reward_features.measure(backend, reward_features.with_history(samples, run.history),
-                                               cfg.max_tokens, cfg.seed, known)
-        explored = exploration.explore(backend, samples, reward_model, cfg, run.captured)
+                                               cfg.max_tokens, cfg.seed, memo.pooled)
+        explored = exploration.explore(backend, samples, reward_model, cfg, run.captured, memo)
         # The teacher's rewrites train beside the ratings, in every step; the explored answers last.
         rewrites = rewrite.rewrite(backend, samples, reward_model, cfg)
         added = rewrites.samples + explored.samples

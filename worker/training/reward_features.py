@@ -148,32 +148,38 @@ def _with_statistics(pooled: Sequence[list[float]], samples: Sequence[TrainSampl
 
 
 def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
-                          endings: Sequence[Sequence[TrainSample]], max_tokens: int
-                          ) -> tuple[np.ndarray, list[np.ndarray]]:
+                          endings: Sequence[Sequence[TrainSample]], max_tokens: int,
+                          known: Rows | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """:func:`features` of ``samples`` and of each one's ``endings`` (the same answer ended earlier,
     an end token after it: exploration's cut answers), ``[len(endings[i]), hidden + 3]`` each.
 
     An ending whose tokens are the first ones of its answer's costs one position in its answer's pass
     (:meth:`Backend.pooled_endings`) instead of a pass of its own; the others (a tokenizer that splits
     the shorter text differently, a cap that cut the prompt) are encoded as rows, as :func:`features`
-    does, and so is every ending on a backend that cannot."""
+    does, and so is every ending on a backend that cannot. ``known``: rows the active model already
+    pooled (:mod:`.feature_memo`), read instead of run again; what this pools is added to it."""
     tok = backend.tokenizer
     encoded = [encode_sample(tok, s, max_tokens) for s in samples]
     ended = [[encode_sample(tok, c, max_tokens) for c in cuts] for cuts in endings]
+    seen: Mapping[RowKey, list[float]] = {} if known is None else known
+    pooled: list[list[float] | None] = [seen.get(row_key(e)) for e in encoded]
+    cut_pooled: list[list[list[float] | None]] = [[seen.get(row_key(c)) for c in cuts] for cuts in ended]
     shared: list[list[tuple[int, int]]] = [[] for _ in samples]  # (ending's index, its answer tokens)
     alone: list[tuple[int, int]] = []  # (sample, ending) pairs encoded as rows of their own
     for i, (e, cuts) in enumerate(zip(encoded, ended, strict=True)):
         for j, c in enumerate(cuts):
+            if cut_pooled[i][j] is not None:
+                continue
             k = c.n_response - 1
             if (c.prompt_len == e.prompt_len and 0 < k <= e.n_response and c.input_ids[-1] == tok.eos_token_id
                     and c.input_ids[:-1] == e.input_ids[:c.length - 1]):
                 shared[i].append((j, k))
             else:
                 alone.append((i, j))
-    pooled: list[list[float]] = [[] for _ in samples]
-    cut_pooled: list[list[list[float]]] = [[[] for _ in cuts] for cuts in endings]
-    groups, batches = backend.batches(encoded, EVAL_BATCH_TOKENS)
-    for g, batch in zip(groups, batches, strict=True):
+    # An answer runs when its own row or one of the endings read from its pass is not known yet.
+    todo = [i for i in range(len(samples)) if pooled[i] is None or shared[i]]
+    groups, batches = backend.batches([encoded[i] for i in todo], EVAL_BATCH_TOKENS)
+    for g, batch in zip(([todo[m] for m in grp] for grp in groups), batches, strict=True):
         try:
             own, theirs = backend.pooled_endings(batch, [[k for _, k in shared[i]] for i in g])
         except NotImplementedError:
@@ -187,14 +193,27 @@ def features_with_endings(backend: Backend, samples: Sequence[TrainSample],
     if alone:  # the endings' own encodings, as rows of their own
         for (i, j), row in zip(alone, _pooled(backend, [ended[i][j] for i, j in alone])[0], strict=True):
             cut_pooled[i][j] = row
+    if known is not None:
+        for e, got in zip(encoded, pooled, strict=True):
+            known[row_key(e)] = _present(got)
+        for cuts, rows in zip(ended, cut_pooled, strict=True):
+            for c, got in zip(cuts, rows, strict=True):
+                known[row_key(c)] = _present(got)
 
-    def table(vectors: Sequence[list[float]], items: Sequence[TrainSample], enc: Sequence[Encoded]) -> np.ndarray:
+    def table(vectors: Sequence[list[float] | None], items: Sequence[TrainSample], enc: Sequence[Encoded]
+              ) -> np.ndarray:
         if not items:
-            return np.zeros((0, len(pooled[0]) + N_STATISTICS if pooled else N_STATISTICS))
-        return _with_statistics(vectors, items, enc)
+            return np.zeros((0, len(_present(pooled[0])) + N_STATISTICS if pooled else N_STATISTICS))
+        return _with_statistics([_present(v) for v in vectors], items, enc)
 
     return (table(pooled, samples, encoded),
             [table(v, cuts, enc) for v, cuts, enc in zip(cut_pooled, endings, ended, strict=True)])
+
+
+def _present(row: list[float] | None) -> list[float]:
+    if row is None:
+        raise AssertionError("a row was neither known nor pooled")
+    return row
 
 
 def measure(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, seed: int,

@@ -50,6 +50,7 @@ from ..objective import (
     unlikelihood,
 )
 from ..presets import TrainConfig
+from . import feature_memo
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
@@ -108,10 +109,10 @@ class Trainer(TrainerInterface):
         self._override: Any = None  # the model forward passes use instead (a hindsight teacher)
         self._share_prefix = True  # off once a model's forward refuses a shared prefix's cache
         self._weights: Weights = None  # what the active model's weights are on disk (drawing.LIVE: nothing)
-        self._memo = False  # whether this session keeps its feature passes' log-probs (a training one)
-        # Response log-probs the session's feature passes computed beside the hidden states, by the
-        # weights that gave them and the row's tokens (:meth:`_remember`); read by :meth:`logprobs`.
-        self._known: dict[tuple[tuple[Weights], int, tuple[int, ...]], list[float]] = {}
+        # What the session's weights are remembered under (feature_memo.identity), per weights in use:
+        # the feature passes keep each row's response log-probs there beside the hidden states
+        # (:meth:`_remember`), and :meth:`logprobs` reads them, in this session or a later one.
+        self._identities: dict[Path | None, feature_memo.Identity] = {}
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
         self._parallel: int | None = None  # train.parallel_batches (None: auto_workers decides)
         self._pool = MicroBatchPool()
@@ -216,14 +217,12 @@ class Trainer(TrainerInterface):
                 self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
-            self._memo = trainable  # only a run has reference and behaviour passes to spare
             yield model
         finally:
             self._frozen.hold(half=False)  # the base's own fp32 weights back before anything else
             self._frozen = FrozenWeights()
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
-            self._weights, self._memo = None, False
-            self._known = {}
+            self._weights, self._identities = None, {}
             self._pool.resize(1)  # outside a session a pass runs in the caller's thread
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
@@ -448,27 +447,32 @@ class Trainer(TrainerInterface):
         known = self._recall(batch)
         return self._logprobs(batch) if known is None else known
 
-    def _memo_key(self) -> tuple[Weights] | None:
-        """What the active model's log-probs are remembered under (None: not at all): the weights on disk it is (None:
-        the base, which a fresh LoRA is until its first update), inside a session only. Not weights
-        that an update has moved, not a teacher, and not a bf16 session: there the values depend on
-        the batch a row was computed in, and the run's ratios start at exactly 1 only when the
-        behaviour pass and the policy's first pass share their batches (:mod:`.precision`). Nor in a
-        session that does not train (a measurement's, the worker's idle work): no pass there reads them."""
-        if (not self._memo or self._model is None or self._override is not None or self._weights is LIVE
-                or self._bf16):
+    def _known(self, create: bool = True) -> feature_memo.Rows | None:
+        """The remembered log-probs of the active model (None: not remembered at all): of the weights on
+        disk it is (None: the base, which a fresh LoRA is until its first update), inside a session only.
+        Not weights that an update has moved, not a teacher, and not a bf16 session: there the values
+        depend on the batch a row was computed in, and the run's ratios start at exactly 1 only when the
+        behaviour pass and the policy's first pass share their batches (:mod:`.precision`). ``create``
+        off: None where nothing is remembered yet."""
+        weights = self._weights
+        if self._model is None or self._override is not None or self._bf16 or not (
+                weights is None or isinstance(weights, Path)):  # (LIVE: moved by an update)
             return None
-        return (self._weights,)
+        if weights not in self._identities:
+            self._identities[weights] = feature_memo.identity(weights, self.precision)
+        memo = feature_memo.memo_of(self, self._identities[weights], create)
+        return None if memo is None else memo.logprobs
 
     def _remember(self, lm: Any, batch: dict[str, Tensor], hidden: Tensor,
                   endings: Sequence[Sequence[int]] = ()) -> None:
         """Keep each row's response log-probs from ``hidden`` (the last hidden layer of a pass over
         ``batch``'s rows), and each ending's (:meth:`pooled_endings`: the row's first k answer tokens
         then the end token): the reference and behaviour passes then need no forward of their own
-        for the rows the feature passes already ran (exploration's answers, the rated ones)."""
-        weights = self._memo_key()
+        for the rows the feature passes already ran (exploration's answers, the rated ones), in the
+        run or, where the worker pooled them while it waited, before it."""
+        known = self._known()
         head = _plain_head(lm)
-        if weights is None or head is None:
+        if known is None or head is None:
             return
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         eos = int(self.tokenizer.eos_token_id)
@@ -483,25 +487,25 @@ class Trainer(TrainerInterface):
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
             lp = token.tolist()
-            self._known[(weights, start, tuple(row))] = lp[:-1]
+            known[(start, tuple(row))] = lp[:-1]
             for k in (endings[r] if endings else ()):
                 k = int(k)
                 eos_lp = float(logits[k, eos] - lse[k, 0])
-                self._known[(weights, start, tuple(row[:start + k] + [eos]))] = lp[:k] + [eos_lp]
+                known[(start, tuple(row[:start + k] + [eos]))] = lp[:k] + [eos_lp]
 
     def _recall(self, batch: dict[str, Tensor]) -> Tensor | None:
         """``batch``'s ``[B, L]`` log-probs where every row's are remembered for the active model
         (:meth:`_remember`), else None."""
-        weights = self._memo_key()
-        if weights is None or not self._known:
+        known = self._known(create=False)
+        if not known:
             return None
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         values: list[float] = []
         for r in range(ids.shape[0]):
-            key = (weights, int(resp[r].int().argmax()), tuple(ids[r, :int(attn[r].sum())].tolist()))
-            if key not in self._known:
+            key = (int(resp[r].int().argmax()), tuple(ids[r, :int(attn[r].sum())].tolist()))
+            if key not in known:
                 return None
-            values += self._known[key]
+            values += known[key]
         return self._scatter(batch, torch.tensor(values, dtype=torch.float32, device=ids.device))
 
     def with_recorded(
