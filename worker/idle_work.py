@@ -246,7 +246,5 @@ def _warm(ctx: Any, trainer: Any, current: str | None, history: list[TrainSample
                     got = memo.drawn.get(exploration.draw_key(prompt, tcfg))
                     if got is None or stop():
                         break
-                    rows = [prompt] * len(got)
-                    explored, _, heads = exploration.as_samples(trainer, rows, got, tcfg)
-                    reward_features.features_with_endings(trainer, explored, heads, tcfg.max_tokens, base.pooled)
+                    exploration.pool_answers(trainer, prompt, got, tcfg, base.pooled)
         return done

@@ -29,7 +29,7 @@ from ..presets import TrainConfig
 from ..samples import TrainSample
 from .advantages import group_advantages
 from .backend import Backend
-from .feature_memo import DrawKey, Draws, Memo
+from .feature_memo import DrawKey, Draws, Memo, Rows
 from .reward_features import RewardModelReport, features_with_endings, labelled
 
 SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
@@ -223,11 +223,18 @@ def draw_ahead(backend: Backend, prompts: Sequence[list[dict]], cfg: TrainConfig
         rows = [prompt] * cfg.explore
         seed = (cfg.seed + zlib.crc32(key[0].encode())) % 2**31
         answers = backend.sample(rows, cfg.explore_max_new_tokens, seed)
-        explored, _, heads = as_samples(backend, rows, answers, cfg)
-        features_with_endings(backend, explored, heads, cfg.max_tokens, memo.pooled)
+        pool_answers(backend, prompt, answers, cfg, memo.pooled)
         memo.drawn[key] = answers  # last: a prompt is drawn ahead once its features are pooled too
         done += 1
     return done
+
+
+def pool_answers(backend: Backend, prompt: list[dict], answers: Sequence[list[int]], cfg: TrainConfig,
+                 known: Rows) -> None:
+    """Pool ``prompt``'s drawn ``answers`` and the earlier endings :func:`explore` scores, under the
+    active model, into ``known`` (what is there already is not run again)."""
+    explored, _, heads = as_samples(backend, [prompt] * len(answers), answers, cfg)
+    features_with_endings(backend, explored, heads, cfg.max_tokens, known)
 
 
 def as_samples(backend: Backend, rows: Sequence[list[dict]], answers: Sequence[list[int]], cfg: TrainConfig
