@@ -69,8 +69,9 @@ class TrainSettings(BaseModel):
     preload: bool = True
     # While it waits the training worker does what the next run would do first, under the version
     # being served (worker/idle_work.py): the earlier and pending ratings' features, the answers it
-    # explores, the base's log-probs of them. A run then spends its time on the last ratings and its
-    # training. false: each run does it all.
+    # explores, the base's log-probs of them, the base's answers the gate samples on the held-out
+    # prompts. A run then spends its time on the last ratings and its training. false: each run does
+    # it all.
     idle_features: bool = True
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"

@@ -21,6 +21,7 @@ from rlfleet.worker import idle_work
 from rlfleet.worker.batching import encode_sample
 from rlfleet.worker.idle_work import LEASE, IdleWorker, warm_features
 from rlfleet.worker.presets import for_trainer
+from rlfleet.worker.samples import TrainSample
 from rlfleet.worker.trainer_cache import get_trainer
 from rlfleet.worker.training import exploration, feature_memo, reward_features
 
@@ -260,3 +261,20 @@ def test_a_run_reads_what_its_worker_did_ahead_while_the_ratings_came_in(gated_h
         rated = [k for k in served.logprobs if k not in rows]  # the pending ratings' answers
         assert len(rated) >= 8 and all(k in base.logprobs for k in rated)
     feature_memo.forget(trainer)
+
+
+def test_the_gates_base_answers_are_drawn_ahead_for_the_held_out_prompts_and_those_the_next_rating_may_add():
+    def rated(i, prompt, reward, fixed=None):
+        return TrainSample(rating_id=i, prompt=[{"role": "user", "content": prompt}], response="r", reward=reward,
+                           fixed_advantage=fixed)
+
+    train = [rated(1, "a", 1.0), rated(2, "b", -1.0), rated(3, "c", 1.0), rated(4, "d", -1.0),
+             rated(9, "z", -1.0, fixed=0.0)]  # a retraction: never held out
+    held = [rated(5, "e", 1.0), rated(6, "f", -1.0), rated(7, "e", 1.0)]
+    captured = [[{"role": "user", "content": "new"}], [{"role": "user", "content": "older"}]]
+    got = {p[0]["content"]: n for p, n in idle_work.held_prompts(train, held, captured, 32)}
+    # 32 answers over 3 held-out answers: 11 a prompt at most, a prompt held out twice twice that; the
+    # newest training rating of each class and the newest unrated prompt as many as a held-out one.
+    assert got == {"e": 22, "f": 11, "c": 11, "d": 11, "new": 11}
+    assert idle_work.held_prompts(train, [], captured, 32) == []
+    assert idle_work.held_prompts(train, held, captured, 0) == []

@@ -424,3 +424,54 @@ def test_the_trainers_draws_are_cut_into_parts_that_fit_llama_cpps_context():
     assert _fitting(prompts, 10, max_batch=8, n_ctx=100) == [[[1] * 10, [2] * 10, [3] * 50], [[4] * 10]]
     assert _fitting([[1] * 200], 10, max_batch=8, n_ctx=100) == [[[1] * 200]]  # llama.cpp refuses it: torch draws
     assert _before_end([5, 6, 2, 7], {2}) == [5, 6] and _before_end([5, 6], {2}) == [5, 6]
+
+
+def test_the_gates_answers_to_a_prompt_are_seeded_by_it_and_the_bases_are_drawn_once(ref, adapters):
+    """Where llama.cpp draws, the gate's i-th answer to a held-out prompt is seeded by the prompt and i:
+    the same answer whichever batch drew it, so the worker draws the base's ahead (worker/idle_work.py)
+    and the gate reads them; the candidate gets the same seeds, so its answers differ from the base's
+    by the models alone."""
+    from dataclasses import replace
+
+    from rlfleet.worker.gate import GateConfig
+    from rlfleet.worker.idle_work import _draw_held
+    from rlfleet.worker.orchestrate import GateReferences
+    from rlfleet.worker.samples import TrainSample
+    from rlfleet.worker.training import feature_memo
+    from rlfleet.worker.training.scoring import draw_held, held_known, sample_answers
+    from rlfleet.worker.training.torch_backend import Trainer
+
+    trainer = Trainer(ref)
+    trainer.draw_with("auto", load=True)
+    drawer = trainer.drawer
+    cfg = GateConfig(eval_samples=6, eval_new_tokens=10, eval_temperature=1.0, eval_top_p=1.0)
+    p1, p2 = ([{"role": "user", "content": p}] for p in PROMPTS[2:])
+    assert trainer.rows_seeded
+    both = sample_answers(trainer, [p1, p2], cfg, 0)  # the plan: p1, p2, p1, p2, p1, p2
+    alone = sample_answers(trainer, [p2], replace(cfg, eval_samples=3), 0)
+    assert alone == both[1::2] and len(set(map(tuple, both[1::2]))) > 1  # three draws, not one thrice
+
+    drawn: dict = {}
+    assert draw_held(trainer, [(p1, 3)], cfg, 0, drawn, stop=lambda: True) == 0 and drawn == {}
+    assert draw_held(trainer, [(p1, 2)], cfg, 0, drawn) == 2 and held_known(trainer, [p1, p2], cfg, 0, drawn) == 2
+    before = drawer.drawn
+    assert sample_answers(trainer, [p1, p2], cfg, 0, drawn) == both  # the third p1 and p2's three drawn now
+    assert drawer.drawn == before + 4 and held_known(trainer, [p1, p2], cfg, 0, drawn) == 6
+    assert sample_answers(trainer, [p1, p2], cfg, 0, drawn) == both and drawer.drawn == before + 4
+
+    # The gate: the base's answers drawn ahead by the worker's idle work are read, the candidate's drawn.
+    feature_memo.forget(trainer)
+    held = [TrainSample(rating_id=i, prompt=p, response="Sure.", reward=r) for i, (p, r) in
+            enumerate([(p1, 1.0), (p2, -1.0)])]
+    gcfg = replace(cfg, eval_samples=4)
+    assert _draw_held(trainer, [(p1, 2), (p2, 2)], gcfg, lambda: False) == 2
+    before = drawer.drawn
+    refs = GateReferences.measure(trainer, held, None, gcfg, 64)
+    assert refs.base_known == 4 and drawer.drawn == before
+    verdict = refs.judge(trainer, adapters / "v0001")
+    assert verdict.metrics["gate_base_known"] == 4 and drawer.drawn == before + 4
+
+    trainer.draw_with("torch")  # one stream per batch: nothing remembered, nothing drawn ahead
+    assert not trainer.rows_seeded and held_known(trainer, [p1, p2], cfg, 0, drawn) == 0
+    assert draw_held(trainer, [(p2, 9)], cfg, 0, drawn) == 0
+    feature_memo.forget(trainer)

@@ -55,9 +55,11 @@ def test_auto_runs_two_at_once_on_a_cpu_with_two_threads_and_the_memory_and_one_
         TrainSettings(parallel_batches=0)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_run_with_micro_batches_side_by_side_is_the_same_run(trainer, tmp_path, monkeypatch, precision):
-    cfg = replace(CFG, precision=precision)
+@pytest.mark.parametrize(("precision", "unlikelihood"), [("fp32", 0.0), ("bf16", 0.0), ("fp32", 1.0)])
+def test_a_run_with_micro_batches_side_by_side_is_the_same_run(trainer, tmp_path, monkeypatch, precision,
+                                                               unlikelihood):
+    # With the loop checks on, the caught loops' micro-batches run in the same pool as the step's own.
+    cfg = replace(CFG, precision=precision, unlikelihood=unlikelihood)
     seen = []
     each = type(trainer).each
 
@@ -67,6 +69,9 @@ def test_a_run_with_micro_batches_side_by_side_is_the_same_run(trainer, tmp_path
         return out
 
     monkeypatch.setattr(type(trainer), "each", counted)
+    if unlikelihood:  # the policy's answers as the loop checks see them: looping ones, each its own way
+        monkeypatch.setattr(type(trainer), "sample", lambda self, rows, n, seed, *a, **k: [
+            [10 + (seed + i) % 7, 20, 30] * 4 for i in range(len(rows))])
     trainer.parallel_batches(1)
     one = trainer.run(SAMPLES, None, cfg, None, tmp_path / "one").metrics
     trainer.parallel_batches(2)
@@ -75,6 +80,8 @@ def test_a_run_with_micro_batches_side_by_side_is_the_same_run(trainer, tmp_path
     # The passes did run two at a time: the reference pass and every step over several micro-batches.
     assert seen and all(workers == 2 for _, workers in seen) and max(n for n, _ in seen) >= 3
     assert two["loss"] == one["loss"] and two["final_mean_kl"] == one["final_mean_kl"] and two["loss"] != 0
+    if unlikelihood:
+        assert one["loop_answers"] > 0 and two["loop_answers"] == one["loop_answers"], two  # it caught loops
     wa, wb = adapter_weights(tmp_path / "one"), adapter_weights(tmp_path / "two")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(float(w.abs().max()) > 0 for k, w in wb.items() if "lora_B" in k)  # it trained

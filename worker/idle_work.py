@@ -212,10 +212,49 @@ def warm_features(slug: str, stop: Callable[[], bool]) -> int:
     if not history and not rows:
         done_for[ctx.slug] = mark
         return 0
-    inputs = RunInputs.of(rows, ctx.cfg.model, gate_config(ctx.cfg), centres)
+    gcfg = gate_config(ctx.cfg)
+    inputs = RunInputs.of(rows, ctx.cfg.model, gcfg, centres)
     done = _warm(ctx, trainer, current, history, inputs.train + inputs.held, captured, len(inputs.held), stop)
+    done += _draw_held(trainer, held_prompts(inputs.train, inputs.held, captured, gcfg.eval_samples), gcfg, stop)
     if not stop():
         done_for[ctx.slug] = mark
+    return done
+
+
+def held_prompts(train: list[TrainSample], held: list[TrainSample], captured: list[list[dict]], n: int
+                 ) -> list[tuple[list[dict], int]]:
+    """The prompts the gate's base answers (``n`` of them, cycling through the held-out prompts) may be
+    asked for when the next rating starts the run, each with how many: the held-out split's as it is
+    now, and those the next rating may bring into it (the newest fresh rating of each class not held
+    out yet, as a held-out set grows by one; the newest answer nobody rated, the one a user rates
+    next); each as often as a prompt of the split is sampled, at most."""
+    if not held or n <= 0:
+        return []
+    per = -(-n // len(held))
+    wanted: dict[str, tuple[list[dict], int]] = {}
+    for s in held:
+        key = json.dumps(s.prompt, sort_keys=True)
+        wanted[key] = (s.prompt, wanted.get(key, (s.prompt, 0))[1] + per)
+    fresh = [s for s in train if s.fixed_advantage is None]
+    extra = [max(group, key=lambda s: s.rating_id or 0).prompt
+             for group in ([s for s in fresh if s.reward > 0], [s for s in fresh if s.reward <= 0]) if group]
+    for prompt in extra + list(captured[:1]):
+        wanted.setdefault(json.dumps(prompt, sort_keys=True), (prompt, per))
+    return list(wanted.values())
+
+
+def _draw_held(trainer: Any, wanted: list[tuple[list[dict], int]], gcfg: Any, stop: Callable[[], bool]) -> int:
+    """Draw the gate's base answers to each of ``wanted`` it does not hold yet (:func:`held_prompts`),
+    prompt by prompt until ``stop()`` says to let go; returns how many prompts it drew for."""
+    from .training.feature_memo import base_draws
+    from .training.scoring import GATE_SEED, draw_held
+
+    drawn = base_draws(trainer)
+    done = 0
+    for prompt, n in wanted:
+        if stop():
+            break
+        done += draw_held(trainer, [(prompt, n)], gcfg, GATE_SEED, drawn, stop) > 0
     return done
 
 

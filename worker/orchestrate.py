@@ -361,14 +361,19 @@ class GateReferences:
     max_tokens: int
     hints: Any = None  # the held-out answers' words as the teacher reads them (scoring.HeldHints)
     parent_divergence: list[float] | None = None  # the parent's divergence from that teacher on them
+    base_known: int = 0  # the base's sampled answers that were drawn before the gate (scoring.draw_held)
 
     @classmethod
     def measure(cls, trainer: Any, held: list[TrainSample], parent_dir: Path | None, gcfg: GateConfig,
                 max_tokens: int) -> GateReferences:
-        from .training.scoring import held_hints, score_model, teacher_divergences
+        from .training.feature_memo import base_draws
+        from .training.scoring import GATE_SEED, held_hints, held_known, score_model, teacher_divergences
 
         pairs = [(s.prompt, s.response) for s in held]
-        base = score_model(trainer, pairs, None, gcfg, max_tokens)
+        # The base's answers to a held-out prompt are remembered (the worker may have drawn them ahead).
+        drawn = base_draws(trainer)
+        known = held_known(trainer, [p for p, _ in pairs], gcfg, GATE_SEED, drawn)
+        base = score_model(trainer, pairs, None, gcfg, max_tokens, drawn=drawn)
         # The parent is only needed for its margin: no sampling.
         parent = base if parent_dir is None else score_model(
             trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
@@ -380,7 +385,7 @@ class GateReferences:
             hints = held_hints(trainer, held, gcfg.hint_teacher, gcfg.hint_top_k, max_tokens)
             if hints is not None:
                 divergence = teacher_divergences(trainer, hints, parent_dir)
-        return cls(pairs, rewards, base, parent, gcfg, max_tokens, hints, divergence)
+        return cls(pairs, rewards, base, parent, gcfg, max_tokens, hints, divergence, known)
 
     def judge(self, trainer: Any, candidate_dir: Path) -> Verdict:
         from .training.scoring import score_model, teacher_divergences
@@ -389,7 +394,8 @@ class GateReferences:
         toward = None
         if self.hints is not None and self.parent_divergence is not None:
             toward = TowardHints(self.parent_divergence, teacher_divergences(trainer, self.hints, candidate_dir))
-        return judge(self.rewards, self.base, self.parent, cand, self.gcfg, toward)
+        verdict = judge(self.rewards, self.base, self.parent, cand, self.gcfg, toward)
+        return replace(verdict, metrics={**verdict.metrics, "gate_base_known": self.base_known})
 
 
 def evaluate_candidate(

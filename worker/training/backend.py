@@ -98,6 +98,11 @@ class Backend(Protocol):
     def precision(self) -> str:
         """``bf16`` while the open session's forward passes run in bf16, else ``fp32``."""
 
+    @property
+    def rows_seeded(self) -> bool:
+        """Whether :meth:`sample` draws each row from a seed of its own (its ``seeds``), so that a row's
+        answer is the same in any batch: what lets the gate remember the base's answers per prompt."""
+
     def full_precision(self) -> AbstractContextManager[None]:
         """Forward passes in the block run in fp32 whatever the session's precision."""
 
@@ -209,8 +214,10 @@ class Backend(Protocol):
 
     def sample(
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
-        temperature: float = 0.7, top_p: float = 1.0,
+        temperature: float = 0.7, top_p: float = 1.0, seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
         """One answer per prompt (temperature 0: the likeliest), as token ids up to the end token; a
         prompt given k times gets k separate draws (exploration's k answers per prompt), the same
-        ones for the same ``seed``."""
+        ones for the same ``seed``. ``seeds``: each row's own seed, for the kernels that draw a row
+        from a seed of its own (llama.cpp, MLX), so a row's answer does not depend on the rows beside
+        it; torch's ``generate`` draws one stream per batch from ``seed``."""

@@ -84,19 +84,20 @@ class Drawer:
             return self._engine
 
     def draw(self, prompts: Sequence[list[int]], max_new_tokens: int, seed: int, temperature: float,
-             top_p: float, weights: Weights) -> list[list[int]] | None:
+             top_p: float, weights: Weights, seeds: Sequence[int] | None = None) -> list[list[int]] | None:
         """Each prompt's new ids, without the end token, drawn by llama.cpp from ``weights`` (row ``i``
-        seeded ``seed + i``); None: torch draws them."""
+        seeded ``seeds[i]``, or ``seed + i`` without them); None: torch draws them."""
         if isinstance(weights, _Live) or not prompts:
             return None
         engine = self._get()
         if engine is None:
             return None
+        own = list(seeds) if seeds is not None else [seed + i for i in range(len(prompts))]
         out: list[list[int]] = []
         try:
             for part in _fitting(list(prompts), max_new_tokens, engine.max_batch, engine.n_ctx):
-                seeds = [seed + len(out) + i for i in range(len(part))]
-                out += engine.generate(part, max_new_tokens, temperature, top_p, self.end_ids, seeds, weights)
+                out += engine.generate(part, max_new_tokens, temperature, top_p, self.end_ids,
+                                       own[len(out):len(out) + len(part)], weights)
         except Exception as exc:  # llama.cpp failing must not fail the run: torch draws
             reason = f"{type(exc).__name__}: {exc}"
             if reason not in self._said:

@@ -221,7 +221,7 @@ def draw_ahead(backend: Backend, prompts: Sequence[list[dict]], cfg: TrainConfig
         if stop():
             break
         rows = [prompt] * cfg.explore
-        seed = (cfg.seed + zlib.crc32(key[0].encode())) % 2**31
+        seed = (cfg.seed + zlib.crc32(json.dumps(prompt, sort_keys=True).encode())) % 2**31
         answers = backend.sample(rows, cfg.explore_max_new_tokens, seed)
         pool_answers(backend, prompt, answers, cfg, memo.pooled)
         memo.drawn[key] = answers  # last: a prompt is drawn ahead once its features are pooled too

@@ -34,9 +34,11 @@ KEEP_ROWS = 4096  # rows per model and table (a run reads at most a few hundred 
 Identity = tuple[str, ...]
 RowKey = tuple[int, tuple[int, ...]]
 Rows = dict[RowKey, list[float]]
-# A prompt's explored answers: (the prompt as JSON, how many, max new tokens, seed) -> their token ids.
-DrawKey = tuple[str, int, int, int]
+# A prompt's drawn answers: exploration's (the prompt as JSON, how many, max new tokens, seed), or the
+# gate's ("held", the prompt as JSON, max new tokens, temperature, top-p, seed) -> their token ids.
+DrawKey = tuple[Hashable, ...]
 Draws = dict[DrawKey, list[list[int]]]
+BASE_DRAWS: Identity = ("base", "drawn")  # the base's drawn answers: the same in any session precision
 
 
 @dataclass
@@ -111,6 +113,14 @@ def memo_of(backend: Any, key: Identity, create: bool = True) -> Memo | None:
             models.popitem(last=False)
         memo.trim()
         return memo
+
+
+def base_draws(backend: Any) -> Draws:
+    """The gate's answers drawn from ``backend``'s base model, per prompt (a draw runs in fp32 or on
+    llama.cpp's file whatever precision a session trains in, so one table serves them all)."""
+    memo = memo_of(backend, BASE_DRAWS)
+    assert memo is not None  # (made when missing)
+    return memo.drawn
 
 
 def done_for(backend: Any) -> dict[str, Hashable]:

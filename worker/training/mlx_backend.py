@@ -182,6 +182,10 @@ class MlxTrainer(TrainerInterface):
         """The weights' dtype decides (fp32 by default); a session never lowers it."""
         return "bf16" if self._dtype == "bfloat16" else "fp32"
 
+    @property
+    def rows_seeded(self) -> bool:
+        return True  # one answer at a time, each from its own seed
+
     def full_precision(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
@@ -530,12 +534,13 @@ class MlxTrainer(TrainerInterface):
 
     def sample(
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
-        temperature: float = 0.7, top_p: float = 1.0,
+        temperature: float = 0.7, top_p: float = 1.0, seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """One answer at a time, seeded ``seed + j`` for the j-th prompt; no top-k."""
-        return [
-            self._sample(prompt, max_new_tokens, seed + j, temperature, top_p) for j, prompt in enumerate(prompts)
-        ]
+        """One answer at a time, seeded ``seed + j`` for the j-th prompt (``seeds[j]`` where given); no
+        top-k."""
+        own = list(seeds) if seeds is not None else [seed + j for j in range(len(prompts))]
+        return [self._sample(prompt, max_new_tokens, s, temperature, top_p)
+                for prompt, s in zip(prompts, own, strict=True)]
 
     def _sample(
         self, prompt: list[dict], max_new_tokens: int, seed: int, temperature: float, top_p: float

@@ -11,8 +11,9 @@ minibatch of the explored answers' in turn (:func:`step_plan`, ``train.explore_m
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -89,9 +90,14 @@ class PolicyGradient:
             explored_part = step_part(step, len(parts))
             active = [k for k in range(len(batches)) if part_of[k] in (0, explored_part)]
             step_loss = kl_sum = anchor_sum = excess_sum = distill_sum = tok_acc = seq_acc = 0.0
-            step_stats = backend.each(
-                lambda k: backend.accumulate(batches[k], beh[k], ref[k], advantages[k], shares[k], extras=extras[k]),
-                active)
+            # The caught loops' micro-batches run beside the step's own (their gradients are added after
+            # theirs, in order, as one after the other would).
+            jobs: list[Callable[[], Any]] = [
+                functools.partial(backend.accumulate, batches[k], beh[k], ref[k], advantages[k], shares[k],
+                                  extras=extras[k]) for k in active]
+            jobs += [functools.partial(backend.accumulate_unlikelihood, batch, marks, cfg.unlikelihood, share)
+                     for batch, marks, share in loop_batches]
+            step_stats = backend.each(lambda job: job(), jobs)[:len(active)]
             for k, stats in zip(active, step_stats, strict=True):
                 step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
@@ -100,8 +106,6 @@ class PolicyGradient:
                 distill_sum += (stats.hindsight_kl or 0.0) * shares[k]
                 tok_acc += stats.accepted_tokens
                 seq_acc += stats.accepted_seqs
-            for batch, marks, share in loop_batches:
-                backend.accumulate_unlikelihood(batch, marks, cfg.unlikelihood, share)
             # With every sequence filtered out the gradient is KL-only; AdamW's momentum and decay
             # would still move the weights, defeating the filter as a trust region.
             backend.finish_step(apply=seq_acc > 0)

@@ -5,7 +5,10 @@
 - :func:`score_model`: the evaluation gate's measurement on held-out rated answers: the mean
   log-prob of each, the exact KL to the base and the next-token entropy at each answer position,
   and sampled answers on the held-out prompts (distinct bigrams, repetition and length: the
-  signals a teacher-forced pass cannot see).
+  signals a teacher-forced pass cannot see). The base's sampled answers depend on nothing but the
+  base and the prompts: :func:`draw_held` remembers them per prompt (each answer seeded by the prompt
+  and its occurrence), so the training worker draws them while it waits (worker/idle_work.py) and
+  a later gate on the same prompt reads them.
 - :func:`held_hints` / :func:`teacher_divergences`: held-out answers that came with words, as the
   hindsight teacher reads them, and how far a model's next-token distributions on them are from the
   teacher's: the gate's second side when the held-out ratings are all of one class.
@@ -15,8 +18,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
-from collections.abc import Iterator, Sequence
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +30,12 @@ from ..batching import Encoded, encode_sample
 from ..gate import GateConfig, ModelScores, sample_plan
 from ..samples import TrainSample
 from .backend import Backend, TopRow
+from .feature_memo import DrawKey, Draws
 from .hindsight import hint_for, hinted, rows_of
 
 Pairs = Sequence[tuple[list[dict], str]]
 EVAL_BATCH_TOKENS = 4096  # micro-batch budget of the measurements (no gradient: larger than training's)
+GATE_SEED = 0  # what the gate's sampled answers are seeded from (the worker draws the base's ahead with it)
 
 
 @contextlib.contextmanager
@@ -73,11 +81,14 @@ def score_model(
     adapter_dir: Path | None,
     cfg: GateConfig,
     max_tokens: int = 1024,
-    seed: int = 0,
+    seed: int = GATE_SEED,
+    drawn: Draws | None = None,
 ) -> ModelScores:
     """The gate's measurement of the base, or the base plus ``adapter_dir``, on ``pairs``: per
     answer the token log-prob, entropy and KL-to-base sums, and ``cfg.eval_samples`` sampled
-    answers (at the chat's temperature and top-p) of at most ``cfg.eval_new_tokens`` tokens."""
+    answers (at the chat's temperature and top-p) of at most ``cfg.eval_new_tokens`` tokens;
+    ``drawn``: where the model's answers per prompt are remembered (:func:`draw_held`; None: drawn
+    anew in one batch)."""
     groups, batches = _batches(backend, pairs, max_tokens)
     n = len(pairs)
     lp_sum, ent_sum, kl_sum, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
@@ -85,15 +96,75 @@ def score_model(
         for g, batch in zip(groups, batches, strict=True):
             for i, row in zip(g, backend.score_rows(batch, with_kl=adapter_dir is not None), strict=True):
                 lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
-        sampled = sample_answers(backend, [p for p, _r in pairs], cfg, seed)
+        sampled = sample_answers(backend, [p for p, _r in pairs], cfg, seed, drawn)
     return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
 
 
-def sample_answers(backend: Backend, prompts: Sequence[list[dict]], cfg: GateConfig, seed: int) -> list[list[int]]:
+def sample_answers(backend: Backend, prompts: Sequence[list[dict]], cfg: GateConfig, seed: int,
+                   drawn: Draws | None = None) -> list[list[int]]:
     """The answers the gate's collapse checks read from the model being served: ``cfg.eval_samples``
-    of them cycling through ``prompts``, at the chat's temperature and top-p, in one batch."""
+    of them cycling through ``prompts``, at the chat's temperature and top-p, in one batch, with the
+    same seeds for every model judged (the base's and the candidate's answers differ by the models
+    alone). Where the backend seeds each row (:attr:`Backend.rows_seeded`) the i-th answer to a prompt
+    is seeded by the prompt and i, and with ``drawn`` those it remembers (:func:`draw_held`) are read
+    and only the rest drawn; elsewhere one stream per batch from ``seed``, nothing remembered."""
     plan = sample_plan(list(prompts), cfg.eval_samples)
-    return backend.sample(plan, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p) if plan else []
+    if not plan:
+        return []
+    if not backend.rows_seeded:
+        return backend.sample(plan, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p)
+    drawn = {} if drawn is None else drawn
+    keys = [held_draw_key(p, cfg, seed) for p in plan]
+    wanted = Counter(keys)
+    first = {key: p for key, p in zip(keys, plan, strict=True)}
+    draw_held(backend, [(first[key], n) for key, n in wanted.items()], cfg, seed, drawn)
+    nth: Counter[DrawKey] = Counter()
+    out = []
+    for key in keys:
+        out.append(drawn[key][nth[key]])
+        nth[key] += 1
+    return out
+
+
+def held_known(backend: Backend, prompts: Sequence[list[dict]], cfg: GateConfig, seed: int, drawn: Draws) -> int:
+    """How many of the answers :func:`sample_answers` asks for on ``prompts`` ``drawn`` holds already."""
+    if not backend.rows_seeded:
+        return 0
+    wanted = Counter(held_draw_key(p, cfg, seed) for p in sample_plan(list(prompts), cfg.eval_samples))
+    return sum(min(n, len(drawn.get(key, ()))) for key, n in wanted.items())
+
+
+def held_draw_key(prompt: list[dict], cfg: GateConfig, seed: int) -> DrawKey:
+    """What the gate's answers to a held-out prompt are remembered under (beside the model that drew
+    them)."""
+    return ("held", json.dumps(prompt, sort_keys=True), cfg.eval_new_tokens, cfg.eval_temperature, cfg.eval_top_p,
+            seed)
+
+
+def draw_held(backend: Backend, wanted: Sequence[tuple[list[dict], int]], cfg: GateConfig, seed: int,
+              drawn: Draws, stop: Callable[[], bool] = lambda: False) -> int:
+    """Make ``drawn`` hold at least ``n`` of the gate's answers to each ``(prompt, n)`` of ``wanted``
+    from the active model: the missing ones drawn in one batch, the i-th answer to a prompt seeded
+    by the prompt and i, so that it is the same answer whichever batch drew it (where the kernels seed
+    a row of its own: :attr:`Backend.rows_seeded`; elsewhere nothing is drawn ahead). Nothing is drawn
+    when ``stop()`` says to let go; returns how many answers it drew."""
+    rows: list[list[dict]] = []
+    seeds: list[int] = []
+    owners: list[DrawKey] = []
+    for prompt, n in wanted:
+        key = held_draw_key(prompt, cfg, seed)
+        have = len(drawn.get(key, ()))
+        base = seed + zlib.crc32(json.dumps(prompt, sort_keys=True).encode())
+        for i in range(have, n):
+            rows.append(prompt)
+            seeds.append((base + i) % 2**31)
+            owners.append(key)
+    if not rows or stop() or not backend.rows_seeded:
+        return 0
+    answers = backend.sample(rows, cfg.eval_new_tokens, seed, cfg.eval_temperature, cfg.eval_top_p, seeds)
+    for key, ids in zip(owners, answers, strict=True):
+        drawn.setdefault(key, []).append(ids)
+    return len(rows)
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,11 @@ class Trainer(TrainerInterface):
     def precision(self) -> str:
         return "bf16" if self._bf16 else "fp32"
 
+    @property
+    def rows_seeded(self) -> bool:
+        # llama.cpp seeds each row's sampler; torch's generate draws one stream for the whole batch.
+        return self._override is None and self._drawer.engine == "llama.cpp"
+
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
         """bf16 autocast where this session allows it, else nothing.
@@ -699,7 +704,7 @@ class Trainer(TrainerInterface):
     @torch.no_grad()
     def sample(
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
-        temperature: float = 0.7, top_p: float = 1.0,
+        temperature: float = 0.7, top_p: float = 1.0, seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
         """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
         one do), drawn as the chat draws (:func:`rlfleet.shared.responder.sampling`); or llama.cpp's
@@ -711,9 +716,9 @@ class Trainer(TrainerInterface):
         if self._override is None:  # (a stronger teacher is a model llama.cpp does not hold)
             if self._weights is LIVE and self._drawer.engine == "llama.cpp":
                 with self._saved_live() as folder:  # the loop checks: llama.cpp draws from a folder
-                    drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, folder)
+                    drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, folder, seeds)
             else:
-                drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, self._weights)
+                drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, self._weights, seeds)
             if drawn is not None:
                 return drawn
         width = max(len(r) for r in rows)
