@@ -78,9 +78,29 @@ def test_log_probs_a_feature_pass_kept_are_read_by_a_later_session_of_the_same_m
             assert torch.allclose(got[mask], want[mask], atol=1e-5) and bool(got[mask].ne(0).all())
     with tiny_trainer.adapter(tmp_path / "v1", None, precision="fp32"):  # another model: nothing of the base's
         assert all(tiny_trainer._recall(b) is None for b in batches)
-    with tiny_trainer.adapter(None, LEARN, trainable=True, precision="bf16"):  # batch-dependent: never kept
-        reward_features.remember(tiny_trainer, samples, 96, {})
+    # bf16: a row's values depend on its batch. A fresh LoRA's session keeps none (its base is the
+    # behaviour too); one continuing an adapter keeps the base's alone, its KL anchor.
+    base = feature_memo.memo_for(tiny_trainer, None, "bf16")
+    with tiny_trainer.adapter(None, LEARN, trainable=True, precision="bf16"):
+        assert reward_features.remember(tiny_trainer, samples, 96, base.pooled) == 6  # the base served
+        assert tiny_trainer._known() is None and base.logprobs == {}
+        with tiny_trainer.reference():
+            assert tiny_trainer._known() is None
+        base_bf16 = [tiny_trainer.logprobs(b) for b in batches]
+    with tiny_trainer.adapter(tmp_path / "v1", None, precision="bf16"):  # the idle work under v1, in bf16
         assert tiny_trainer._known() is None
+        with tiny_trainer.reference():
+            # The features are there from the session above; the log-probs were not kept: run again.
+            assert reward_features.remember(tiny_trainer, samples, 96, base.pooled) == 0
+            assert reward_features.remember(tiny_trainer, samples, 96, base.pooled, logprobs=base.logprobs) == 6
+            assert reward_features.remember(tiny_trainer, samples, 96, base.pooled, logprobs=base.logprobs) == 0
+    with tiny_trainer.adapter(tmp_path / "v1", LEARN, trainable=True, precision="bf16"):  # a run continuing v1
+        assert all(tiny_trainer._recall(b) is None for b in batches)  # v1's own: computed in the run
+        with tiny_trainer.reference():
+            for batch, want in zip(batches, base_bf16, strict=True):
+                got = tiny_trainer._recall(batch)
+                mask = batch["response_mask"]
+                assert got is not None and torch.allclose(got[mask], want[mask], atol=0.05)
     feature_memo.forget(tiny_trainer)
 
 

@@ -275,12 +275,13 @@ def _warm(ctx: Any, trainer: Any, current: str | None, history: list[TrainSample
             # The run explores its newest training prompts; the newest pending ones it may hold out.
             prompts = exploration.prompts_to_explore(pending, tcfg.explore_prompts + n_held + 1, captured)
             done += exploration.draw_ahead(trainer, prompts, tcfg, memo, stop)
-        if adapter_dir is not None and trainer.precision == "fp32" and not stop():
-            # The run's reference pass reads the base's log-probs of the same rows (remembered in fp32
-            # sessions only): pooled under the base, the log-probs are kept beside the hidden states.
+        if adapter_dir is not None and not stop():
+            # The run's reference pass reads the base's log-probs of the same rows: pooled under the
+            # base, the log-probs are kept beside the hidden states.
             base = feature_memo.memo_for(trainer, None, trainer.precision)
             with trainer.reference():
-                done += reward_features.remember(trainer, pending, tcfg.max_tokens, base.pooled, stop)
+                done += reward_features.remember(trainer, pending, tcfg.max_tokens, base.pooled, stop,
+                                                 base.logprobs)
                 for prompt in prompts:
                     got = memo.drawn.get(exploration.draw_key(prompt, tcfg))
                     if got is None or stop():

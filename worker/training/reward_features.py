@@ -100,12 +100,16 @@ def _features(backend: Backend, samples: Sequence[TrainSample], max_tokens: int,
 
 
 def remember(backend: Backend, samples: Sequence[TrainSample], max_tokens: int, rows: Rows,
-             stop: Callable[[], bool] = lambda: False) -> int:
+             stop: Callable[[], bool] = lambda: False, logprobs: Rows | None = None) -> int:
     """Pool ``samples``' answers under the active model into ``rows`` where they are not there yet,
     a batch at a time, until ``stop()`` says to let go; returns how many it added. The batches are
-    smaller than a run's measurements: whoever stops this waits for the batch in hand."""
+    smaller than a run's measurements: whoever stops this waits for the batch in hand. ``logprobs``:
+    the log-probs the pass keeps beside (the torch trainer's), where a row missing from them runs
+    again although its features are there (a bf16 session pooled it under this model before, when it
+    kept none)."""
     encoded = [encode_sample(backend.tokenizer, s, max_tokens) for s in samples]
-    todo = list({row_key(e): e for e in encoded if row_key(e) not in rows}.values())
+    todo = list({row_key(e): e for e in encoded
+                 if row_key(e) not in rows or (logprobs is not None and row_key(e) not in logprobs)}.values())
     added = 0
     for i, row in _pooled_rows(backend, todo, EVAL_BATCH_TOKENS // 4, stop):
         rows[row_key(todo[i])] = row
