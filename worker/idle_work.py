@@ -199,7 +199,9 @@ def warm_features(slug: str, stop: Callable[[], bool]) -> int:
     ahead = current is not None or not scopes.is_scoped(ctx.slug)
     rows = ctx.store.pending_ratings(ctx.slug, ctx.cfg.train.max_ratings) if ahead else []
     explore = ctx.cfg.train.explore > 0 and bool(rows)
-    captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if explore else []
+    # (the gate's base answers are drawn ahead for the newest of them too: the answer a user rates next)
+    captured = ctx.store.unrated_prompts(ctx.cfg.train.explore_prompts) if explore or (
+        rows and ctx.cfg.train.gate) else []
     trainer = get_trainer(ctx.cfg)
     # What the work depends on: the settings, the version, the pending ratings and the unrated prompts.
     mark = (ctx.config_mtime, current, tuple((r.id, r.state, r.value, r.stars) for r, _ in rows),
@@ -232,9 +234,9 @@ def held_prompts(train: list[TrainSample], held: list[TrainSample], captured: li
         return []
     per = -(-n // len(held))
     wanted: dict[str, tuple[list[dict], int]] = {}
-    for s in held:
+    for s in held:  # a prompt held out twice is sampled twice as often
         key = json.dumps(s.prompt, sort_keys=True)
-        wanted[key] = (s.prompt, wanted.get(key, (s.prompt, 0))[1] + per)
+        wanted[key] = (s.prompt, (wanted[key][1] if key in wanted else 0) + per)
     fresh = [s for s in train if s.fixed_advantage is None]
     extra = [max(group, key=lambda s: s.rating_id or 0).prompt
              for group in ([s for s in fresh if s.reward > 0], [s for s in fresh if s.reward <= 0]) if group]
