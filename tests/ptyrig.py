@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-import select
+import select  # poll, not select(): a test process may hold more than select()'s 1,024 descriptors
 import signal
 import struct
 import subprocess
@@ -31,8 +31,9 @@ class PtySession:
         os.write(self.master, text.encode())
 
     def _read(self, timeout: float) -> None:
-        ready, _, _ = select.select([self.master], [], [], timeout)
-        if ready:
+        poller = select.poll()
+        poller.register(self.master, select.POLLIN)
+        if poller.poll(timeout * 1000):
             try:
                 self.raw += os.read(self.master, 65536).decode("utf-8", "replace")
             except OSError:  # the program ended and closed the terminal
