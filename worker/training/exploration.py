@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ from ..presets import TrainConfig
 from ..samples import TrainSample
 from .advantages import group_advantages
 from .backend import Backend
-from .feature_memo import DrawKey, Draws, Memo, Rows
+from .feature_memo import DrawKey, Draws, Memo, Rows, prompt_seed
 from .reward_features import RewardModelReport, features_with_endings, labelled
 
 SAMPLE_ROWS = 64  # answers one generate call samples at once (memory grows with the batch)
@@ -221,8 +220,7 @@ def draw_ahead(backend: Backend, prompts: Sequence[list[dict]], cfg: TrainConfig
         if stop():
             break
         rows = [prompt] * cfg.explore
-        seed = (cfg.seed + zlib.crc32(json.dumps(prompt, sort_keys=True).encode())) % 2**31
-        answers = backend.sample(rows, cfg.explore_max_new_tokens, seed)
+        answers = backend.sample(rows, cfg.explore_max_new_tokens, prompt_seed(prompt, cfg.seed))
         pool_answers(backend, prompt, answers, cfg, memo.pooled)
         memo.drawn[key] = answers  # last: a prompt is drawn ahead once its features are pooled too
         done += 1

@@ -16,8 +16,10 @@ and those of the scopes a worker trains.
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -113,6 +115,12 @@ def memo_of(backend: Any, key: Identity, create: bool = True) -> Memo | None:
             models.popitem(last=False)
         memo.trim()
         return memo
+
+
+def prompt_seed(prompt: list[dict], seed: int, i: int = 0) -> int:
+    """The seed of the ``i``-th answer drawn ahead for ``prompt`` from a run's or the gate's ``seed``:
+    the same whenever, and in whichever batch, it is drawn."""
+    return (seed + zlib.crc32(json.dumps(prompt, sort_keys=True).encode()) + i) % 2**31
 
 
 def base_draws(backend: Any) -> Draws:

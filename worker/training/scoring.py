@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from ..batching import Encoded, encode_sample
 from ..gate import GateConfig, ModelScores, sample_plan
 from ..samples import TrainSample
 from .backend import Backend, TopRow
-from .feature_memo import DrawKey, Draws
+from .feature_memo import DrawKey, Draws, prompt_seed
 from .hindsight import hint_for, hinted, rows_of
 
 Pairs = Sequence[tuple[list[dict], str]]
@@ -153,11 +152,9 @@ def draw_held(backend: Backend, wanted: Sequence[tuple[list[dict], int]], cfg: G
     owners: list[DrawKey] = []
     for prompt, n in wanted:
         key = held_draw_key(prompt, cfg, seed)
-        have = len(drawn.get(key, ()))
-        base = seed + zlib.crc32(json.dumps(prompt, sort_keys=True).encode())
-        for i in range(have, n):
+        for i in range(len(drawn.get(key, ())), n):
             rows.append(prompt)
-            seeds.append((base + i) % 2**31)
+            seeds.append(prompt_seed(prompt, seed, i))
             owners.append(key)
     if not rows or stop() or not backend.rows_seeded:
         return 0
