@@ -26,6 +26,14 @@ after the loop: not in the timing or the peak), by the served version and by the
 interval of their paired difference (both play the same env seeds with the same sampling seeds):
 "learns" means the win rate's interval lies above 0. If LlamaGym cannot run, its
 error is printed and ours still reported.
+
+LlamaGym's 1,000 episodes take hours on a CPU; ``--llamagym-state DIR`` plays them in parts: each
+invocation resumes from the state saved in DIR, and with ``--llamagym-until S`` stops after S seconds of
+playing with the state saved (the report then says how many episodes are played; the same command goes
+on). Its timings add up over the parts (each part's model load is reported apart).
+
+    python -m bench.gym --only llamagym --episodes 1000 --block 100 --threads 1 \
+        --llamagym-state bench/gym_runs/llamagym-1000 --llamagym-until 7200      # again until finished
 """
 
 from __future__ import annotations
@@ -415,6 +423,11 @@ def report(fig: dict) -> str:
     if ours and theirs:
         text += (f"\n\nours / LlamaGym: {fig['speed_ratio']:.2f}× the episodes/s, "
                  f"{fig['memory_ratio']:.2f}× the peak memory.")
+    if theirs and (theirs.get("parts", 1) > 1 or not theirs.get("finished", True)):
+        text += (f"\n\nLlamaGym played in {theirs['parts']} part(s) from a saved state "
+                 f"({theirs['resume_load_s']:.0f} s of loads after the first, not in its figures)"
+                 + ("." if theirs.get("finished", True) else
+                    f": {theirs['episodes']} of {theirs['planned']} episodes so far; the same command goes on."))
     if fig.get("answer_prefix"):
         text += (f"\n\nOurs wrote every answer after the prefix {fig['answer_prefix']!r} (`Agent(answer_prefix=)`)"
                  + ("; LlamaGym wrote whole answers, so the speed ratio is not like for like." if theirs else "."))
@@ -506,12 +519,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--home", type=Path, default=None,
                     help="ours: the agent's data dir, kept after the run (its versions, episodes and ledger, "
                          "for `rlfleet --home DIR history`); it must be new or empty (default: a temporary one)")
+    ap.add_argument("--llamagym-state", type=Path, default=None,
+                    help="LlamaGym: play in parts, resuming from the state saved in this folder (made if new)")
+    ap.add_argument("--llamagym-until", type=float, default=None,
+                    help="LlamaGym, with --llamagym-state: save and stop after this many seconds of playing")
     ap.add_argument("--quiet", action="store_true", help="no per-episode progress on stderr")
     output_options(ap)
     ap.add_argument("--child", choices=["ours", "convert"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.block < 1 or args.per_update < 1 or args.heldout < 0 or args.heldout_batch < 1:
         ap.error("--episodes, --block, --per-update and --heldout-batch must be at least 1, --heldout at least 0")
+    if args.llamagym_until is not None and args.llamagym_state is None:
+        ap.error("--llamagym-until needs --llamagym-state: the episodes played would be lost")
     if args.home and not args.child and args.home.exists() and (not args.home.is_dir() or any(args.home.iterdir())):
         ap.error(f"--home {args.home} is not a new or empty folder: a bench run starts from the base model")
     return args
@@ -584,6 +603,10 @@ def run_llamagym(args: argparse.Namespace) -> tuple[dict | None, str | None]:
         return None, f"the model's safetensors copy for LlamaGym failed: {err}"
     cmd = [str(python), str(ROOT / "bench" / "gym_llamagym.py"), "--model-dir", made["path"],
            *_forward(args, ("episodes", "seed", "max_new_tokens", "threads"))]
+    if args.llamagym_state:
+        cmd += ["--state", str(args.llamagym_state.resolve())]
+    if args.llamagym_until is not None:
+        cmd += ["--until", str(args.llamagym_until)]
     return run_side(cmd, args.threads, args.quiet)
 
 

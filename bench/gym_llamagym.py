@@ -4,6 +4,12 @@ environment's Python, not rlfleet's (bench/gym.py does, as a subprocess):
 
     /work/llamagym-venv/bin/python bench/gym_llamagym.py --model-dir DIR --episodes 64 --threads 1
 
+A long run can be played in parts (``--state DIR --until SECONDS``): the process stops after SECONDS of
+playing, at an episode's end, with everything the loop needs to go on saved in DIR (the LoRA and value
+head, PPO's optimizer and KL coefficient, the unfinished batch, every random generator, the returns so
+far), and the same command resumes there; the run then matches one played in one go, episode for
+episode (``--state`` is checked against the settings it was started with).
+
 Building that environment (its pins: trl<0.8, peft<0.8, accelerate 0.21, transformers<5,
 gymnasium<0.30), as done for issue 21; the versions LlamaGym's own pins admit and that import together:
 
@@ -159,6 +165,81 @@ def _mean_stats(stats: dict) -> dict:
     return out
 
 
+STATE_FILE = "state.pt"
+STATE_SETTINGS = ("model_dir", "episodes", "seed", "max_new_tokens", "verbatim")
+
+
+def settings_of(args: argparse.Namespace) -> dict:
+    """What a saved state must have been started with to be resumed by ``args`` (the model by its
+    folder's name: a copy of the same weights elsewhere is the same run)."""
+    out = {k: getattr(args, k) for k in STATE_SETTINGS}
+    out["model_dir"] = Path(args.model_dir).name
+    return out
+
+
+def save_state(folder: Path, agent, progress: dict) -> None:
+    """Everything the episode loop carries from one episode to the next, written whole or not at all."""
+    import random
+
+    import numpy as np
+    import torch
+
+    trainer = agent.ppo_trainer
+    state = {
+        "progress": progress,
+        "trainable": {k: v.detach().clone() for k, v in agent.model.named_parameters() if v.requires_grad},
+        "optimizer": trainer.optimizer.state_dict(),
+        "kl_coef": trainer.kl_ctl.value,
+        "current_step": getattr(trainer, "current_step", 0),
+        # the running reward moments' numbers (their object also holds the accelerator)
+        "running": {k: v for k, v in vars(trainer.running).items() if isinstance(v, int | float)}
+        if getattr(trainer, "running", None) is not None else None,
+        "batch": agent.current_batch,
+        "episode_messages": agent.current_episode_messages,
+        "episode_rewards": agent.current_episode_rewards,
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(folder / STATE_FILE)
+
+
+def load_state(folder: Path, agent, settings: dict) -> dict | None:
+    """Put a saved state back into a freshly built agent; its progress (None: nothing saved yet)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    path = folder / STATE_FILE
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    saved = state["progress"]["settings"]
+    if saved != settings:
+        raise SystemExit(f"--state {folder}: saved by a run with {saved}, not {settings}; "
+                         "use another folder for other settings")
+    params = dict(agent.model.named_parameters())
+    with torch.no_grad():
+        for k, v in state["trainable"].items():
+            params[k].copy_(v)
+    trainer = agent.ppo_trainer
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.kl_ctl.value = state["kl_coef"]
+    if hasattr(trainer, "current_step"):
+        trainer.current_step = state["current_step"]
+    if state["running"] is not None:
+        vars(trainer.running).update(state["running"])
+    agent.current_batch = state["batch"]
+    agent.current_episode_messages = state["episode_messages"]
+    agent.current_episode_rewards = state["episode_rewards"]
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state["progress"]
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -204,11 +285,33 @@ def run(args: argparse.Namespace) -> dict:
         {"batch_size": hyperparams["batch_size"], "mini_batch_size": hyperparams["batch_size"]},
     )
     env = gym.make(hyperparams["env"], natural=False, sab=False)
+    settings = settings_of(args)
+    state_dir = Path(args.state) if args.state else None
+    progress = load_state(state_dir, agent, settings) if state_dir else None
     loaded = time.perf_counter()
 
-    returns, turns, actions, batches = [], [], [], []
+    if progress is None:
+        progress = {"settings": settings, "returns": [], "turns": [], "actions": [], "batches": [],
+                    "act_s": 0.0, "close_s": 0.0, "loop_s": 0.0, "load_s": loaded - started, "parts": 0,
+                    "resume_load_s": 0.0, "peak_rss_bytes": 0}
+    else:
+        progress["resume_load_s"] += loaded - started
+    progress["parts"] += 1
+    returns, turns, actions, batches = (progress[k] for k in ("returns", "turns", "actions", "batches"))
     act_s = close_s = 0.0
-    for episode in trange(hyperparams["episodes"], file=sys.stderr, disable=args.quiet):
+    played_before = progress["loop_s"]
+
+    def keep() -> None:
+        """The timings so far into ``progress`` (act_s and close_s count from the last call)."""
+        nonlocal act_s, close_s
+        progress.update(act_s=progress["act_s"] + act_s, close_s=progress["close_s"] + close_s,
+                        loop_s=played_before + time.perf_counter() - loaded,
+                        peak_rss_bytes=max(progress["peak_rss_bytes"], peak_rss_bytes()))
+        act_s = close_s = 0.0
+
+    first = len(returns)
+    for episode in trange(first, hyperparams["episodes"], initial=first, total=hyperparams["episodes"],
+                          file=sys.stderr, disable=args.quiet):
         observation, info = env.reset(seed=args.seed + episode)
         done = False
 
@@ -228,13 +331,22 @@ def run(args: argparse.Namespace) -> dict:
         close_s += time.perf_counter() - t
         if train_stats:
             batches.append({"after_episode": episode + 1, **_mean_stats(train_stats)})
-    finished = time.perf_counter()
+        stop = args.until is not None and time.perf_counter() - loaded >= args.until
+        if state_dir and (stop or (episode + 1) % args.save_every == 0 or episode + 1 == hyperparams["episodes"]):
+            t = time.perf_counter()
+            keep()
+            save_state(state_dir, agent, progress)
+            loaded += time.perf_counter() - t  # saving is not playing
+        if stop:
+            break
+    keep()
     return {
         "side": "llamagym", "verbatim": args.verbatim, "episodes": len(returns), "returns": returns,
         "turns": turns, "hits": sum(1 for a in actions if a == 1), "actions": len(actions), "batches": batches,
-        "load_s": loaded - started, "loop_s": finished - loaded,
-        "act_s": act_s, "close_s": close_s, "peak_rss_bytes": peak_rss_bytes(),
-        "versions": _versions(),
+        "load_s": progress["load_s"], "loop_s": progress["loop_s"], "act_s": progress["act_s"],
+        "close_s": progress["close_s"], "peak_rss_bytes": progress["peak_rss_bytes"],
+        "finished": len(returns) >= hyperparams["episodes"], "planned": hyperparams["episodes"],
+        "parts": progress["parts"], "resume_load_s": progress["resume_load_s"], "versions": _versions(),
     }
 
 
@@ -258,8 +370,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=HYPERPARAMS["generate/max_new_tokens"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--verbatim", action="store_true", help="LlamaGym's Llama-2 [/INST] splits, untouched")
+    ap.add_argument("--state", type=Path, default=None,
+                    help="play in parts: resume from this folder's saved state if there is one, save it there")
+    ap.add_argument("--save-every", type=int, default=10, help="with --state: episodes between saves (default 10)")
+    ap.add_argument("--until", type=float, default=None,
+                    help="with --state: stop after this many seconds of playing, at an episode's end (state saved)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if args.until is not None and args.state is None:
+        ap.error("--until needs --state: the episodes played would be lost")
+    if args.save_every < 1:
+        ap.error("--save-every must be at least 1")
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the one JSON line only
         result = run(args)
     print(json.dumps(result))

@@ -100,6 +100,41 @@ def test_a_llamagym_failure_is_said_and_ours_still_reported():
     assert "≥ 3× LlamaGym's episodes/s not measured" in text
 
 
+def test_llamagym_played_in_parts_says_how_far_it_got_and_its_timings_add_up():
+    theirs = gym.summarise(raw("llamagym", [-1.0, 1.0] * 8, 64.0, 4 << 30, finished=False, planned=1000, parts=2,
+                               resume_load_s=9.0), 8)
+    text = gym.report({"llamagym": theirs, "targets": gym.targets(None, theirs)})
+    assert theirs["episodes_per_s"] == 0.25
+    assert ("LlamaGym played in 2 part(s) from a saved state (9 s of loads after the first, not in its figures): "
+            "16 of 1000 episodes so far; the same command goes on.") in text
+    done = gym.summarise(raw("llamagym", [1.0] * 4, 8.0, 1 << 30, finished=True, planned=4, parts=3,
+                             resume_load_s=20.0), 2)
+    assert "played in 3 part(s) from a saved state (20 s of loads after the first, not in its figures)." in (
+        gym.report({"llamagym": done, "targets": gym.targets(None, done)}))
+    one_go = gym.summarise(raw("llamagym", [1.0] * 4, 8.0, 1 << 30), 2)
+    assert "part(s)" not in gym.report({"llamagym": one_go, "targets": gym.targets(None, one_go)})
+
+
+def test_llamagym_parts_need_a_state_folder_and_a_state_resumes_only_its_own_settings(tmp_path, capsys):
+    import argparse
+
+    import torch
+
+    from bench.gym_llamagym import STATE_FILE, load_state, settings_of
+
+    with pytest.raises(SystemExit):
+        gym.parse(["--only", "llamagym", "--llamagym-until", "60"])
+    assert "--llamagym-until needs --llamagym-state" in capsys.readouterr().err
+    args = argparse.Namespace(model_dir="/somewhere/smollm2-135m-instruct-hf", episodes=1000, seed=0,
+                              max_new_tokens=32, verbatim=False)
+    mine = settings_of(args)
+    assert mine["model_dir"] == "smollm2-135m-instruct-hf"  # the same weights copied elsewhere resume
+    assert load_state(tmp_path, None, mine) is None  # nothing saved yet: a fresh start
+    torch.save({"progress": {"settings": {**mine, "seed": 5000}}}, tmp_path / STATE_FILE)
+    with pytest.raises(SystemExit, match="saved by a run with .*'seed': 5000"):
+        load_state(tmp_path, None, mine)
+
+
 def test_the_example_agent_reads_only_blackjack_s_two_actions():
     """LlamaGym's parser returns any digit after "Action: "; Blackjack-v1 asserts on one it lacks."""
     from bench.gym_llamagym import BlackjackPrompts
