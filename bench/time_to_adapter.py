@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _measure(args, home: Path, console) -> dict:
     from rlfleet.shared.config import load_config
-    from rlfleet.shared.events import Capture, Message, Rating
+    from rlfleet.shared.events import Rating
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.queue import enqueue_event, open_queue, progress_key
     from rlfleet.shared.registry import AdapterRegistry
@@ -142,13 +142,7 @@ def _measure(args, home: Path, console) -> dict:
     store = Store(cfg.db_url)
     slug = model_slug(cfg.model)
     registry = AdapterRegistry(cfg.adapters_root, slug)
-    n = args.threshold * args.runs
-    for i in range(n):
-        topic = TOPICS[i % len(TOPICS)]
-        store.apply_capture(Capture(
-            capture_id=f"c{i}", prompt=[Message(role="user", content=FORMS[i % len(FORMS)].format(topic))],
-            response=(GOOD if i % 2 == 0 else BAD).format(t=topic.capitalize()), model=cfg.model,
-        ))
+    seed_answers(store, cfg.model, args.threshold * args.runs)
     if args.history:
         seed_history(cfg, store, registry, slug, args.history)
         console.print(f"{args.history} earlier ratings, trained on by {registry.current()}")
@@ -232,6 +226,19 @@ def _measure(args, home: Path, console) -> dict:
             + (f" · {args.between:.0f} s between runs" if args.between else "")
             + "".join(f" · {k} = {v}" for k, v in args.train_settings.items()))
     return figures
+
+
+def seed_answers(store, model: str, n: int) -> None:
+    """Captures c0 .. c{n-1}: even ones the clear answer, odd ones the evasive one (a rating of 1 and -1
+    each is the consistent taste)."""
+    from rlfleet.shared.events import Capture, Message
+
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        store.apply_capture(Capture(
+            capture_id=f"c{i}", prompt=[Message(role="user", content=FORMS[i % len(FORMS)].format(topic))],
+            response=(GOOD if i % 2 == 0 else BAD).format(t=topic.capitalize()), model=model,
+        ))
 
 
 def seed_history(cfg, store, registry, slug: str, n: int) -> None:

@@ -73,6 +73,11 @@ class TrainSettings(BaseModel):
     # prompts. A run then spends its time on the last ratings and its training. false: each run does
     # it all.
     idle_features: bool = True
+    # The training worker's niceness (the scheduler's, 0-19): it gives way to the chat, the bots and the
+    # responder on the cores they share, and takes them all when they are idle. On a small CPU an answer
+    # asked for while a run trains is otherwise slowed several times over (bench.answer_while_training).
+    # 0: the same priority as everything else.
+    nice: int = Field(10, ge=0, le=19)
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
     # The forward passes' precision (docs/objective.md, "Precision"): "auto" is bf16 on a GPU or CPU

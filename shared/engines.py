@@ -49,11 +49,6 @@ def engine_for(url: str, deferred: bool = False) -> Engine:
     return engine
 
 
-def open_urls() -> set[str]:
-    """The URLs this process holds engines for (either kind)."""
-    return set(_ENGINES) | set(_DEFERRED_ENGINES)
-
-
 def forget(url: str) -> None:
     """Close this process's engines for ``url`` (a database about to be dropped)."""
     _MIGRATED.discard(url)

@@ -66,29 +66,6 @@ def rconn(redis_url) -> redis.Redis:
     conn.flushdb()
 
 
-# A test process holds thousands of descriptors in the end if each test's databases and dropped
-# connections stay open (a pseudo-terminal opened past 1,024 broke select() once); garbage is collected
-# past this many, not after every test (a collection costs tens of milliseconds).
-FD_COLLECT_AT = 128
-
-
-@pytest.fixture(autouse=True)
-def close_what_the_test_opened() -> Iterator[None]:
-    """After each test: close the process's engines for the databases the test opened (the process
-    keeps one per URL for good, and every test's data dir is a new URL), and collect the Redis clients
-    it dropped (their sockets close when collected) once the process holds many descriptors."""
-    from rlfleet.shared import engines
-
-    before = engines.open_urls()
-    yield
-    for url in engines.open_urls() - before:
-        engines.forget(url)
-    if len(os.listdir("/proc/self/fd")) > FD_COLLECT_AT:
-        import gc
-
-        gc.collect()
-
-
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """A fresh data dir; env as a new user has it (no REDIS_URL unless a test sets one)."""

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("trl", reason="the KTO baseline needs TRL: pip install -e '.[bench]'")
 
-from bench import record, time_to_adapter, train_gpu, train_step  # noqa: E402
+from bench import answer_while_training, record, time_to_adapter, train_gpu, train_step  # noqa: E402
 from bench.synthetic import llama_config  # noqa: E402
 
 
@@ -203,3 +203,24 @@ def test_record_appends_a_dated_block_with_the_command(tmp_path, monkeypatch):
     assert text.startswith("# Benchmark results\n\nearlier text\n")
     assert text.count(record.APPENDED) == 1 and text.count("### `bench.x` · tiny · ") == 2
     assert "--model tiny" in text and text.index("| 1 |") < text.index("| 2 |")
+
+
+def test_answer_while_training_times_answers_quiet_and_during_the_runs_steps(tiny_model_dir, monkeypatch,
+                                                                            private_tempdir):
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the embedded server, as a new user gets it
+    monkeypatch.setenv("RLFLEET_HOME", str(private_tempdir))  # the benchmark sets both: put back after
+    monkeypatch.setenv("RLFLEET_MODEL", str(tiny_model_dir))
+    # a run far too long to end while the answers are drawn: each is timed inside its training phase
+    figures = answer_while_training.main(["--model", str(tiny_model_dir), "--rounds", "1", "--answers", "2",
+                                          "--nice", "0,5", "--threshold", "4", "--steps", "10000",
+                                          "--timeout", "240", "--json", "--no-record"])
+    assert [(r["round"], r["nice"]) for r in figures["rounds"]] == [(1, 0), (1, 5)]
+    for r in figures["rounds"]:
+        assert [a["phase"] for a in r["quiet"]] == ["quiet"] * 2
+        assert [a["phase"] for a in r["training"]] == ["training"] * 2
+        assert all(a["seconds"] > 0 and a["tokens"] > 0 for a in r["quiet"] + r["training"])
+    for nice in ("0", "5"):
+        s = figures["summary"][nice]
+        assert s["answers"] == 2 and s["after"] == 0
+        assert s["slowdown"] == pytest.approx(s["training_s"] / s["quiet_s"])
+    assert "| 5 |" in answer_while_training.report(figures)

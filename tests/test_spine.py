@@ -4,6 +4,7 @@ versioned adapter -> CURRENT -> rollback, undo of trained ratings, failure handl
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -270,8 +271,11 @@ def test_a_run_interrupted_three_times_in_a_row_waits_for_new_ratings(tiny_home,
 
 
 def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir, monkeypatch):
-    """No REDIS_URL: the embedded server, worker subprocesses, training in the background."""
+    """No REDIS_URL: the embedded server, worker subprocesses, training in the background; the training
+    worker at `train.nice` (it gives way to what answers people), the events worker as it was started."""
     cfg = _use_tiny_model(tiny_model_dir, monkeypatch)
+    cfg.train.nice = 7
+    cfg.save()
     from rlfleet.cli.fleet import BackgroundWorkers
 
     handle = open_queue(cfg)
@@ -289,6 +293,13 @@ def test_default_path_embedded_redis_and_background_workers(home, tiny_model_dir
         st = status()
         assert st["adapter"]["current"] == "v0001", st
         assert st["workers"] == 2
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+
+        def niceness(pid: int) -> set[int]:  # of each of its threads: a Linux thread has its own
+            return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+        got = {name: niceness(proc.pid) for name, proc in workers.procs.items()}
+        assert got == {"events": {ours}, "train": {max(ours, 7)}}, got
     finally:
         workers.stop()
         handle.close()

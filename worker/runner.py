@@ -7,11 +7,13 @@ loaded between runs, and the events worker gains nothing from a fork per tiny jo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import redis
 from rq import Queue, SimpleWorker
@@ -218,6 +220,18 @@ class _RecoveringQueue(Queue):
             raise
 
 
+def give_way(nice: int) -> None:
+    """Raise this process's niceness to ``nice`` (``train.nice``); never lowers it: a worker started under
+    ``nice`` by its user keeps what it was given, and lowering it would need privileges. On Linux a
+    niceness is each thread's own (new threads inherit their creator's), so every thread running now is
+    set too."""
+    tasks = Path("/proc/self/task")
+    for tid in sorted(int(t) for t in os.listdir(tasks)) if tasks.is_dir() else [0]:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            if nice > os.getpriority(os.PRIO_PROCESS, tid):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: QueueHandle | None = None) -> bool:
     """Work the queues named by ``which`` until stopped (or until empty with ``burst``).
 
@@ -227,6 +241,10 @@ def run_worker(cfg: Config, which: str = "all", burst: bool = False, handle: Que
     held (the same recovery as at start) and works on: a Redis outage is not a death to restart it for.
     """
     own = handle is None
+    # A standing training worker gives way to what answers people (`rlfleet train`, a burst in the
+    # foreground, is what its user waits for); before the model's threads start: they inherit it.
+    if which == "train" and not burst:
+        give_way(cfg.train.nice)
     handle = handle or open_queue(cfg)
     if not burst:
         _schedulers_stop_with_worker()
