@@ -29,8 +29,9 @@ error is printed and ours still reported.
 
 LlamaGym's 1,000 episodes take hours on a CPU; ``--llamagym-state DIR`` plays them in parts: each
 invocation resumes from the state saved in DIR, and with ``--llamagym-until S`` stops after S seconds of
-playing with the state saved (the report then says how many episodes are played; the same command goes
-on). Its timings add up over the parts (each part's model load is reported apart).
+playing with the state saved (the report then says how many episodes are played, and is not appended
+to bench/RESULTS.md; the same command goes on). Its timings add up over the parts (each part's model
+load is reported apart).
 
     python -m bench.gym --only llamagym --episodes 1000 --block 100 --threads 1 \
         --llamagym-state bench/gym_runs/llamagym-1000 --llamagym-until 7200      # again until finished
@@ -581,6 +582,8 @@ def main(argv: list[str] | None = None) -> dict:
     fig["returns"] = {name: r["returns"] for name, r in raw.items()}
     if fig.get("ours_error") and not raw:
         raise SystemExit(f"ours could not run: {fig['ours_error']}")
+    if theirs and not theirs.get("finished", True):
+        args.no_record = True  # a run stopped part way is not a result: RESULTS gets the finished one
     publish(fig, report(fig), args, f"`bench.gym` · {args.model} · {args.episodes} episodes · threads "
                                      f"{args.threads or 'default'}")
     return fig

@@ -61,7 +61,9 @@ class BotRig:
             if not busy and not self.handle.waiting_events():
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"the worker did not finish {len(busy)} job(s)")
+                said = [(k.decode(), (conn.hget(k, "status") or b"").decode(),
+                         (conn.hget(k, "exc_info") or b"")[-600:].decode(errors="replace")) for k in busy]
+                raise AssertionError(f"the worker did not finish {len(busy)} job(s): {said}")
             await asyncio.sleep(0.02)
 
     def ratings(self) -> list[tuple[str, int, str]]:
