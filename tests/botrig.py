@@ -61,8 +61,10 @@ class BotRig:
             if not busy and not self.handle.waiting_events():
                 return
             if time.monotonic() > deadline:
+                queue = Queue(EVENTS_QUEUE, connection=conn)
                 said = [(k.decode(), (conn.hget(k, "status") or b"").decode(),
-                         (conn.hget(k, "exc_info") or b"")[-600:].decode(errors="replace")) for k in busy]
+                         (conn.hget(k, "exc_info") or b"")[-600:].decode(errors="replace"),
+                         f"in the queue: {k.decode().removeprefix('rq:job:') in queue.job_ids}") for k in busy]
                 raise AssertionError(f"the worker did not finish {len(busy)} job(s): {said}")
             await asyncio.sleep(0.02)
 
