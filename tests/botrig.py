@@ -65,6 +65,10 @@ class BotRig:
                 said = [(k.decode(), (conn.hget(k, "status") or b"").decode(),
                          (conn.hget(k, "exc_info") or b"")[-600:].decode(errors="replace"),
                          f"in the queue: {k.decode().removeprefix('rq:job:') in queue.job_ids}") for k in busy]
+                import faulthandler
+                import sys
+
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where the worker thread is
                 raise AssertionError(f"the worker did not finish {len(busy)} job(s): {said}")
             await asyncio.sleep(0.02)
 
