@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .record import markdown_table, output_options, parser, publish, stop_processes
-from .time_to_adapter import _wait, seed_answers
+from .time_to_adapter import _wait, seed_answers, start_workers
 
 PROMPTS = ["How do I keep bread fresh for longer?", "What should I pack for a day of hiking?",
            "Why is the sky blue?", "Give me a tip for learning to play chess."]
@@ -108,8 +107,7 @@ def _round(args, home: Path, responder, nice: int, console) -> dict:
     slug = model_slug(cfg.model)
     seed_answers(store, cfg.model, args.threshold)
     logs = open(home / "workers.log", "ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env, stdout=logs,
-                              stderr=logs) for q in ("events", "train")]
+    procs = start_workers(env, logs)
     try:
         for i in range(args.threshold):
             enqueue_event(handle, Rating(target=f"c{i}", value=1 if i % 2 == 0 else -1))

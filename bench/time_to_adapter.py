@@ -147,8 +147,7 @@ def _measure(args, home: Path, console) -> dict:
         seed_history(cfg, store, registry, slug, args.history)
         console.print(f"{args.history} earlier ratings, trained on by {registry.current()}")
     logs = open(home / "workers.log", "ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env,
-                              stdout=logs, stderr=logs) for q in ("events", "train")]
+    procs = start_workers(env, logs)
     workers_started = time.monotonic()
     runs: list[dict] = []
     try:
@@ -226,6 +225,12 @@ def _measure(args, home: Path, console) -> dict:
             + (f" · {args.between:.0f} s between runs" if args.between else "")
             + "".join(f" · {k} = {v}" for k, v in args.train_settings.items()))
     return figures
+
+
+def start_workers(env: dict, log) -> list[subprocess.Popen]:
+    """An events and a training worker as `rlfleet up` starts them, their output appended to ``log``."""
+    return [subprocess.Popen([sys.executable, "-m", "rlfleet.worker", "--queue", q], env=env, stdout=log,
+                             stderr=log) for q in ("events", "train")]
 
 
 def seed_answers(store, model: str, n: int) -> None:

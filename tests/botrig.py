@@ -4,6 +4,8 @@ platform answering through a fake OpenAI-compatible responder, and the real work
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -61,13 +63,10 @@ class BotRig:
             if not busy and not self.handle.waiting_events():
                 return
             if time.monotonic() > deadline:
-                queue = Queue(EVENTS_QUEUE, connection=conn)
+                queued = set(Queue(EVENTS_QUEUE, connection=conn).job_ids)
                 said = [(k.decode(), (conn.hget(k, "status") or b"").decode(),
                          (conn.hget(k, "exc_info") or b"")[-600:].decode(errors="replace"),
-                         f"in the queue: {k.decode().removeprefix('rq:job:') in queue.job_ids}") for k in busy]
-                import faulthandler
-                import sys
-
+                         f"in the queue: {k.decode().removeprefix('rq:job:') in queued}") for k in busy]
                 faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where the worker thread is
                 raise AssertionError(f"the worker did not finish {len(busy)} job(s): {said}")
             await asyncio.sleep(0.02)
