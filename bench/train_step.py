@@ -14,6 +14,9 @@ the methods interleaved round by round, medians reported.
 * ``ours-serial``: ours with ``train.parallel_batches = 1``, one micro-batch at a time on every
   thread, beside ``ours`` (two side by side on a CPU: worker/training/parallel.py), so one run shows
   what that buys.
+* ``ours-sdpa``: ours with the model's attention left to SDPA's fused kernel, beside ``ours`` (whose
+  CPU bf16 passes stack each key/value head's queries into one product: worker/training/
+  grouped_attention.py), so one run shows what that buys.
 * ``two-copy``: what a plain implementation does: a second, frozen copy of the model as the
   reference, run every step, full-vocabulary logits at every position; the same MIS-PO loss.
 
@@ -52,8 +55,10 @@ from typing import Any
 
 from .record import output_options, parser, publish
 
-METHODS = ("ours", "ours-fp32", "ours-serial", "kto", "two-copy")
-DEFAULT_METHODS = ("ours", "ours-fp32", "kto", "two-copy")  # ours-serial on demand
+METHODS = ("ours", "ours-fp32", "ours-serial", "ours-sdpa", "kto", "two-copy")
+# The variants of ours that a row's speed is also given against, by their column's name.
+VARIANTS = {"ours-fp32": "ours fp32", "ours-serial": "ours serial", "ours-sdpa": "ours sdpa"}
+DEFAULT_METHODS = ("ours", "ours-fp32", "kto", "two-copy")  # ours-serial and ours-sdpa on demand
 
 
 # -- one run, in its own process -------------------------------------------------------------------
@@ -180,6 +185,8 @@ def child(args: argparse.Namespace) -> dict:
     trainer = build_trainer(args.model, device, args.dtype)
     if args.child == "ours-serial":
         trainer.parallel_batches(1)
+    if args.child == "ours-sdpa" and trainer.base.config._attn_implementation != "sdpa":
+        trainer.base.set_attn_implementation("sdpa")
     samples = synthetic.ratings(args.samples, args.prompt_chars, args.response_chars, seed=0)
     cfg = replace(
         preset("balanced"), steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
@@ -210,7 +217,7 @@ def child(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as out:
-        if args.child in ("ours", "ours-fp32", "ours-serial"):
+        if args.child.startswith("ours"):
             trainer.run(samples, None, cfg, None, Path(out) / "a", progress=on_progress)
         elif args.child == "kto":
             from .learning.kto import KtoTrainer
@@ -231,6 +238,7 @@ def child(args: argparse.Namespace) -> dict:
         "device": device,
         "dtype": args.dtype,
         "precision": "fp32" if args.child == "kto" else effective(cfg.precision, device),
+        "attention": trainer.base.config._attn_implementation,
         "samples": args.samples,
         "tokens_per_step": tokens_per_step,
         "steps": args.steps,
@@ -429,6 +437,7 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
             "runs": len(mine),
             "tokens_per_step": mine[0]["tokens_per_step"],
             "precision": mine[0].get("precision", "fp32"),
+            "attention": mine[0].get("attention"),
             "step_tokens_per_s": statistics.median(r["step_tokens_per_s"] for r in mine),
             "run_tokens_per_s": statistics.median(r["run_tokens_per_s"] for r in mine),
             "model_gflops_per_s": statistics.median(r["step_model_gflops_per_s"] or 0.0 for r in mine),
@@ -437,18 +446,20 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
             "base_bytes": mine[0]["base_bytes"],
         })
     kto = next((r for r in rows if r["method"] == "kto"), None)
-    fp32 = next((r for r in rows if r["method"] == "ours-fp32"), None)
-    serial = next((r for r in rows if r["method"] == "ours-serial"), None)
+    variants = [r for r in rows if r["method"] in VARIANTS]
     for r in rows:
-        if fp32:
-            r["speed_vs_ours_fp32"] = r["step_tokens_per_s"] / fp32["step_tokens_per_s"]
-        if serial:
-            r["speed_vs_ours_serial"] = r["step_tokens_per_s"] / serial["step_tokens_per_s"]
+        for v in variants:
+            r[_speed_key(v["method"])] = r["step_tokens_per_s"] / v["step_tokens_per_s"]
         if kto:
             r["speed_vs_kto"] = r["step_tokens_per_s"] / kto["step_tokens_per_s"]
             r["peak_vs_kto"] = r["peak_bytes"] / kto["peak_bytes"]
             r["above_base_vs_kto"] = r["above_base_bytes"] / max(kto["above_base_bytes"], 1)
     return rows
+
+
+def _speed_key(method: str) -> str:
+    """``ours-fp32`` -> ``speed_vs_ours_fp32``: the JSON key of a row's speed against that variant."""
+    return "speed_vs_" + method.replace("-", "_")
 
 
 def table(rows: list[dict]) -> str:
@@ -457,17 +468,20 @@ def table(rows: list[dict]) -> str:
     def mib(b: float) -> str:
         return f"{b / 2**20:,.0f} MiB"
 
+    def times(r: dict, key: str) -> str:
+        return f"{r[key]:.2f}×" if key in r else "–"
+
+    # "speed vs ours fp32" always (the precision's gain), the other variants where a run has them
+    shown = ["ours-fp32"] + [m for m in VARIANTS if m != "ours-fp32" and any(r["method"] == m for r in rows)]
     header = ["method", "precision", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
-              "above base", "speed vs KTO", "speed vs ours fp32", "speed vs ours serial", "peak vs KTO",
+              "above base", "speed vs KTO", *(f"speed vs {VARIANTS[m]}" for m in shown), "peak vs KTO",
               "above-base vs KTO"]
     body = [
         [r["method"], r["precision"], r["tokens_per_step"],
          f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
          f"{r['model_gflops_per_s']:,.1f}",
          mib(r["peak_bytes"]), mib(r["above_base_bytes"]),
-         f"{r['speed_vs_kto']:.2f}×" if "speed_vs_kto" in r else "–",
-         f"{r['speed_vs_ours_fp32']:.2f}×" if "speed_vs_ours_fp32" in r else "–",
-         f"{r['speed_vs_ours_serial']:.2f}×" if "speed_vs_ours_serial" in r else "–",
+         times(r, "speed_vs_kto"), *(times(r, _speed_key(m)) for m in shown),
          f"{r['peak_vs_kto']:.2f}×" if "peak_vs_kto" in r else "–",
          f"{r['above_base_vs_kto']:.2f}×" if "above_base_vs_kto" in r else "–"]
         for r in rows

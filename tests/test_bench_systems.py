@@ -42,6 +42,19 @@ def test_train_step_sets_one_micro_batch_at_a_time_beside_ours():
     assert rows["ours"]["tokens_per_step"] == rows["ours-serial"]["tokens_per_step"]
 
 
+def test_train_step_sets_sdpa_attention_beside_ours():
+    # bf16 on the tiny model (auto keeps a toy-sized model in fp32): ours stacks the grouped queries.
+    summary = train_step.main(["--model", "tiny", "--methods", "ours,ours-sdpa", "--rounds", "1", "--steps", "2",
+                               "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
+                               "--precision", "bf16", "--json", "--no-record"])
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert rows["ours"]["attention"] == "rlfleet_grouped" and rows["ours-sdpa"]["attention"] == "sdpa"
+    assert rows["ours-sdpa"]["speed_vs_ours_sdpa"] == 1.0
+    assert rows["ours"]["speed_vs_ours_sdpa"] == pytest.approx(
+        rows["ours"]["step_tokens_per_s"] / rows["ours-sdpa"]["step_tokens_per_s"])
+    assert "speed vs ours sdpa" in train_step.table(summary["rows"])
+
+
 def test_train_step_profiles_one_steady_step_by_family():
     # Two threads and small micro-batches: the step's products run on the trainer's pool threads, and
     # the profile must see them there.

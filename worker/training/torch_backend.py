@@ -50,7 +50,7 @@ from ..objective import (
     unlikelihood,
 )
 from ..presets import TrainConfig
-from . import feature_memo
+from . import feature_memo, grouped_attention
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
@@ -93,6 +93,7 @@ class Trainer(TrainerInterface):
         self.base = base
         for p in self.base.parameters():  # the base is never trained; only LoRA weights are
             p.requires_grad_(False)
+        grouped_attention.use_on(base, device)  # bf16 passes' attention on a CPU (grouped_attention.py)
         self._n_params = sum(p.numel() for p in self.base.parameters())
         text = getattr(base.config, "get_text_config", lambda: base.config)()
         self._width: int | None = getattr(text, "hidden_size", None)
@@ -637,7 +638,7 @@ class Trainer(TrainerInterface):
         model = self._active()
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
-        if body is None or getattr(lm.config, "_attn_implementation", None) != "sdpa":
+        if body is None or not grouped_attention.custom_masks(lm):
             raise NotImplementedError("the model takes no custom attention mask this way")
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         rows, width = ids.shape
