@@ -84,6 +84,25 @@ def test_an_additive_mask_matches_sdpa():
     _close_as_sdpa(_both(lq, lq, bias[None, None].expand(B, 1, lq, lq), False))
 
 
+def test_the_backward_keeps_the_scores_once_in_bf16():
+    lq = 32
+    q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(lq, lq))
+    mask = torch.ones(lq, lq, dtype=torch.bool).tril()[None, None].repeat(B, 1, 1, 1)
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ga.grouped_attention(q, k, v, mask, D ** -0.5, False)
+    n_scores = B * H * lq * lq
+    score_sized = [t for t in kept if t.numel() >= n_scores]
+    # the probabilities, kept by the softmax and by the product with the values: one bf16 tensor
+    assert {t.data_ptr() for t in score_sized} and all(t.dtype == torch.bfloat16 for t in score_sized)
+    assert len({t.data_ptr() for t in score_sized}) == 1
+
+
 class _Module(torch.nn.Module):
     is_causal = True
     num_key_value_groups = H // KV

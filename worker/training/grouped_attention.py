@@ -1,15 +1,16 @@
 """Attention for bf16 training passes on a CPU: the query heads that share a key/value head stacked
 into one matrix product, instead of SDPA's fused kernel.
 
-On a CPU, torch's fused (flash) attention runs a training pass's short rows at a fraction of the
-matrix-product rate: its blocks are a few dozen queries against a 64-wide head, and its causal
-skipping does not start below a few hundred keys. Grouped-query models (several query heads per
-key/value head) let the heads of a group share their keys: stacked, a group's queries are one
-``[G·Lq, D] × [D, Lk]`` product per key/value head, which bf16 matrix products run several times
-faster; the scores are at most ``MAX_SCORES`` elements, so the softmax in between stays cheap. The
-softmax is taken in fp32. Anything else (a GPU, fp32, one query at a time, dropout, a soft cap, a
-position bias, scores beyond the cap) goes to transformers' own SDPA function, so a pass never
-depends on this path to be right. Why and how much: bench/RESULTS.md, ``bench.train_step``.
+On a CPU, torch's fused (flash) attention runs a training pass's short rows (a few hundred tokens,
+64-wide heads) well below the matrix-product rate, and gains nothing from causality there (a causal
+call costs what a fully masked one does). Grouped-query models (several query heads per key/value
+head) let the heads of a group share their keys: stacked, a group's queries are one
+``[G·Lq, D] × [D, Lk]`` bf16 product per key/value head, and the probabilities one more with the
+values; the scores are at most :data:`MAX_SCORES` elements, so the softmax in between stays cheap.
+It is taken in fp32, and only its bf16 probabilities are kept for the backward. Anything else (a
+GPU, fp32, one query at a time, dropout, a soft cap, a position bias, scores beyond the cap) goes to
+transformers' own SDPA function, so a pass never depends on this path to be right. How much it
+buys: bench/RESULTS.md, ``bench.train_step`` (``ours`` against ``ours-sdpa``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import torch
 from torch import Tensor
 
 NAME = "rlfleet_grouped"
-# Scores of one layer's pass, in elements: a pass keeps about 6 bytes of each for its backward (the
-# softmax's fp32 output, the bf16 probabilities), so a CPU micro-batch (512 tokens: about 1.6 M
-# scores on the default model) costs some 10 MB a layer; rows longer than the cap go to SDPA, whose
-# fused kernel keeps none.
+# Scores of one layer's pass, in elements: a pass keeps 2 bytes of each for its backward (the bf16
+# probabilities), so a CPU micro-batch (512 tokens: about 1.6 M scores on the default model) costs
+# some 3 MB a layer; rows longer than the cap go to SDPA, whose fused kernel keeps none.
 MAX_SCORES = 4 * 2**20
 
 
@@ -68,16 +68,37 @@ def grouped_attention(
         lk = min(lk, lq)
         key, value = key[:, :, :lk], value[:, :, :lk]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()[None, None]
-    scores = torch.matmul(query.reshape(b, kv, g * lq, d), key.transpose(-1, -2))
-    scores = scores.view(b, kv, g, lq, lk).float().mul_(scaling)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
-        else:
-            scores = scores + mask[:, :, None].float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kv, g * lq, lk)
-    out = torch.matmul(probs, value).view(b, h, lq, d)
+    scores = torch.matmul(query.reshape(b, kv, g * lq, d), key.transpose(-1, -2)).view(b, kv, g, lq, lk)
+    probs = _Softmax.apply(scores, None if mask is None else mask[:, :, None], scaling)
+    out = torch.matmul(probs.view(b, kv, g * lq, lk), value).view(b, h, lq, d)
     return out.transpose(1, 2).contiguous()
+
+
+class _Softmax(torch.autograd.Function):
+    """bf16 scores -> bf16 probabilities, scaled, masked and normalised in fp32, keeping only the bf16
+    probabilities for the backward (which the next product keeps anyway): autograd's own graph would
+    keep the fp32 softmax and the mask too, three times the memory for the same gradients within bf16
+    rounding. The gradient is softmax's, ``p · (g − Σ g·p)``, times the scale."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+        x = scores.float().mul_(scaling)
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                x.masked_fill_(~mask, torch.finfo(torch.float32).min)
+            else:
+                x.add_(mask)
+        probs = torch.softmax(x, dim=-1).to(scores.dtype)
+        ctx.save_for_backward(probs)
+        ctx.scaling = scaling
+        return probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (probs,) = ctx.saved_tensors
+        p, g = probs.float(), grad.float()
+        g.sub_((g * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scaling)
+        return g.to(probs.dtype), None, None
 
 
 def attention_forward(
