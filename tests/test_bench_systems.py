@@ -21,6 +21,7 @@ def test_train_step_compares_the_methods_on_the_same_tokens():
     rows = {r["method"]: r for r in summary["rows"]}
     assert set(rows) == {"ours", "ours-fp32", "kto", "two-copy"}
     assert rows["ours-fp32"]["precision"] == "fp32" and rows["ours-fp32"]["speed_vs_ours_fp32"] == 1.0
+    assert {r["attention"] for r in rows.values()} == {"sdpa"}  # fp32 passes (auto on a toy model) use SDPA
     assert len({r["tokens_per_step"] for r in rows.values()}) == 1  # same ratings, same token count
     for r in rows.values():
         assert r["step_tokens_per_s"] > 0 and r["run_tokens_per_s"] > 0 and r["model_gflops_per_s"] > 0
