@@ -255,6 +255,7 @@ class Trainer(TrainerInterface):
         model = load_model(ref, self.device)
         for p in model.parameters():
             p.requires_grad_(False)
+        grouped_attention.use_on(model, self.device)  # its passes run in the session's precision too
         return model
 
     def save(self, out_dir: Path) -> None:
