@@ -177,7 +177,6 @@ def child(args: argparse.Namespace) -> dict:
     from rlfleet.worker.presets import preset
     from rlfleet.worker.samples import Progress
     from rlfleet.worker.training import grouped_attention
-    from rlfleet.worker.training.precision import effective
 
     from . import synthetic
 
@@ -230,12 +229,8 @@ def child(args: argparse.Namespace) -> dict:
     if profiled is not None:
         profiled.stop()
     peak = memory.peak()
-    # the precision the runs' sessions resolve to: auto keeps a toy-sized model in fp32 on a CPU
-    width = getattr(trainer.base.config.get_text_config(), "hidden_size", None)
-    precision = "fp32" if args.child == "kto" else effective(cfg.precision, device, width)
-    attention = trainer.base.config._attn_implementation
-    if attention == grouped_attention.NAME and precision != "bf16":
-        attention = "sdpa"  # the grouped path serves bf16 passes only and hands fp32 ones to SDPA
+    precision = "fp32" if args.child == "kto" else trainer.resolved_precision(cfg.precision)
+    attention = grouped_attention.used_by(trainer.base, precision)
     steady = [stamps[s] for s in sorted(stamps)]
     if len(steady) < 2:
         raise RuntimeError(f"{args.child}: saw {len(steady)} step(s); need --steps >= 2")

@@ -140,6 +140,12 @@ def use_on(model: Any, device: str) -> bool:
     return getattr(model.config, "_attn_implementation", None) == NAME
 
 
+def used_by(model: Any, precision: str) -> str | None:
+    """The attention a ``model``'s passes at ``precision`` go through: :data:`NAME` hands fp32 ones to SDPA."""
+    name = getattr(model.config, "_attn_implementation", None)
+    return "sdpa" if name == NAME and precision != "bf16" else name
+
+
 def custom_masks(model: Any) -> bool:
     """Whether ``model``'s attention takes a 4-D boolean mask as it is (SDPA's, or :data:`NAME`)."""
     return getattr(model.config, "_attn_implementation", None) in ("sdpa", NAME)

@@ -90,10 +90,7 @@ class Trainer(TrainerInterface):
         self.ref = ref
         self.device = device
         self.tokenizer = tokenizer
-        self.base = base
-        for p in self.base.parameters():  # the base is never trained; only LoRA weights are
-            p.requires_grad_(False)
-        grouped_attention.use_on(base, device)  # bf16 passes' attention on a CPU (grouped_attention.py)
+        self.base = _read_only(base, device)  # the base is never trained; only LoRA weights are
         self._n_params = sum(p.numel() for p in self.base.parameters())
         text = getattr(base.config, "get_text_config", lambda: base.config)()
         self._width: int | None = getattr(text, "hidden_size", None)
@@ -213,7 +210,7 @@ class Trainer(TrainerInterface):
             self._pool.resize(self._parallel or auto_workers(
                 self.device.split(":")[0], torch.get_num_threads(), spare,
                 sum(p.numel() * p.element_size() for p in self.base.parameters())))
-            self._bf16 = effective(precision, self.device, self._width) == "bf16"
+            self._bf16 = self.resolved_precision(precision) == "bf16"
             if self._bf16 and self.device == "cpu":  # (on a GPU the casts cost little, memory more)
                 self._frozen = FrozenWeights.of(self._lora, spare // 4)
                 self._frozen.hold(half=True)
@@ -252,11 +249,7 @@ class Trainer(TrainerInterface):
             self._override = None
 
     def _load_teacher(self, ref: ModelRef) -> Any:
-        model = load_model(ref, self.device)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        grouped_attention.use_on(model, self.device)  # its passes run in the session's precision too
-        return model
+        return _read_only(load_model(ref, self.device), self.device)
 
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +272,10 @@ class Trainer(TrainerInterface):
     @property
     def precision(self) -> str:
         return "bf16" if self._bf16 else "fp32"
+
+    def resolved_precision(self, precision: str) -> str:
+        """What a session opened with ``precision`` computes in, on this trainer's device and model."""
+        return effective(precision, self.device, self._width)
 
     @property
     def rows_seeded(self) -> bool:
@@ -783,6 +780,14 @@ def spare_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _read_only(model: Any, device: str) -> Any:
+    """``model`` with no parameter to train, attending as the trainer's passes do (grouped_attention.py)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    grouped_attention.use_on(model, device)
+    return model
 
 
 def _plain_head(lm: Any) -> torch.nn.Linear | None:
