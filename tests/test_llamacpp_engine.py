@@ -426,24 +426,39 @@ def test_the_trainers_draws_are_cut_into_parts_that_fit_llama_cpps_context():
     assert _before_end([5, 6, 2, 7], {2}) == [5, 6] and _before_end([5, 6], {2}) == [5, 6]
 
 
-def test_the_gates_answers_to_a_prompt_are_seeded_by_it_and_the_bases_are_drawn_once(ref, adapters):
-    """Where llama.cpp draws, the gate's i-th answer to a held-out prompt is seeded by the prompt and i:
-    the same answer whichever batch drew it, so the worker draws the base's ahead (worker/idle_work.py)
-    and the gate reads them; the candidate gets the same seeds, so its answers differ from the base's
-    by the models alone."""
+@pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
+def test_the_gates_answers_to_a_prompt_are_seeded_by_it_and_the_bases_are_drawn_once(ref, adapters, engine,
+                                                                                       monkeypatch):
+    """Where llama.cpp or the trainer's own decoding (worker/training/decoding.py) draws, the gate's
+    i-th answer to a held-out prompt is seeded by the prompt and i: the same answer whichever batch
+    drew it, so the worker draws the base's ahead (worker/idle_work.py) and the gate reads them; the
+    candidate gets the same seeds, so its answers differ from the base's by the models alone."""
     from dataclasses import replace
 
     from rlfleet.worker.gate import GateConfig
     from rlfleet.worker.idle_work import _draw_held
     from rlfleet.worker.orchestrate import GateReferences
     from rlfleet.worker.samples import TrainSample
-    from rlfleet.worker.training import feature_memo
+    from rlfleet.worker.training import decoding, feature_memo, torch_backend
     from rlfleet.worker.training.scoring import draw_held, held_known, sample_answers
     from rlfleet.worker.training.torch_backend import Trainer
 
     trainer = Trainer(ref)
-    trainer.draw_with("auto", load=True)
-    drawer = trainer.drawer
+    trainer.draw_with(engine, load=True)
+    # Exactly the same answer in any batch needs fp32 products: bf16 ones round a row's hidden states
+    # a little differently with the batch's padding, and a draw can part ways after a few tokens.
+    trainer._draw_bf16 = False
+    decoded = []  # rows the trainer's own decoding drew
+    draw = decoding.draw
+    monkeypatch.setattr(decoding, "draw",
+                        lambda body, head, rows, *a: decoded.extend(rows) or draw(body, head, rows, *a))
+
+    class Drawn:  # answers drawn by whichever engine draws
+        @property
+        def drawn(self) -> int:
+            return trainer.drawer.drawn + len(decoded)
+
+    drawer = Drawn()
     cfg = GateConfig(eval_samples=6, eval_new_tokens=10, eval_temperature=1.0, eval_top_p=1.0)
     p1, p2 = ([{"role": "user", "content": p}] for p in PROMPTS[2:])
     assert trainer.rows_seeded
@@ -471,7 +486,13 @@ def test_the_gates_answers_to_a_prompt_are_seeded_by_it_and_the_bases_are_drawn_
     verdict = refs.judge(trainer, adapters / "v0001")
     assert verdict.metrics["gate_base_known"] == 4 and drawer.drawn == before + 4
 
-    trainer.draw_with("torch")  # one stream per batch: nothing remembered, nothing drawn ahead
+    assert (trainer.drawer.drawn == 0) == (engine == "torch")  # the engine asked for drew them all
+    assert (len(decoded) == 0) == (engine == "llama.cpp")
+
+    # A model whose logits are more than its head's product: transformers' generate draws, one stream
+    # per batch; nothing remembered, nothing drawn ahead.
+    trainer.draw_with("torch")
+    monkeypatch.setattr(torch_backend, "_decoder", lambda model: None)
     assert not trainer.rows_seeded and held_known(trainer, [p1, p2], cfg, 0, drawn) == 0
     assert draw_held(trainer, [(p2, 9)], cfg, 0, drawn) == 0
     feature_memo.forget(trainer)

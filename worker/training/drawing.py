@@ -6,8 +6,8 @@ trains). Where ``chat.engine`` lets llama.cpp draw the chat's tokens (a GGUF mod
 llama-cpp-python installed), it draws these too: the weights are the base or an adapter folder on
 disk (the loop checks' are saved to a private folder first: the backend's ``sample``), which
 llama.cpp applies as it does for the chat, on the file's quantised weights, dropping each answer from
-the batch as it ends where ``generate`` computes every row to the longest, and decoding a prompt the
-batch asks several times once (bench/RESULTS.md, ``bench.time_to_adapter``).
+the batch as it ends, and decoding a prompt the batch asks several times once (bench/RESULTS.md,
+``bench.time_to_adapter``). Elsewhere the trainer's own model draws (:mod:`.decoding`).
 
 Nothing a run trains on depends on which kernels drew an answer beyond what was drawn: a run computes
 the behaviour log-probs of the answers its starting policy drew in its own numerics

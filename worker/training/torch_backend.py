@@ -50,7 +50,7 @@ from ..objective import (
     unlikelihood,
 )
 from ..presets import TrainConfig
-from . import feature_memo, grouped_attention
+from . import decoding, feature_memo, grouped_attention
 from .backend import RefExtras, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
@@ -112,6 +112,9 @@ class Trainer(TrainerInterface):
         # (:meth:`_remember`), and :meth:`logprobs` reads them, in this session or a later one.
         self._identities: dict[Path | None, feature_memo.Identity] = {}
         self._continues = False  # the open session continues a saved adapter (not a fresh LoRA)
+        # torch's draws run in bf16 wherever it is native, whatever the sessions train in: a draw is
+        # read for its tokens, whose behaviour log-probs a run computes itself.
+        self._draw_bf16 = effective("auto", device, self._width) == "bf16"
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
         self._parallel: int | None = None  # train.parallel_batches (None: auto_workers decides)
         self._pool = MicroBatchPool()
@@ -279,8 +282,9 @@ class Trainer(TrainerInterface):
 
     @property
     def rows_seeded(self) -> bool:
-        # llama.cpp seeds each row's sampler; torch's generate draws one stream for the whole batch.
-        return self._override is None and self._drawer.engine == "llama.cpp"
+        # llama.cpp and decoding.draw seed each row; transformers' generate (a model whose logits are
+        # rescaled after its head) draws one stream for the whole batch.
+        return _decoder(self._active()) is not None or (self._override is None and self._drawer.engine == "llama.cpp")
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -310,6 +314,34 @@ class Trainer(TrainerInterface):
             if self._casts_off == (1 if off else 0):
                 for layer in self._lora:
                     layer.cast_input_dtype_enabled = not off
+
+    @contextlib.contextmanager
+    def _drawing(self) -> Iterator[None]:
+        """The active model as draws run it: in bf16 where that is native (:attr:`_draw_bf16`), with the
+        frozen weights held in bf16 for the block where the session does not hold them already; in
+        fp32 elsewhere."""
+        if not self._draw_bf16:
+            with self.full_precision():
+                yield
+            return
+        bf16, frozen = self._bf16, self._frozen
+        # A decoding step multiplies a few rows by each matrix: the LoRA's two thin products beside
+        # the frozen one would double it, so on a CPU the adapter is folded into the bf16 copies
+        # (W + scale·BA, rounded once) and the LoRA layers pass their input to them alone.
+        fold = self.device == "cpu" and _foldable(self._lora)
+        drawn = frozen
+        if self.device == "cpu" and (fold or not bf16):
+            frozen.hold(half=False)  # the copies are made from the fp32 weights
+            drawn = FrozenWeights.of(self._lora or _frozen_linears(self.base), spare_memory() // 4, fold=fold)
+        self._frozen, self._bf16 = drawn, True
+        drawn.hold(half=True)
+        try:
+            with self.autocast(), _adapters_off(self._lora if fold and len(drawn) else []):
+                yield
+        finally:
+            drawn.hold(half=False)
+            self._frozen, self._bf16 = frozen, bf16
+            frozen.hold(half=bf16)
 
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
@@ -712,9 +744,10 @@ class Trainer(TrainerInterface):
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
         temperature: float = 0.7, top_p: float = 1.0, seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """One batched ``generate`` (on a CPU a batch of eight costs about what two answers one by
-        one do), drawn as the chat draws (:func:`rlfleet.shared.responder.sampling`); or llama.cpp's
-        batch, where it draws from these weights (:mod:`.drawing`)."""
+        """The prompts' answers drawn in one batch at the chat's ``temperature`` and ``top_p``, each row
+        from a stream of its own (``seeds``, or ``seed + i``): llama.cpp's batch where it draws from
+        these weights (:mod:`.drawing`), else this model's (:func:`.decoding.draw`; transformers'
+        ``generate``, one stream from ``seed``, for a model whose logits its head alone does not give)."""
         tok = self.tokenizer
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
@@ -727,6 +760,14 @@ class Trainer(TrainerInterface):
                 drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, self._weights, seeds)
             if drawn is not None:
                 return drawn
+        decoder = _decoder(self._active())
+        if decoder is not None:
+            body, head = decoder
+            own = list(seeds) if seeds is not None else [seed + i for i in range(len(rows))]
+            with self._drawing():
+                weight = head.weight.to(torch.bfloat16) if self._bf16 else head.weight
+                return decoding.draw(body, weight, rows, max_new_tokens, temperature, top_p, own,
+                                     self._drawer.end_ids, pad)
         width = max(len(r) for r in rows)
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
@@ -750,18 +791,20 @@ class FrozenWeights:
         self._pairs = list(pairs)
 
     @classmethod
-    def of(cls, layers: Sequence[Any], budget: int) -> FrozenWeights:
-        """Those of ``layers`` (peft tuner layers) whose base layer is a plain fp32 linear one; none
-        when their bf16 copies would take more than ``budget`` bytes (a large model on a machine
-        without the memory to spare trains as before, autocast casting each pass)."""
-        weights = []
+    def of(cls, layers: Sequence[Any], budget: int, fold: bool = False) -> FrozenWeights:
+        """Those of ``layers`` (peft tuner layers, or plain linear ones) whose base layer is a plain fp32
+        linear one; none when their bf16 copies would take more than ``budget`` bytes (a large model on
+        a machine without the memory to spare trains as before, autocast casting each pass). ``fold``:
+        each copy with its layer's active LoRA added (:func:`_foldable` layers only)."""
+        pairs = []
         for layer in layers:
-            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else None
+            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
             if isinstance(base, torch.nn.Linear) and base.weight.dtype == torch.float32:
-                weights.append(base.weight)
-        if sum(2 * w.numel() for w in weights) > budget:
+                pairs.append((base.weight, layer))
+        if sum(2 * w.numel() for w, _ in pairs) > budget:
             return cls()
-        return cls([(w, w.data, w.data.to(torch.bfloat16)) for w in weights])
+        return cls([(w, w.data, (w.data + _lora_delta(layer) if fold else w.data).to(torch.bfloat16))
+                    for w, layer in pairs])
 
     def hold(self, half: bool) -> None:
         for param, full, bf16 in self._pairs:
@@ -799,6 +842,54 @@ def _plain_head(lm: Any) -> torch.nn.Linear | None:
             getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
         return None
     return head
+
+
+def _decoder(model: Any) -> tuple[Any, torch.nn.Linear] | None:
+    """``model``'s decoder stack and plain output head, for :func:`.decoding.draw`; None where its logits
+    are more than the head's product (then transformers' ``generate`` draws)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+    head = _plain_head(lm)
+    if body is None or head is None or not hasattr(body, "config"):
+        return None
+    return body, head
+
+
+def _foldable(layers: Sequence[Any]) -> bool:
+    """Whether every one of ``layers`` (peft tuner layers) adds a plain LoRA product to its frozen one
+    (enabled, not merged, no variant such as DoRA): its effect is then a weight to add
+    (:func:`_lora_delta`)."""
+    return bool(layers) and all(
+        not layer.disable_adapters and not layer.merged and hasattr(layer, "get_delta_weight")
+        and not any(name in getattr(layer, "lora_variant", {}) for name in layer.active_adapters)
+        for layer in layers)
+
+
+def _lora_delta(layer: Any) -> Tensor:
+    """What ``layer``'s active LoRA adapters add to its frozen weight (``scale · B·A``), fp32."""
+    return sum((layer.get_delta_weight(name).float() for name in layer.active_adapters if name in layer.lora_A),
+               torch.zeros((), device=layer.get_base_layer().weight.device))
+
+
+@contextlib.contextmanager
+def _adapters_off(layers: Sequence[Any]) -> Iterator[None]:
+    """``layers`` (peft tuner layers) pass their input to their frozen layer alone for the block (their
+    adapters folded into its weights); their adapters' trainability is left as it is (peft's own
+    switch turns it off)."""
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+def _frozen_linears(model: Any) -> list[torch.nn.Linear]:
+    """The plain linear layers of ``model`` outside a session, its output head left out (it is tied to
+    the input embedding in many models, whose lookups must stay in the weights' own type)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
 
 
 def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
