@@ -24,8 +24,8 @@ def test_reads_the_same_model_several_times_per_size(tiny_model_dir, single_thre
     sampled: list[tuple[int, int, list[list[int]]]] = []  # (answers, seed, token lists) of each reading
     real = Trainer.sample
 
-    def recording(self, prompts, max_new_tokens, seed, temperature=0.7, top_p=1.0):
-        out = real(self, prompts, max_new_tokens, seed, temperature, top_p)
+    def recording(self, prompts, max_new_tokens, seed, temperature=0.7, top_p=1.0, seeds=None):
+        out = real(self, prompts, max_new_tokens, seed, temperature, top_p, seeds)
         sampled.append((len(prompts), seed, out))
         return out
 
