@@ -162,3 +162,28 @@ def test_the_trainer_draws_with_seeds_per_row_and_a_folded_lora_draws_what_the_l
     effect = (unfolded - base).abs().mean()
     assert effect > 0.05
     assert (folded - unfolded).abs().mean() < 0.1 * effect
+
+
+def test_a_model_decoding_cannot_run_is_drawn_by_generate_and_said_once(tiny_model_dir, single_thread, monkeypatch,
+                                                                        caplog):
+    from rlfleet.shared.models import resolve_model
+    from rlfleet.worker.training.torch_backend import Trainer
+
+    trainer = Trainer(resolve_model(str(tiny_model_dir)))
+    trainer.draw_with("torch")
+    calls = []
+
+    def refuses(*args, **kwargs):
+        calls.append(1)
+        raise TypeError("forward() got an unexpected keyword argument 'position_ids'")
+
+    monkeypatch.setattr(decoding, "draw", refuses)
+    convs = [[{"role": "user", "content": t}] for t in TEXTS]
+    assert trainer.rows_seeded
+    with caplog.at_level("WARNING"):
+        first = trainer.sample(convs, 6, seed=3, temperature=1.0)
+        second = trainer.sample(convs, 6, seed=3, temperature=1.0)
+    assert len(first) == len(convs) and all(0 < len(a) <= 6 for a in first)
+    assert second == first  # generate's one stream from the seed
+    assert len(calls) == 1 and not trainer.rows_seeded  # tried once; the gate no longer remembers answers
+    assert sum("cannot draw with rlfleet's decoding" in r.message for r in caplog.records) == 1

@@ -115,6 +115,7 @@ class Trainer(TrainerInterface):
         # torch's draws run in bf16 wherever it is native, whatever the sessions train in: a draw is
         # read for its tokens, whose behaviour log-probs a run computes itself.
         self._draw_bf16 = effective("auto", device, self._width) == "bf16"
+        self._decodes = True  # off once the model's forward refuses decoding.draw (generate draws then)
         self._drawer = Drawer(ref, device, end_token_ids(base, tokenizer))
         self._parallel: int | None = None  # train.parallel_batches (None: auto_workers decides)
         self._pool = MicroBatchPool()
@@ -284,7 +285,8 @@ class Trainer(TrainerInterface):
     def rows_seeded(self) -> bool:
         # llama.cpp and decoding.draw seed each row; transformers' generate (a model whose logits are
         # rescaled after its head) draws one stream for the whole batch.
-        return _decoder(self._active()) is not None or (self._override is None and self._drawer.engine == "llama.cpp")
+        own = self._decodes and _decoder(self._active()) is not None
+        return own or (self._override is None and self._drawer.engine == "llama.cpp")
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
@@ -752,6 +754,8 @@ class Trainer(TrainerInterface):
         eos = tok.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos
         rows = [prompt_ids(tok, p) for p in prompts]
+        if seeds is not None and len(seeds) != len(rows):
+            raise ValueError(f"{len(rows)} prompts but {len(seeds)} seeds")
         if self._override is None:  # (a stronger teacher is a model llama.cpp does not hold)
             if self._weights is LIVE and self._drawer.engine == "llama.cpp":
                 with self._saved_live() as folder:  # the loop checks: llama.cpp draws from a folder
@@ -760,14 +764,20 @@ class Trainer(TrainerInterface):
                 drawn = self._drawer.draw(rows, max_new_tokens, seed, temperature, top_p, self._weights, seeds)
             if drawn is not None:
                 return drawn
-        decoder = _decoder(self._active())
+        decoder = _decoder(self._active()) if self._decodes else None
         if decoder is not None:
             body, head = decoder
             own = list(seeds) if seeds is not None else [seed + i for i in range(len(rows))]
-            with self._drawing():
-                weight = head.weight.to(torch.bfloat16) if self._bf16 else head.weight
-                return decoding.draw(body, weight, rows, max_new_tokens, temperature, top_p, own,
-                                     self._drawer.end_ids, pad)
+            try:
+                with self._drawing():
+                    weight = head.weight.to(torch.bfloat16) if self._bf16 else head.weight
+                    return decoding.draw(body, weight, rows, max_new_tokens, temperature, top_p, own,
+                                         self._drawer.end_ids, pad)
+            except (TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+                # An architecture whose forward takes positions or a cache another way: generate draws.
+                log.warning("%s cannot draw with rlfleet's decoding (%s: %s); transformers' generate draws "
+                            "(one random stream per batch)", self.ref.spec, type(exc).__name__, exc)
+                self._decodes = False
         width = max(len(r) for r in rows)
         # Left padding: every row's next token is generated at the same position.
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
