@@ -871,6 +871,7 @@ def _foldable(layers: Sequence[Any]) -> bool:
     (:func:`_lora_delta`)."""
     return bool(layers) and all(
         not layer.disable_adapters and not layer.merged and hasattr(layer, "get_delta_weight")
+        and hasattr(layer, "_disable_adapters")  # the switch _adapters_off flips (peft's own attribute)
         and not any(name in getattr(layer, "lora_variant", {}) for name in layer.active_adapters)
         for layer in layers)
 
