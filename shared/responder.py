@@ -631,9 +631,8 @@ class LocalResponder:
         if drawn is not None:
             return _Batch(built, rows, [torch.tensor(d, dtype=torch.long, device=self.device) for d in drawn],
                           int(gc.pad_token_id), lps)
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([[gc.pad_token_id] * (width - len(r)) + r for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        ids, mask = left_padded(rows, gc.pad_token_id, self.device)
+        width = ids.shape[1]
         with torch.inference_mode(), seeded_rng(seed, self.device):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
         return _Batch(built, rows, [self._cut_at_end(row) for row in out[:, width:]], int(gc.pad_token_id))
@@ -755,6 +754,17 @@ def batch_token_logprobs(model: Any, prompts: Sequence[Any], news: Sequence[Any]
             continue
         out.append(logp[i, keep - k:].gather(-1, n.view(-1, 1)).squeeze(-1).tolist())
     return out
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """``rows`` of token ids as ``[B, W]`` id and attention-mask tensors, padded on the left: every row's
+    next token is generated at the same column."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[int(pad_id)] * (width - len(r)) + list(r) for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
 
 
 @contextmanager

@@ -80,13 +80,11 @@ def draw(body: Any, head_weight: torch.Tensor, rows: Sequence[Sequence[int]], ma
     from transformers import DynamicCache
 
     from rlfleet.shared.models import cache_argument
+    from rlfleet.shared.responder import left_padded
 
     device = head_weight.device
-    width = max(len(r) for r in rows)
-    # Left padding: every row's next token sits at the same column; positions count real tokens only.
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask = left_padded(rows, pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # positions count a row's real tokens only
     cache = DynamicCache(config=body.config)
     kv = {cache_argument(body): cache}
     hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,

@@ -36,7 +36,7 @@ from rlfleet.shared.models import (
     tuner_layers,
 )
 from rlfleet.shared.registry import ADAPTER_WEIGHTS
-from rlfleet.shared.responder import sampling, seeded_rng
+from rlfleet.shared.responder import left_padded, sampling, seeded_rng
 
 from ..batching import Encoded, collate, fold_hosts, micro_batches, shared_prefix
 from ..objective import (
@@ -385,8 +385,7 @@ class Trainer(TrainerInterface):
         Where the architecture allows, the output head runs on response positions only (hidden
         states are sliced first): the prompt's logits are never needed and cost vocab-sized rows.
         """
-        model = self._active()
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lm, body = _lm_and_body(self._active())
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         if bool(resp[:, 0].any()):
             raise ValueError("a response token at position 0 has no context to be predicted from")
@@ -394,7 +393,6 @@ class Trainer(TrainerInterface):
         pred_mask = resp[:, 1:]
         targets = ids[:, 1:][pred_mask]
 
-        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
         head = _plain_head(lm)
         split = body is not None and head is not None
         p = int(batch.get("shared_prefix", 0)) if self._share_prefix else 0
@@ -645,10 +643,8 @@ class Trainer(TrainerInterface):
 
     @torch.no_grad()
     def pooled_hidden(self, batch: dict[str, Tensor]) -> list[list[float]]:
-        model = self._active()
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lm, body = _lm_and_body(self._active())
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
-        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
         with self.autocast():
             if body is not None:  # the transformer without its output head: no vocab-sized logits
                 hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
@@ -667,9 +663,7 @@ class Trainer(TrainerInterface):
         r's answer ended after its first ``endings[r][j]`` tokens, the end token after them. The row's
         hidden states at those tokens are the ending's (the model is causal); only the end token is
         new, an extra position that sees the ending's tokens and itself."""
-        model = self._active()
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-        body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+        lm, body = _lm_and_body(self._active())
         if body is None or not grouped_attention.custom_masks(lm):
             raise NotImplementedError("the model takes no custom attention mask this way")
         ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
@@ -778,10 +772,8 @@ class Trainer(TrainerInterface):
                 log.warning("%s cannot draw with rlfleet's decoding (%s: %s); transformers' generate draws "
                             "(one random stream per batch)", self.ref.spec, type(exc).__name__, exc)
                 self._decodes = False
-        width = max(len(r) for r in rows)
-        # Left padding: every row's next token is generated at the same position.
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        ids, mask = left_padded(rows, pad, self.device)
+        width = ids.shape[1]
         # generate runs without autocast: the fp32 weights, whatever the session trains in.
         with seeded_rng(seed, self.device), self.full_precision():
             out = self._active().generate(
@@ -854,11 +846,17 @@ def _plain_head(lm: Any) -> torch.nn.Linear | None:
     return head
 
 
+def _lm_and_body(model: Any) -> tuple[Any, Any]:
+    """``model``'s language model (inside a peft wrapper, the model it wraps) and its transformer without
+    the output head (None where the architecture names none)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return lm, getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+
+
 def _decoder(model: Any) -> tuple[Any, torch.nn.Linear] | None:
     """``model``'s decoder stack and plain output head, for :func:`.decoding.draw`; None where its logits
     are more than the head's product (then transformers' ``generate`` draws)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+    lm, body = _lm_and_body(model)
     head = _plain_head(lm)
     if body is None or head is None or not hasattr(body, "config"):
         return None
