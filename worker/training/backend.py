@@ -36,6 +36,22 @@ class StepStats:
     anchor_kl: float | None = None  # mean top-k anchor KL per response token, with ``extras.top``
     entropy_excess: float | None = None  # mean rise of the entropy over the base's, with ``extras.entropy``
     hindsight_kl: float | None = None  # the hindsight term's value, with ``extras.teacher``
+    # With a FromStep ``beh``: the behaviour and reference log-probs the pass gave (the backend's tensors).
+    fixed: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class FromStep:
+    """``accumulate``'s ``beh`` where the first optimizer step's own forward pass gives a micro-batch's
+    fixed log-probs: before any update the policy is the run-start policy (and a fresh LoRA, whose B is
+    0, the base), in the same batch and numerics, so the step's pass stands in for the run-start pass
+    (with ``reference``, for the reference pass too) of the micro-batches it trains. ``recorded`` rows
+    are written in as :meth:`Backend.with_recorded` does, moved by the pass minus ``full`` (the fp32
+    pass of a bf16 session; None: not moved)."""
+
+    recorded: Sequence[tuple[int, int, Sequence[float]]] = ()
+    full: Tensor | None = None
+    reference: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,10 @@ class Backend(Protocol):
     @property
     def precision(self) -> str:
         """``bf16`` while the open session's forward passes run in bf16, else ``fp32``."""
+
+    @property
+    def step_stands_in(self) -> bool:
+        """Whether :meth:`accumulate` takes a :class:`FromStep` for ``beh`` (then ``ref`` may be None)."""
 
     @property
     def rows_seeded(self) -> bool:
@@ -168,10 +188,12 @@ class Backend(Protocol):
         """Clear the accumulated gradient."""
 
     def accumulate(
-        self, batch: Batch, beh: Tensor, ref: Tensor, advantages: Tensor, share: float,
+        self, batch: Batch, beh: Tensor | FromStep, ref: Tensor | None, advantages: Tensor, share: float,
         extras: RefExtras | None = None,
     ) -> StepStats:
         """The objective on one micro-batch; its gradient, weighted by ``share``, is accumulated.
+        ``beh`` a :class:`FromStep` (where :attr:`step_stands_in`): the fixed log-probs come from this
+        pass (``ref`` None: with ``beh.reference``), and ``StepStats.fixed`` returns them.
         ``extras`` from :meth:`reference_logprobs` under :meth:`reference`: with ``top`` the KL term
         is the top-k anchor (:func:`rlfleet.worker.objective.top_k_kl`); with ``entropy`` the entropy
         hinge (:func:`rlfleet.worker.objective.entropy_excess`) is added at ``cfg.entropy_hinge``; with

@@ -183,6 +183,10 @@ class MlxTrainer(TrainerInterface):
         return "bf16" if self._dtype == "bfloat16" else "fp32"
 
     @property
+    def step_stands_in(self) -> bool:
+        return False  # its step is one value_and_grad function that takes the fixed log-probs
+
+    @property
     def rows_seeded(self) -> bool:
         return True  # one answer at a time, each from its own seed
 

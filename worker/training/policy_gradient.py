@@ -20,7 +20,7 @@ from typing import Any
 from ..presets import TrainConfig
 from ..samples import Progress, TrainSample
 from .advantages import balance_classes, run_advantages
-from .backend import Backend, Batch, RefExtras, Tensor
+from .backend import Backend, Batch, FromStep, RefExtras, Tensor
 from .exploration import minibatches
 from .hindsight import teach
 from .loop import Outcome, Report, RunData, Selection, halfway_steps
@@ -50,8 +50,9 @@ class PolicyGradient:
             batches += b
             part_of += [p] * len(g)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
+        first = step_trains(0, part_of, len(parts))
         ref, extras, beh, start = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k,
-                                                  cfg.entropy_hinge > 0)
+                                                  cfg.entropy_hinge > 0, first)
         lesson = teach(backend, data.samples, data.encoded, groups, batches, cfg)
         extras = [x if t is None else replace(x or RefExtras(), teacher=t)
                   for x, t in zip(extras, lesson.targets, strict=True)]
@@ -68,11 +69,14 @@ class PolicyGradient:
         loss_value = mean_kl = start_kl = float("nan")
         # The run's check compares the KL to the base where the run ends (over every sample) with where
         # it starts: a first step that trains one explored minibatch sees only some of the samples, so
-        # a run continuing a parent measures its start over all of them first (a fresh adapter starts
-        # at the base: 0 on any of them), from the run-start pass where the behaviour needed one.
+        # a run continuing a parent measures its start over all of them (a fresh adapter starts at the
+        # base: 0 on any of them), from the run-start pass where the behaviour needed one, and on the
+        # micro-batches the first step trains from that step's own pass (FromStep), before its update.
         measured_start = len(parts) > 2 and data.parent_adapter is not None
-        if measured_start:
-            start_kl = _mean_kl(backend, batches, ref, start)
+        # (KL sum, response tokens) per micro-batch, as the run starts
+        start_sums = backend.each(
+            lambda k: backend.kl_sum(batches[k], ref[k], None if start is None else start.get(k)),
+            [k for k in range(len(batches)) if not isinstance(beh[k], FromStep)]) if measured_start else []
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         distills: list[float] = []  # per step: the hindsight term, a mean over the step's samples
@@ -87,8 +91,7 @@ class PolicyGradient:
                 if len(loops.encoded) > caught:
                     loop_batches = batched(backend, loops, cfg.micro_batch_tokens)
             backend.begin_step()
-            explored_part = step_part(step, len(parts))
-            active = [k for k in range(len(batches)) if part_of[k] in (0, explored_part)]
+            active = step_trains(step, part_of, len(parts))
             step_loss = kl_sum = anchor_sum = excess_sum = distill_sum = tok_acc = seq_acc = 0.0
             # The caught loops' micro-batches run beside the step's own (their gradients are added after
             # theirs, in order, as one after the other would).
@@ -99,6 +102,9 @@ class PolicyGradient:
                      for batch, marks, share in loop_batches]
             step_stats = backend.each(lambda job: job(), jobs)[:len(active)]
             for k, stats in zip(active, step_stats, strict=True):
+                if stats.fixed is not None:  # the first step's pass gave them: they hold from now on
+                    beh[k], ref[k] = stats.fixed
+                    start_sums.append((stats.mean_kl * stats.n_tokens, stats.n_tokens))
                 step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
                 anchor_sum += (stats.anchor_kl or 0.0) * stats.n_tokens
@@ -113,8 +119,9 @@ class PolicyGradient:
                 backend.save(data.halfway_dir)
             step_response = max(sum(n_response[k] for k in active), 1)
             loss_value, mean_kl = step_loss, kl_sum / step_response
-            if step == 0 and not measured_start:  # measured before the first update: where the run starts
-                start_kl = mean_kl
+            if step == 0:  # measured before the first update: where the run starts
+                start_kl = (sum(kl for kl, _ in start_sums) / max(sum(n for _, n in start_sums), 1)
+                            if measured_start else mean_kl)
             anchor_kls.append(anchor_sum / step_response)
             excesses.append(excess_sum / step_response)
             distills.append(distill_sum / max(sum(shares[k] for k in active), 1e-12))
@@ -172,18 +179,31 @@ def step_part(step: int, n_parts: int) -> int:
     return 1 + step % (n_parts - 1) if n_parts > 1 else 0
 
 
+def step_trains(step: int, part_of: Sequence[int], n_parts: int) -> list[int]:
+    """The micro-batches (``part_of[k]``: micro-batch k's part) optimizer step ``step`` trains: the
+    ratings' and its explored part's (:func:`step_part`)."""
+    explored = step_part(step, n_parts)
+    return [k for k, part in enumerate(part_of) if part in (0, explored)]
+
+
 def _fixed_logprobs(
     backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0,
-    entropy: bool = False,
-) -> tuple[list[Tensor], list[RefExtras | None], list[Tensor], list[Tensor] | None]:
+    entropy: bool = False, first: Sequence[int] = (),
+) -> tuple[list[Tensor | None], list[RefExtras | None], list[Tensor | FromStep], dict[int, Tensor] | None]:
     """Per micro-batch: reference log-probs (adapter off), what the reference pass keeps beside them
     (the base's ``top_k`` likeliest next tokens, with ``entropy`` its next-token entropy; None each
     without either), behaviour log-probs, and the run-start policy's own log-probs where a pass
-    computed them for a parent adapter (None: it did not; a fresh adapter's are the reference's).
+    computed them for a parent adapter (by micro-batch; None: no pass did, a fresh adapter's are the
+    reference's).
 
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
     at the base (B = 0), so then the reference pass doubles as the behaviour pass.
+
+    The micro-batches the first optimizer step trains (``first``) get no pass of their own where the
+    backend lets that step's forward stand in (:class:`.backend.FromStep`, whose reference is None
+    here with a fresh LoRA): before its update the step's pass is the run-start pass, batch for batch.
+    Not with the top-k anchor or the entropy hinge, which read the base's whole distribution.
 
     Recorded log-probs are fp32 values (the responder's). In a bf16 session the policy's log-probs
     differ from fp32 ones by rounding alone, enough to move a sequence's ratio by tenths of a percent
@@ -192,19 +212,26 @@ def _fixed_logprobs(
     then has a ratio of exactly 1 at the start, as in fp32 (:mod:`.precision`).
     """
     encoded = data.encoded
-    extras: list[RefExtras | None] = [None] * len(batches)
-    with backend.reference():
-        if top_k or entropy:
-            pairs = backend.each(lambda b: backend.reference_logprobs(b, top_k, entropy), batches)
-            ref, extras = [lp for lp, _ in pairs], [x for _, x in pairs]
-        else:
-            ref = backend.each(backend.logprobs, batches)
+    fresh = data.parent_adapter is None
     # In bf16 the rounding shift below is measured on the run-start policy itself, so with a parent
     # adapter its pass is needed even when every sample brings recorded log-probs.
-    need_start = data.parent_adapter is not None and (backend.precision != "fp32" or any(
+    need_start = not fresh and (backend.precision != "fp32" or any(
         e.behaviour_logprobs is None or len(e.behaviour_logprobs) < e.n_response for e in encoded
     ))
-    start = backend.each(backend.logprobs, batches) if need_start else ref
+    stand_in = set(first) if backend.step_stands_in and not (top_k or entropy) and (fresh or need_start) else set()
+    ref: list[Tensor | None] = [None] * len(batches)
+    extras: list[RefExtras | None] = [None] * len(batches)
+    ref_rows = [k for k in range(len(batches)) if not (fresh and k in stand_in)]
+    with backend.reference():
+        if top_k or entropy:
+            pairs = backend.each(lambda k: backend.reference_logprobs(batches[k], top_k, entropy), ref_rows)
+            for k, (lp, x) in zip(ref_rows, pairs, strict=True):
+                ref[k], extras[k] = lp, x
+        else:
+            for k, lp in zip(ref_rows, backend.each(lambda k: backend.logprobs(batches[k]), ref_rows), strict=True):
+                ref[k] = lp
+    start_rows = [k for k in range(len(batches)) if k not in stand_in] if need_start else []
+    start = dict(zip(start_rows, backend.each(lambda k: backend.logprobs(batches[k]), start_rows), strict=True))
     recorded = [[(row, encoded[i].prompt_len, encoded[i].behaviour_logprobs or [])
                  for row, i in enumerate(g) if encoded[i].behaviour_logprobs] for g in groups]
     shifted = [k for k, rows in enumerate(recorded) if rows] if backend.precision != "fp32" else []
@@ -212,16 +239,19 @@ def _fixed_logprobs(
     if shifted:
         with backend.full_precision():
             full = dict(zip(shifted, backend.each(lambda k: backend.logprobs(batches[k]), shifted), strict=True))
-    beh = [backend.with_recorded(lp, rows, lp - full[k] if k in full else None)
-           for k, (lp, rows) in enumerate(zip(start, recorded, strict=True))]
+    beh: list[Tensor | FromStep] = []
+    for k, rows in enumerate(recorded):
+        if k in stand_in:
+            beh.append(FromStep(rows, full.get(k), reference=fresh))
+            continue
+        lp = start[k] if need_start else ref[k]
+        beh.append(backend.with_recorded(lp, rows, lp - full[k] if k in full else None))
     return ref, extras, beh, start if need_start else None
 
 
-def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor], new: list[Tensor] | None = None) -> float:
-    """The active model's mean k3 KL to ``ref`` per response token; ``new``: its log-probs per
-    micro-batch where a pass already has them (None: a forward each)."""
-    sums = backend.each(lambda k: backend.kl_sum(batches[k], ref[k], None if new is None else new[k]),
-                        range(len(batches)))
+def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:
+    """The active model's mean k3 KL to ``ref`` per response token (a forward per micro-batch)."""
+    sums = backend.each(lambda k: backend.kl_sum(batches[k], ref[k]), range(len(batches)))
     return sum(kl for kl, _ in sums) / max(sum(n for _, n in sums), 1)
 
 

@@ -51,7 +51,7 @@ from ..objective import (
 )
 from ..presets import TrainConfig
 from . import decoding, feature_memo, grouped_attention
-from .backend import RefExtras, StepStats, TokenSums, TopRow
+from .backend import FromStep, RefExtras, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
 from .parallel import MicroBatchPool, auto_workers
@@ -280,6 +280,10 @@ class Trainer(TrainerInterface):
     def resolved_precision(self, precision: str) -> str:
         """What a session opened with ``precision`` computes in, on this trainer's device and model."""
         return effective(precision, self.device, self._width)
+
+    @property
+    def step_stands_in(self) -> bool:
+        return True
 
     @property
     def rows_seeded(self) -> bool:
@@ -585,13 +589,21 @@ class Trainer(TrainerInterface):
     def accumulate(
         self,
         batch: dict[str, Tensor],
-        beh: Tensor,
-        ref: Tensor,
+        beh: Tensor | FromStep,
+        ref: Tensor | None,
         advantages: Tensor,
         share: float,
         extras: RefExtras | None = None,
     ) -> StepStats:
         logits, lse, logp = self._logits_and_logprobs(batch)
+        fixed = None
+        if isinstance(beh, FromStep):
+            own = logp.detach()
+            ref = own if beh.reference else ref
+            beh = self.with_recorded(own, beh.recorded, None if beh.full is None else own - beh.full)
+            fixed = (beh, ref)
+        if ref is None:
+            raise ValueError("accumulate needs the reference log-probs, or a FromStep beh that gives them")
         anchor = excess = distill = None
         if extras is not None and extras.top is not None:
             top_ids, top_ref = extras.top
@@ -617,6 +629,7 @@ class Trainer(TrainerInterface):
             anchor_kl=out.anchor_kl,
             entropy_excess=None if excess is None else float(excess.detach()),
             hindsight_kl=None if distill is None else float(distill.detach()),
+            fixed=fixed,
         )
 
     def accumulate_unlikelihood(
