@@ -26,7 +26,8 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class StepStats:
-    """One micro-batch's contribution to an optimizer step, as plain numbers."""
+    """One micro-batch's contribution to an optimizer step, as plain numbers (and, where a FromStep
+    behaviour asked for them, the fixed log-probs its pass gave)."""
 
     loss: float  # the micro-batch's loss (a mean over its sequences)
     mean_kl: float  # mean k3 KL to the reference per response token
