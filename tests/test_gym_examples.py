@@ -82,3 +82,14 @@ def test_the_guessing_example_plays_trains_gates_and_serves_from_its_command_lin
     with store.session() as s:
         actors = {c.owner for c in s.query(CaptureRow).filter(CaptureRow.source == "gym")}
     assert actors == {"GuessNumber-v0"}
+
+
+@pytest.mark.parametrize("example", [blackjack, guess], ids=["blackjack", "guess"])
+def test_an_unknown_model_is_a_one_line_error_and_makes_no_data_dir(example, tmp_path, capsys):
+    home = tmp_path / "home"
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--model", str(tmp_path / "no-such-model"), "--home", str(home)])
+    assert exit_.value.code != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: model path ") and "Traceback" not in err
+    assert not home.exists()

@@ -202,6 +202,7 @@ class Agent:
         # the thread that plays, which cannot install a handler unless it is the main one, and a kill
         # must still reach the server's release.
         exit_on_stop_signals_by_default()
+        ref = resolve_model(model)  # an unknown model is refused before a data dir is made
         self.home = Path(home) if home is not None else _fresh_home(type(self).__name__)
         self.cfg = _config(self.home, model, settings)
         self.slug = model_slug(self.cfg.model)
@@ -212,7 +213,7 @@ class Agent:
 
         from rlfleet.shared.responder import LocalResponder  # imports torch: after the cheap checks
 
-        self.responder = LocalResponder(resolve_model(self.cfg.model), self.registry.dir,
+        self.responder = LocalResponder(ref, self.registry.dir,
                                         device=pick_device(self.cfg.train.device), max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_p=top_p, engine=engine)
         self._episode = self._new_episode()

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlfleet.shared.errors import RlfleetError
+
 from ..agent import Agent
 from ..heldout import ReturnsVerdict, judge_returns
 
@@ -66,6 +68,15 @@ def main(prog: str, doc: str | None, agent_class: type[Agent], make_env: Callabl
     if args.episodes < 1 or args.per_update < 1 or args.heldout == 1 or args.heldout < 0:
         sys.exit("error: --episodes and --per-update must be at least 1, --heldout 0 (off) or at least 2 (the "
                  "gate measures noise between held-out episodes)")
+    try:
+        return _main(args, agent_class, make_env, **agent_kwargs)
+    except RlfleetError as exc:  # an unknown model, a bad setting, a misused agent: said in a line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+def _main(args: argparse.Namespace, agent_class: type[Agent], make_env: Callable[[], Any],
+          **agent_kwargs: Any) -> list[float]:
     gate = {"heldout_env": make_env, "heldout_episodes": args.heldout} if args.heldout else {}
     agent = agent_class(model=args.model, home=args.home, episodes_per_update=args.per_update,
                         background=args.background, device=args.device, **gate, **agent_kwargs)
