@@ -16,8 +16,10 @@ minutes for a real user); later runs are what every run after it costs.
 
 `--history N` starts the user further along: N earlier ratings, already trained on by a served
 version (a fresh LoRA: what it answers does not matter to the timing), which every run's reward model
-reads (up to 256 of them) beside its own; `--between S` waits S seconds after each run before the next
-run's last rating (a user's next ratings take minutes; the worker's idle work fills them).
+reads (up to 256 of them) beside its own. `--first-after S` and `--between S` set the time a user's
+ratings take: the first run's last rating comes S seconds after the workers start, a later run's S
+seconds after the run before it ended (default 60 each: a user's ratings take minutes, and the worker's
+idle work fills them; 0 is the worst case, every rating at once, which no user rates at).
 
     python -m bench.time_to_adapter [--threshold 32] [--runs 2] [--history 256] [--between 60] [--json]
 """
@@ -82,8 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--history", type=int, default=0,
                     help="earlier ratings a served version already trained on, as after a few runs "
                          "(default 0: a new user)")
-    ap.add_argument("--between", type=float, default=0.0,
-                    help="seconds between a run's end and the next run's last rating (default 0)")
+    ap.add_argument("--between", type=float, default=60.0,
+                    help="seconds between a run's end and the next run's last rating: a user's next "
+                         "ratings take minutes too (default 60; 0: at once)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                     help="a training setting for the runs, as in config.toml's [train] (e.g. "
                          "micro_batch_tokens=1024; repeatable): to compare settings run by run")

@@ -89,6 +89,8 @@ class TrainConfig:
 # neg_fade) take most of a run's push off the many 👎s, and AdamW normalises the step, so at the
 # rate measured without them a run moved the model a fraction as far and learned less; twice the
 # rate gives it back with the fluency kept (bench/RESULTS.md, "class weights and a fading 👎").
+# steps: half as many, at this rate or twice it, learned less and left the served versions repeating
+# themselves more (bench/RESULTS.md, "fewer optimizer steps a run"): the last steps clean up the loops.
 # careful and aggressive keep their ratio to balanced.
 _PRESETS: dict[str, TrainConfig] = {
     "careful": TrainConfig(lr=2.4e-4, steps=6, rank=16, alpha=16, beta=0.08, seq_band=(0.9, 1.1), pos_weight=1.0),
