@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "micro_batch_tokens=1024; repeatable): to compare settings run by run")
     output_options(ap)
     args = ap.parse_args(argv)
-    if args.history < 0 or args.between < 0:
-        ap.error("--history and --between take a number of 0 or more")
+    if min(args.history, args.first_after, args.between) < 0:
+        ap.error("--history, --first-after and --between take a number of 0 or more")
     from pydantic import ValidationError
 
     from rlfleet.shared.config import TrainSettings

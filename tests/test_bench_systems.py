@@ -184,11 +184,11 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
     assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
 
 
-@pytest.mark.parametrize("args", [["--history", "-5"], ["--between", "-1"]])
+@pytest.mark.parametrize("args", [["--history", "-5"], ["--between", "-1"], ["--first-after", "-0.5"]])
 def test_time_to_adapter_refuses_a_negative_history_or_gap_before_starting_anything(args, capsys):
     with pytest.raises(SystemExit):
         time_to_adapter.main([*args, "--no-record"])
-    assert "--history and --between" in capsys.readouterr().err
+    assert "--history, --first-after and --between take a number of 0 or more" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("setting", ["steps", "steps=0", "no_such_key=1"])
