@@ -11,8 +11,8 @@ names the new version (or the run ends without one: then the verdict says why). 
 from the training worker's progress record in Redis (polled every 0.1 s).
 
 Run 1 is the first run of a freshly started training worker (it loads the model as it starts,
-`train.preload`, so the load overlaps the time the ratings take to arrive: a few seconds here,
-minutes for a real user); later runs are what every run after it costs.
+`train.preload`, so the load overlaps the time the ratings take to arrive: a minute here by
+default, minutes for a real user); later runs are what every run after it costs.
 
 `--history N` starts the user further along: N earlier ratings, already trained on by a served
 version (a fresh LoRA: what it answers does not matter to the timing), which every run's reward model
