@@ -26,6 +26,7 @@ idle work fills them; 0 is the worst case, every rating at once, which no user r
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -92,8 +93,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "micro_batch_tokens=1024; repeatable): to compare settings run by run")
     output_options(ap)
     args = ap.parse_args(argv)
-    if min(args.history, args.first_after, args.between) < 0:
+    if args.runs < 1 or args.threshold < 1:
+        ap.error("--runs and --threshold take a number of 1 or more")
+    if not all(0 <= x < math.inf for x in (args.history, args.first_after, args.between)):
         ap.error("--history, --first-after and --between take a number of 0 or more")
+    if not 0 < args.timeout < math.inf:
+        ap.error("--timeout takes a number of seconds above 0")
     from pydantic import ValidationError
 
     from rlfleet.shared.config import TrainSettings

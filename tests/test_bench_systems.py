@@ -184,11 +184,24 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
     assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
 
 
-@pytest.mark.parametrize("args", [["--history", "-5"], ["--between", "-1"], ["--first-after", "-0.5"]])
+@pytest.mark.parametrize("args", [["--history", "-5"], ["--between", "-1"], ["--first-after", "-0.5"],
+                                  ["--between", "nan"], ["--first-after", "inf"]])
 def test_time_to_adapter_refuses_a_negative_history_or_gap_before_starting_anything(args, capsys):
     with pytest.raises(SystemExit):
         time_to_adapter.main([*args, "--no-record"])
     assert "--history, --first-after and --between take a number of 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--runs", "0"], "--runs and --threshold take a number of 1 or more"),
+    (["--threshold", "0"], "--runs and --threshold take a number of 1 or more"),
+    (["--timeout", "0"], "--timeout takes a number of seconds above 0"),
+    (["--timeout", "nan"], "--timeout takes a number of seconds above 0"),
+])
+def test_time_to_adapter_refuses_no_runs_threshold_or_time_before_starting_anything(args, said, capsys):
+    with pytest.raises(SystemExit):
+        time_to_adapter.main([*args, "--no-record"])
+    assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("setting", ["steps", "steps=0", "no_such_key=1"])
