@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import scopes
+from .compute_threads import on_compute_thread_async
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
 from .webserver import listening, until_cancelled
 
@@ -196,8 +198,8 @@ async def _stream(request: web.Request, req: ChatRequest, answer_with, model_nam
             gone = True
 
     await send(chunks.delta({"role": "assistant", "content": ""}))
-    task = asyncio.ensure_future(asyncio.to_thread(
-        answer_with, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)))
+    task = asyncio.ensure_future(on_compute_thread_async(functools.partial(
+        answer_with, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text))))
     task.add_done_callback(lambda _t: pieces.put_nowait(None))
     while (piece := await pieces.get()) is not None:
         await send(chunks.delta({"content": piece}))
@@ -271,13 +273,13 @@ class Batcher:
         try:
             async with self.lock:
                 if len(group) == 1:
-                    answers = [await asyncio.to_thread(self.responder.answer, first.messages, first.seed,
-                                                       first.max_new_tokens, first.temperature, first.top_p,
-                                                       scope=first.scope)]
+                    answers = [await on_compute_thread_async(functools.partial(
+                        self.responder.answer, first.messages, first.seed, first.max_new_tokens,
+                        first.temperature, first.top_p, scope=first.scope))]
                 else:
-                    answers = await asyncio.to_thread(self.responder.answer_many, [j.messages for j in group],
-                                                      first.seed, first.max_new_tokens, first.temperature,
-                                                      first.top_p, scope=first.scope)
+                    answers = await on_compute_thread_async(functools.partial(
+                        self.responder.answer_many, [j.messages for j in group], first.seed,
+                        first.max_new_tokens, first.temperature, first.top_p, scope=first.scope))
         except Exception as exc:
             for job in group:
                 if not job.done.done():

@@ -185,6 +185,13 @@ def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_h
         assert warm_features(slug, lambda: False) == 0  # no earlier ratings yet: nothing to do
         trainer = get_trainer(cfg)
         feature_memo.forget(trainer)
+        # Which threads the runs and the idle passes compute on (rlfleet.shared.compute_threads).
+        computed_on: list[tuple[str, str]] = []
+        run, warm = trainer.run, idle_work.warm_features
+        monkeypatch.setattr(trainer, "run", lambda *a, **k: computed_on.append(
+            ("run", threading.current_thread().name)) or run(*a, **k))
+        monkeypatch.setattr(idle_work, "warm_features", lambda *a: computed_on.append(
+            ("idle", threading.current_thread().name)) or warm(*a))
         idle = idle_work.start_idle_work(cfg, None)
         assert idle is not None
         try:
@@ -204,6 +211,9 @@ def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_h
         # without a pass of its own over them.
         assert runs["v0002"]["reward_model_known"] == 12
         assert runs["v0002"]["reward_model_auc"] is not None
+        # Both runs and the idle work between them on one thread: not the worker's, not the idle work's.
+        assert [what for what, _ in computed_on].count("run") == 2 and ("idle", "rlfleet-compute") in computed_on
+        assert {name for _, name in computed_on} == {"rlfleet-compute"}, computed_on
         feature_memo.forget(trainer)
 
 

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -171,13 +172,19 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
 
     r = LocalResponder(resolve_model(str(tiny_model_dir)), tmp_path / "adapters", temperature=0, max_new_tokens=8)
     batches: list[int] = []
-    real = r.answer_many
+    threads: set[str] = set()  # where the model computed (rlfleet.shared.compute_threads)
+    real, real_one = r.answer_many, r.answer
 
     def counted(conversations, *args, **kw):
         batches.append(len(conversations))
+        threads.add(threading.current_thread().name)
         return real(conversations, *args, **kw)
 
-    r.answer_many = counted
+    def one(*args, **kw):
+        threads.add(threading.current_thread().name)
+        return real_one(*args, **kw)
+
+    r.answer_many, r.answer = counted, one
     convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(6)]
 
     async def go():
@@ -193,6 +200,8 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
         return same, mixed
 
     same, mixed = asyncio.run(go())
+    assert threads == {"rlfleet-compute"}  # every generate on the one thread, whichever request it served
+    r.answer = real_one
     assert sum(batches[:2]) == 6 and max(batches) == 4  # six waiting, four at most at once
     assert [a.token_ids for a in same] == [r.answer(c).token_ids for c in convs]
     assert len(mixed[0].token_ids) <= 3 and mixed[1].token_ids == same[1].token_ids
