@@ -28,7 +28,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import scopes
-from .compute_threads import on_compute_thread_async
+from .compute_thread import on_compute_thread_async
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
 from .webserver import listening, until_cancelled
 

@@ -185,7 +185,7 @@ def test_a_run_reads_the_features_its_worker_pooled_after_the_run_before(gated_h
         assert warm_features(slug, lambda: False) == 0  # no earlier ratings yet: nothing to do
         trainer = get_trainer(cfg)
         feature_memo.forget(trainer)
-        # Which threads the runs and the idle passes compute on (rlfleet.shared.compute_threads).
+        # Which threads the runs and the idle passes compute on (rlfleet.shared.compute_thread).
         computed_on: list[tuple[str, str]] = []
         run, warm = trainer.run, idle_work.warm_features
         monkeypatch.setattr(trainer, "run", lambda *a, **k: computed_on.append(

@@ -172,7 +172,7 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
 
     r = LocalResponder(resolve_model(str(tiny_model_dir)), tmp_path / "adapters", temperature=0, max_new_tokens=8)
     batches: list[int] = []
-    threads: set[str] = set()  # where the model computed (rlfleet.shared.compute_threads)
+    threads: set[str] = set()  # where the model computed (rlfleet.shared.compute_thread)
     real, real_one = r.answer_many, r.answer
 
     def counted(conversations, *args, **kw):

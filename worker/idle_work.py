@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlfleet.shared import scopes
-from rlfleet.shared.compute_threads import on_compute_thread
+from rlfleet.shared.compute_thread import on_compute_thread
 from rlfleet.shared.config import Config
 
 from .batching import ended_as_recorded
@@ -140,7 +140,7 @@ class IdleWorker:
             try:
                 with LEASE.idle() as mine:
                     # On the thread the runs compute on: one of its own would keep an OpenMP team of
-                    # its own, and every run's draws would slow (rlfleet.shared.compute_threads).
+                    # its own, and every run's draws would slow (rlfleet.shared.compute_thread).
                     done = on_compute_thread(functools.partial(self._work, slug, self._stop_now)) if mine else 0
             except Exception as exc:  # the next run computes what this did not; say why, work on
                 log.warning("idle work on %s stopped: %s: %s", slug, type(exc).__name__, exc)

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from rlfleet.shared.compute_threads import on_compute_thread
+from rlfleet.shared.compute_thread import on_compute_thread
 from rlfleet.shared.config import Config
 from rlfleet.shared.errors import RlfleetError
 from rlfleet.shared.job_result import JobResult
@@ -235,7 +235,7 @@ def train_candidate(ctx: Context, run_id: int, inputs: RunInputs, parent: str | 
                     board: ProgressBoard) -> Candidate:
     """Train, evaluate and commit the next version (a failure leaves no folder behind)."""
     with LEASE.run():  # the trainer is the run's: the worker's idle work lets go of it (idle_work.py)
-        # On the thread the idle work computes on too (rlfleet.shared.compute_threads).
+        # On the thread the idle work computes on too (rlfleet.shared.compute_thread).
         return on_compute_thread(lambda: _train_candidate(ctx, run_id, inputs, parent, gcfg, board))
 
 

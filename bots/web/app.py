@@ -22,7 +22,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlfleet.shared.compute_threads import on_compute_thread_async
+from rlfleet.shared.compute_thread import on_compute_thread_async
 from rlfleet.shared.config import Config
 from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_ID_CHARS, MAX_TEXT_CHARS, describe_validation_error
 from rlfleet.shared.ingress.grammar import thumb_of
@@ -285,7 +285,7 @@ def build_app(state: WebApp) -> web.Application:
         async def line(obj: dict) -> None:
             await response.write((json.dumps(obj) + "\n").encode())
 
-        job = asyncio.create_task(on_compute_thread_async(generate))  # (rlfleet.shared.compute_threads)
+        job = asyncio.create_task(on_compute_thread_async(generate))  # (rlfleet.shared.compute_thread)
         while (piece := await pieces.get()) is not None:
             await line({"type": "text", "text": piece})
         try:

@@ -6,10 +6,9 @@ team of threads for every thread that has started a parallel region, for as long
 lives, and once the teams' threads together outnumber the cores it stops spinning at its barriers
 and sleeps in the kernel instead. llama.cpp meets a barrier at every node of its graph, so a token
 step then costs several times as much: in the training worker, a run's thread and the thread of the
-idle work (each with its team) made every draw of the runs' (the loop checks', the gate's) about
-three times slower on a 2-core CPU (bench/RESULTS.md, "one thread for the compute"). So the threads
-that take turns with the model hand their work to one thread (:func:`on_compute_thread`), and a
-single team serves them all.
+idle work (each with its team) slowed every draw of the runs' (the loop checks', the gate's) on a
+2-core CPU (bench/RESULTS.md, "one thread for the compute"). So the threads that take turns with the
+model hand their work to one thread (:func:`on_compute_thread`), and a single team serves them all.
 
 What ``fn`` sees on that thread: torch's thread-local state at its defaults (gradients enabled, no
 autocast), set by ``fn`` for itself; what it raises comes back to the caller. A caller whose wait is

@@ -1,4 +1,4 @@
-"""The process's one compute thread (shared/compute_threads.py): whichever thread asks, the work runs
+"""The process's one compute thread (shared/compute_thread.py): whichever thread asks, the work runs
 there, in order, and what it returns or raises comes back to the caller."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlfleet.shared.compute_threads import ComputeThread
+from rlfleet.shared.compute_thread import ComputeThread
 
 
 def test_work_from_any_thread_runs_on_one_thread_of_its_own_in_order():
