@@ -42,13 +42,15 @@ def adapter_weights(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-def test_auto_runs_two_at_once_on_a_cpu_with_two_threads_and_the_memory_and_one_on_a_gpu():
+def test_auto_runs_two_at_once_on_a_bf16_cpu_with_two_threads_and_the_memory_and_one_elsewhere():
     gib = 2**30
-    assert auto_workers("cpu", 2, 8 * gib, gib // 2) == 2 and auto_workers("cpu", 16, 64 * gib, 8 * gib) == 2
-    assert auto_workers("cpu", 1, 8 * gib, gib // 2) == 1  # one thread: nothing to share out
-    assert auto_workers("cuda", 16, 64 * gib, gib) == 1 and auto_workers("mps", 8, 64 * gib, gib) == 1
-    assert auto_workers("cpu", 2, 3 * gib, gib // 2) == 1  # under 4 GiB available
-    assert auto_workers("cpu", 16, 12 * gib, 8 * gib) == 1  # under twice the model's weights
+    assert auto_workers("cpu", 2, 8 * gib, gib // 2, "bf16") == 2
+    assert auto_workers("cpu", 16, 64 * gib, 8 * gib, "bf16") == 2
+    assert auto_workers("cpu", 1, 8 * gib, gib // 2, "bf16") == 1  # one thread: nothing to share out
+    assert auto_workers("cuda", 16, 64 * gib, gib, "bf16") == 1 and auto_workers("mps", 8, 64 * gib, gib, "bf16") == 1
+    assert auto_workers("cpu", 2, 3 * gib, gib // 2, "bf16") == 1  # under 4 GiB available
+    assert auto_workers("cpu", 16, 12 * gib, 8 * gib, "bf16") == 1  # under twice the model's weights
+    assert auto_workers("cpu", 16, 64 * gib, gib // 2, "fp32") == 1  # fp32: four times the memory for little
     assert TrainSettings().parallel_batches is None
     assert TrainSettings(parallel_batches=3).parallel_batches == 3
     with pytest.raises(ValueError):
@@ -154,3 +156,17 @@ def test_one_worker_or_one_item_runs_in_the_callers_thread():
         assert pool.map(lambda _: torch.is_grad_enabled(), [0, 1]) == [True, True]
     finally:
         pool.close()
+
+
+def test_a_session_left_to_itself_runs_two_micro_batches_at_once_in_bf16_only(trainer, monkeypatch):
+    from rlfleet.worker.training import torch_backend
+
+    monkeypatch.setattr(torch_backend, "spare_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    trainer.parallel_batches(None)
+    with trainer.adapter(None, CFG, trainable=True, precision="fp32"):
+        assert trainer._pool.workers == 1
+    if trainer.resolved_precision("bf16") != "bf16":
+        pytest.skip("this CPU trains in fp32 whatever the setting")
+    with trainer.adapter(None, CFG, trainable=True, precision="bf16"):
+        assert trainer._pool.workers == 2

@@ -33,12 +33,14 @@ R = TypeVar("R")
 MIN_SPARE_BYTES = 4 * 2**30
 
 
-def auto_workers(device: str, threads: int, spare_bytes: int, model_bytes: int) -> int:
-    """Micro-batches at once where the setting is left to the trainer: two on a CPU with two threads or
-    more for torch and the memory to spare (at least 4 GiB available, and twice the model's weights),
-    one elsewhere (a GPU runs one stream)."""
+def auto_workers(device: str, threads: int, spare_bytes: int, model_bytes: int, precision: str) -> int:
+    """Micro-batches at once where the setting is left to the trainer: two on a CPU training in bf16
+    with two threads or more for torch and the memory to spare (at least 4 GiB available, and twice
+    the model's weights), one elsewhere. A GPU runs one stream; in fp32 two micro-batches at once held
+    about four times a lone one's memory above the model and gained a few percent at most
+    (bench/RESULTS.md, "micro-batches side by side in fp32"), where bf16 held twice and gained a fifth."""
     roomy = spare_bytes >= max(MIN_SPARE_BYTES, 2 * model_bytes)
-    return 2 if device == "cpu" and threads >= 2 and roomy else 1
+    return 2 if device == "cpu" and precision == "bf16" and threads >= 2 and roomy else 1
 
 
 class MicroBatchPool:

@@ -210,11 +210,11 @@ class Trainer(TrainerInterface):
             model.eval()
             self._model, self._lora = model, tuner_layers(model)
             spare = spare_memory()  # one reading for both of the session's memory decisions below
+            self._bf16 = self.resolved_precision(precision) == "bf16"
             # Decided once a session, so that a run's passes all split their micro-batches alike.
             self._pool.resize(self._parallel or auto_workers(
                 self.device.split(":")[0], torch.get_num_threads(), spare,
-                sum(p.numel() * p.element_size() for p in self.base.parameters())))
-            self._bf16 = self.resolved_precision(precision) == "bf16"
+                sum(p.numel() * p.element_size() for p in self.base.parameters()), self.precision))
             if self._bf16 and self.device == "cpu":  # (on a GPU the casts cost little, memory more)
                 self._frozen = FrozenWeights.of(self._lora, spare // 4)
                 self._frozen.hold(half=True)
