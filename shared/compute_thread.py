@@ -11,7 +11,9 @@ idle work (each with its team) slowed every draw of the runs' (the loop checks',
 model hand their work to one thread (:func:`on_compute_thread`), and a single team serves them all.
 
 What ``fn`` sees on that thread: torch's thread-local state at its defaults (gradients enabled, no
-autocast), set by ``fn`` for itself; what it raises comes back to the caller. A caller whose wait is
+autocast), set by ``fn`` for itself, and as many torch threads as the thread that started it had
+(torch gives a new thread the count last set anywhere in the process, and the trainer's micro-batch
+pool sets 1 on its own threads); what it raises comes back to the caller. A caller whose wait is
 interrupted (a stop signal raising in the main thread) stops the work the same way: the exception is
 raised in the compute thread too, so the work unwinds and cleans up as it would have in the caller's
 own thread, before the caller goes on. A process that forks gets a thread of its own in the child.
@@ -24,6 +26,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,15 +74,17 @@ class ComputeThread:
         with self._lock:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._jobs = queue.SimpleQueue()  # (a forked child's copy may hold its parent's)
-                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), name=self.name,
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs, _torch_threads()),
+                                                name=self.name, daemon=True)
                 self._pid = os.getpid()
                 self._thread.start()
             self._jobs.put((fn, future))
             return future, self._thread
 
     @staticmethod
-    def _loop(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]]) -> None:
+    def _loop(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]], torch_threads: int | None) -> None:
+        if torch_threads is not None:
+            sys.modules["torch"].set_num_threads(torch_threads)
         while True:
             fn, future = jobs.get()
             if not future.set_running_or_notify_cancel():
@@ -88,6 +93,12 @@ class ComputeThread:
                 future.set_result(fn())
             except BaseException as exc:  # the caller raises it in its own thread
                 future.set_exception(exc)
+
+
+def _torch_threads() -> int | None:
+    """The calling thread's torch threads, where torch is loaded (None: it is not, and nothing to keep)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else int(torch.get_num_threads())
 
 
 def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:

@@ -92,3 +92,23 @@ def test_a_caller_stopped_while_it_waits_stops_the_work_which_cleans_up_first():
         signal.signal(signal.SIGALRM, before)
     assert events == ["cleaned up"]  # unwound before the caller went on, not finished
     assert compute.run(lambda: 7) == 7  # the thread works on
+
+
+def test_the_compute_thread_has_the_torch_threads_of_the_thread_that_started_it():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # The trainer's micro-batch pool gives its threads 1; torch then gives 1 to every thread made later.
+        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            pool.submit(int).result()
+        later: list[int] = []
+        plain = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        plain.start()
+        plain.join()
+        assert later == [1]  # (what a thread of its own would compute with)
+        compute = ComputeThread("test-compute")
+        assert compute.run(torch.get_num_threads) == torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
