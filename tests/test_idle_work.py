@@ -78,19 +78,24 @@ def test_log_probs_a_feature_pass_kept_are_read_by_a_later_session_of_the_same_m
             assert torch.allclose(got[mask], want[mask], atol=1e-5) and bool(got[mask].ne(0).all())
     with tiny_trainer.adapter(tmp_path / "v1", None, precision="fp32"):  # another model: nothing of the base's
         assert all(tiny_trainer._recall(b) is None for b in batches)
-    # bf16: a row's values depend on its batch. A fresh LoRA's session keeps none (its base is the
-    # behaviour too); one continuing an adapter keeps the base's alone, its KL anchor.
+    # bf16: a row's values depend on its batch, so only the base's are kept. A fresh LoRA's session
+    # keeps them and reads them (the micro-batches its first step trains take theirs from that step's
+    # own pass, never from here); one continuing an adapter reads them as its KL anchor.
     base = feature_memo.memo_for(tiny_trainer, None, "bf16")
     with tiny_trainer.adapter(None, LEARN, trainable=True, precision="bf16"):
+        base_bf16 = [tiny_trainer._logprobs(b) for b in batches]  # in the run's own batches
+        assert all(tiny_trainer._recall(b) is None for b in batches)
         assert reward_features.remember(tiny_trainer, samples, 96, base.pooled) == 6  # the base served
-        assert tiny_trainer._known() is None and base.logprobs == {}
-        with tiny_trainer.reference():
-            assert tiny_trainer._known() is None
-        base_bf16 = [tiny_trainer.logprobs(b) for b in batches]
+        assert tiny_trainer._known() is base.logprobs and len(base.logprobs) == 6
+        for batch, want in zip(batches, base_bf16, strict=True):
+            got = tiny_trainer.logprobs(batch)  # read from the feature pass's batches: rounding apart
+            mask = batch["response_mask"]
+            assert tiny_trainer._recall(batch) is not None and torch.allclose(got[mask], want[mask], atol=0.05)
+    base.logprobs.clear()
     with tiny_trainer.adapter(tmp_path / "v1", None, precision="bf16"):  # the idle work under v1, in bf16
-        assert tiny_trainer._known() is None
+        assert tiny_trainer._known() is None  # v1's own: never kept in bf16
         with tiny_trainer.reference():
-            # The features are there from the session above; the log-probs were not kept: run again.
+            # The features are there from the session above; the log-probs are not: run again.
             assert reward_features.remember(tiny_trainer, samples, 96, base.pooled) == 0
             assert reward_features.remember(tiny_trainer, samples, 96, base.pooled, logprobs=base.logprobs) == 6
             assert reward_features.remember(tiny_trainer, samples, 96, base.pooled, logprobs=base.logprobs) == 0

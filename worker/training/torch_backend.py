@@ -111,7 +111,6 @@ class Trainer(TrainerInterface):
         # the feature passes keep each row's response log-probs there beside the hidden states
         # (:meth:`_remember`), and :meth:`logprobs` reads them, in this session or a later one.
         self._identities: dict[Path | None, feature_memo.Identity] = {}
-        self._continues = False  # the open session continues a saved adapter (not a fresh LoRA)
         # torch's draws run in bf16 wherever it is native, whatever the sessions train in: a draw is
         # read for its tokens, whose behaviour log-probs a run computes itself.
         self._draw_bf16 = effective("auto", device, self._width) == "bf16"
@@ -220,13 +219,12 @@ class Trainer(TrainerInterface):
                 self._frozen.hold(half=True)
             # A fresh LoRA (B = 0) is the base until its first step.
             self._weights = Path(adapter_dir) if adapter_dir is not None else None
-            self._continues = adapter_dir is not None
             yield model
         finally:
             self._frozen.hold(half=False)  # the base's own fp32 weights back before anything else
             self._frozen = FrozenWeights()
             self._model, self._lora, self._bf16, self._opt, self._params = None, [], False, None, []
-            self._weights, self._identities, self._continues = None, {}, False
+            self._weights, self._identities = None, {}
             self._pool.resize(1)  # outside a session a pass runs in the caller's thread
             model.unload()  # removes the LoRA layers without merging them: the base is untouched
             self.base.eval()
@@ -495,15 +493,18 @@ class Trainer(TrainerInterface):
         Not weights that an update has moved, and not a teacher. In a bf16 session a row's values depend
         on the batch it was computed in, and the run's ratios start at exactly 1 only when the behaviour
         pass and the policy's first pass share their batches (:mod:`.precision`): there only the base's
-        are remembered, in a session that continues a saved adapter, where the base is the KL anchor
-        alone (the behaviour is the run-start pass, run in the run's own batches) and another batch's
-        rounding moves the anchor by a rounding error; in a fresh LoRA's session the base is the
-        behaviour too. ``create`` off: None where nothing is remembered yet."""
+        are remembered. In a session that continues a saved adapter the base is the KL anchor alone (the
+        behaviour is the run-start pass, run in the run's own batches), and another batch's rounding
+        moves the anchor by a rounding error. In a fresh LoRA's session the base is the behaviour too,
+        but the micro-batches the first step trains take both from that step's own pass
+        (:class:`.backend.FromStep`, never from here), and the others first train after an update has
+        moved the policy, their ratios already off 1 by far more than a rounding error. ``create`` off:
+        None where nothing is remembered yet."""
         weights = self._weights
         if self._model is None or self._override is not None or not (
                 weights is None or isinstance(weights, Path)):  # (LIVE: moved by an update)
             return None
-        if self._bf16 and not (weights is None and self._continues):
+        if self._bf16 and weights is not None:
             return None
         if weights not in self._identities:
             self._identities[weights] = feature_memo.identity(weights, self.precision)
