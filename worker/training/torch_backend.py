@@ -531,7 +531,10 @@ class Trainer(TrainerInterface):
                 continue
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
-            logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
+            # The head in the weights' own precision, as _response_logits runs it: the feature passes
+            # call this inside autocast, which would round the logits to bf16 (tenths of a nat a token).
+            with torch.autocast(self.device.split(":")[0], enabled=False):
+                logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
             lp = token.tolist()
