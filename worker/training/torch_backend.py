@@ -532,7 +532,7 @@ class Trainer(TrainerInterface):
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
             # The head in the weights' own precision, as _response_logits runs it: the feature passes
-            # call this inside autocast, which would round the logits to bf16 (tenths of a nat a token).
+            # call this inside autocast, which would round the logits to bf16 (up to a tenth of a nat a token).
             with torch.autocast(self.device.split(":")[0], enabled=False):
                 logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
