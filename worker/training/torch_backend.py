@@ -418,8 +418,8 @@ class Trainer(TrainerInterface):
         rows, cols = pred_mask.nonzero(as_tuple=True)
         ran = rows if run is None else batch["row_host"][rows]
         states = (out.last_hidden_state if split else out.logits)[ran, cols]
-        if split and head is not None:  # outside autocast: the log-softmax needs fp32 logits
-            logits = head(states.to(head.weight.dtype)).float()
+        if split and head is not None:
+            logits = _head_logits(head, states)
         else:
             logits = states.float()
         return logits, targets
@@ -531,10 +531,8 @@ class Trainer(TrainerInterface):
                 continue
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
-            # The head in the weights' own precision, as _response_logits runs it: the feature passes
-            # call this inside autocast, which would round the logits to bf16 (up to a tenth of a nat a token).
-            with torch.autocast(self.device.split(":")[0], enabled=False):
-                logits = head(hidden[r, start - 1:n].to(head.weight.dtype)).float()
+            # (The feature passes call this inside their autocast: the head's logits are fp32 all the same.)
+            logits = _head_logits(head, hidden[r, start - 1:n])
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
             lp = token.tolist()
@@ -861,6 +859,14 @@ def _plain_head(lm: Any) -> torch.nn.Linear | None:
             getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
         return None
     return head
+
+
+def _head_logits(head: torch.nn.Linear, states: Tensor) -> Tensor:
+    """``head``'s fp32 logits over ``states``, in the head's own precision whatever autocast the caller
+    is in: every log-prob, ratio and KL a run reads comes from them, and the log-softmax needs them
+    unrounded (a bf16 product would move each token's log-prob by its logits' rounding)."""
+    with torch.autocast(states.device.type, enabled=False):
+        return head(states.to(head.weight.dtype)).float()
 
 
 def _lm_and_body(model: Any) -> tuple[Any, Any]:
