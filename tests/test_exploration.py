@@ -358,41 +358,43 @@ def test_explored_minibatches_train_each_explored_answer_in_its_share_of_the_ste
     assert np.isfinite(split["final_mean_kl"]) and 0 < split["accepted_seq_frac"] <= 1
 
 
-def test_a_run_continuing_a_parent_measures_its_start_over_every_sample_whatever_its_minibatches(
+def test_a_runs_kl_check_reads_the_rated_answers_at_its_start_and_its_end_whatever_its_minibatches(
         tiny_trainer, tmp_path, monkeypatch):
     from rlfleet.worker.training import loop
     from rlfleet.worker.training.loop import RunRequest, run_training
     from rlfleet.worker.training.policy_gradient import PolicyGradient
+    from rlfleet.worker.training.scoring import saved_adapter_kl
 
     samples = preference_samples()[:8]
     _run(tiny_trainer, samples, replace(LEARN, steps=2, explore=0), tmp_path / "parent")
-    starts: list[float] = []
+    checks: list[tuple[float, float]] = []
     real_check = loop.run_check
 
     def spy(loss, start_kl, final_kl, max_run_kl):
-        starts.append(start_kl)
+        checks.append((start_kl, final_kl))
         return real_check(loss, start_kl, final_kl, max_run_kl)
 
     monkeypatch.setattr(loop, "run_check", spy)
-    kl_passes: list[bool] = []  # per kl_sum call: did it run the model (no log-probs handed to it)?
+    measured: list[int] = []  # response tokens of each micro-batch the model ran over for a KL
     real_kl = tiny_trainer.kl_sum
     monkeypatch.setattr(tiny_trainer, "kl_sum",
-                        lambda batch, ref, new=None: kl_passes.append(new is None) or real_kl(batch, ref, new))
+                        lambda batch, ref: measured.append(int(batch["response_mask"].sum())) or real_kl(batch, ref))
     cfg = replace(LEARN, steps=2, unlikelihood=0.0, explore=2, explore_prompts=3, explore_max_new_tokens=8,
                   explore_cuts=0)
     for n in (1, 3):
-        run_training(tiny_trainer, PolicyGradient(), RunRequest(
+        result = run_training(tiny_trainer, PolicyGradient(), RunRequest(
             samples, None, replace(cfg, explore_minibatches=n), tmp_path / "parent", tmp_path / f"mb{n}"))
-        if n == 1:
-            final_only, kl_passes = kl_passes, []
-    assert starts[0] > 0  # the parent has moved from the base
-    assert starts[1] == pytest.approx(starts[0], rel=1e-4)  # the first step trained one prompt's answers of 3
-    # The start is read from passes the run makes anyway: the run-start pass the behaviour log-probs
-    # needed, and on the micro-batches the first step trains, that step's own (no kl_sum call for
-    # them). Only the final KL runs the model, over every micro-batch.
-    assert final_only and all(final_only)
-    start, final = kl_passes.count(False), kl_passes.count(True)
-    assert kl_passes == [False] * start + [True] * final and 0 < start < final
+        assert result.metrics["explored"] == 6
+        # The end: the saved adapter's KL on the 8 rated answers alone, one pass over their tokens only.
+        rated_tokens = sum(len(tiny_trainer.tokenizer(s.response)["input_ids"]) for s in samples)
+        assert sum(measured) <= rated_tokens + len(samples)  # (their end tokens), not the explored ones
+        measured.clear()
+        assert checks[-1][1] == pytest.approx(saved_adapter_kl(tiny_trainer, samples, tmp_path / f"mb{n}", 1024),
+                                              rel=1e-4, abs=1e-6)
+    (start_1, _), (start_3, _) = checks
+    assert start_1 > 0  # the parent has moved from the base
+    # The start is the first step's own pass on the ratings, whatever explored minibatch trains beside them.
+    assert start_3 == pytest.approx(start_1, rel=1e-4)
 
 
 def test_explore_off_or_a_one_class_run_samples_nothing_and_says_why(tiny_trainer, tmp_path, monkeypatch):

@@ -90,7 +90,7 @@ def test_the_first_step_stands_in_for_its_batches_passes(tiny_trainer, parent, p
     # The same run: its loss, its KL where it starts and where it ends (what the saved adapter gives)
     assert after == pytest.approx(before, rel=1e-4, abs=1e-7)
     if continues:
-        assert after["start_kl"] > 1e-4  # measured at the parent, over every micro-batch
+        assert after["start_kl"] > 1e-4  # measured at the parent, on the ratings' micro-batches
     else:
         assert after["start_kl"] == 0.0
     assert load_file(tmp_path / "a" / ADAPTER_WEIGHTS).keys() == load_file(tmp_path / "b" / ADAPTER_WEIGHTS).keys()

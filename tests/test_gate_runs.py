@@ -18,6 +18,7 @@ from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.worker.gate import GateConfig
 from rlfleet.worker.orchestrate import GateReferences, evaluate_candidate, fall_back
 from rlfleet.worker.samples import TrainSample
+from rlfleet.worker.training.scoring import score_model
 from rlfleet.worker.training.torch_backend import Trainer
 
 TOPICS = ["cats", "dogs", "rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "ships", "moss"]
@@ -66,6 +67,21 @@ def test_gate_compares_with_the_parent_not_the_base(trainer, tmp_path):
     assert v.promote, v
     assert v.metrics["heldout_margin_before"] == pytest.approx(v.metrics["heldout_margin_after"], abs=1e-3)
     assert v.metrics["heldout_margin_before"] > 0.3  # the parent's margin, not the base's ~0
+
+
+def test_the_parent_is_measured_for_its_margin_alone_without_a_pass_of_the_base(trainer, tmp_path, monkeypatch):
+    parent = tmp_path / "parent"
+    trainer.run(pairs(TOPICS), None, LEARN, None, parent)
+    held = pairs(HELD)
+    with_kl = score_model(trainer, [(s.prompt, s.response) for s in held], parent, GateConfig(eval_samples=0), 1024)
+    assert with_kl.kl > 0
+    passes: list[bool] = []  # per score_rows call: did it run the base beside the adapter?
+    real = trainer.score_rows
+    monkeypatch.setattr(trainer, "score_rows", lambda batch, with_kl: passes.append(with_kl) or real(batch, with_kl))
+    refs = GateReferences.measure(trainer, held, parent, GateConfig(eval_samples=0), 1024)
+    assert passes and not any(passes)  # the base's scores, then the parent's, neither with a KL pass
+    assert refs.parent.logprobs == pytest.approx(with_kl.logprobs, abs=1e-6)  # the margin reads these alone
+    assert refs.parent.kl == 0.0
 
 
 def test_a_refused_run_falls_back_to_its_halfway_step_when_that_passes(trainer, tmp_path):

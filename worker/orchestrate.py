@@ -376,9 +376,9 @@ class GateReferences:
         drawn = base_draws(trainer)
         known = held_known(trainer, [p for p, _ in pairs], gcfg, GATE_SEED, drawn)
         base = score_model(trainer, pairs, None, gcfg, max_tokens, drawn=drawn)
-        # The parent is only needed for its margin: no sampling.
+        # The parent is only needed for its margin: no sampling, no KL (a second pass, of the base).
         parent = base if parent_dir is None else score_model(
-            trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens
+            trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens, with_kl=False
         )
         rewards = [s.reward for s in held]
         hints = divergence = None

@@ -175,9 +175,8 @@ class Backend(Protocol):
         """A copy of ``logprobs`` with ``(row, start, values)`` written in at ``[row, start:]``, plus
         ``shift`` at the same positions when given (``[B, L]``, as ``logprobs``)."""
 
-    def kl_sum(self, batch: Batch, ref: Tensor, new: Tensor | None = None) -> tuple[float, float]:
-        """The k3 KL of the active model to ``ref`` summed over response tokens, and their count;
-        ``new``: the active model's log-probs on ``batch`` where a pass already has them (no forward)."""
+    def kl_sum(self, batch: Batch, ref: Tensor) -> tuple[float, float]:
+        """The k3 KL of the active model to ``ref`` summed over response tokens, and their count."""
 
     # -- optimizer -----------------------------------------------------------------------------
 

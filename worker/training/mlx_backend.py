@@ -361,13 +361,12 @@ class MlxTrainer(TrainerInterface):
                 arr[row, start:end] += moved[row, start:end]
         return _mx().array(arr)
 
-    def kl_sum(self, batch: dict, ref: Any, new: Any = None) -> tuple[float, float]:
+    def kl_sum(self, batch: dict, ref: Any) -> tuple[float, float]:
         from ..objective_mlx import k3_kl
 
         mx = _mx()
         mask = batch["response_mask"]
-        if new is None:
-            new = self._logprobs(batch["input_ids"], mask)
+        new = self._logprobs(batch["input_ids"], mask)
         kl = mx.where(mask, k3_kl(new, ref), mx.zeros_like(new)).sum()
         return float(kl), float(mask.sum())
 

@@ -51,7 +51,7 @@ class PolicyGradient:
             part_of += [p] * len(g)
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
         first = step_trains(0, part_of, len(parts))
-        ref, extras, beh, start = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k,
+        ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k,
                                                   cfg.entropy_hinge > 0, first)
         lesson = teach(backend, data.samples, data.encoded, groups, batches, cfg)
         extras = [x if t is None else replace(x or RefExtras(), teacher=t)
@@ -67,16 +67,12 @@ class PolicyGradient:
         token_fracs: list[float] = []
         seq_fracs: list[float] = []
         loss_value = mean_kl = start_kl = float("nan")
-        # The run's check compares the KL to the base where the run ends (over every sample) with where
-        # it starts: a first step that trains one explored minibatch sees only some of the samples, so
-        # a run continuing a parent measures its start over all of them (a fresh adapter starts at the
-        # base: 0 on any of them), from the run-start pass where the behaviour needed one, and on the
-        # micro-batches the first step trains from that step's own pass (FromStep), before its update.
-        measured_start = len(parts) > 2 and data.parent_adapter is not None
-        # (KL sum, response tokens) per micro-batch, as the run starts
-        start_sums = backend.each(
-            lambda k: backend.kl_sum(batches[k], ref[k], None if start is None else start.get(k)),
-            [k for k in range(len(batches)) if not isinstance(beh[k], FromStep)]) if measured_start else []
+        # The run's check compares the KL to the base where the run ends with where it starts, both over
+        # the rated answers (the ratings' micro-batches, which every step trains): the start is the first
+        # step's own pass, before its update, and the end one pass after the last update over those
+        # alone, not over the explored answers too, which are most of a run's tokens.
+        checked = [k for k in first if part_of[k] == 0] or first
+        start_sums: list[tuple[float, int]] = []  # (KL sum, response tokens) per checked micro-batch
         anchor_kls: list[float] = []  # per step: the top-k anchor's mean KL per response token
         excesses: list[float] = []  # per step: the entropy hinge's mean rise over the base's entropy
         distills: list[float] = []  # per step: the hindsight term, a mean over the step's samples
@@ -104,6 +100,7 @@ class PolicyGradient:
             for k, stats in zip(active, step_stats, strict=True):
                 if stats.fixed is not None:  # the first step's pass gave them: they hold from now on
                     beh[k], ref[k] = stats.fixed
+                if step == 0 and k in checked:
                     start_sums.append((stats.mean_kl * stats.n_tokens, stats.n_tokens))
                 step_loss += stats.loss * shares[k]
                 kl_sum += stats.mean_kl * stats.n_tokens
@@ -120,8 +117,7 @@ class PolicyGradient:
             step_response = max(sum(n_response[k] for k in active), 1)
             loss_value, mean_kl = step_loss, kl_sum / step_response
             if step == 0:  # measured before the first update: where the run starts
-                start_kl = (sum(kl for kl, _ in start_sums) / max(sum(n for _, n in start_sums), 1)
-                            if measured_start else mean_kl)
+                start_kl = sum(kl for kl, _ in start_sums) / max(sum(n for _, n in start_sums), 1)
             anchor_kls.append(anchor_sum / step_response)
             excesses.append(excess_sum / step_response)
             distills.append(distill_sum / max(sum(shares[k] for k in active), 1e-12))
@@ -139,7 +135,8 @@ class PolicyGradient:
             accepted_seq_frac=_mean(seq_fracs),
             mean_kl=mean_kl,
             start_kl=start_kl,
-            final_kl=_mean_kl(backend, batches, ref),  # of what is saved: the last step's predates its update
+            # of what is saved (the last step's predates its update), on the micro-batches the start was
+            final_kl=_mean_kl(backend, [batches[k] for k in checked], [ref[k] for k in checked]),
             tokens_seen=seen,
             # The anchor's KL and the entropy's rise over the base's, before the first update and at
             # the last step (before its update).
@@ -189,12 +186,10 @@ def step_trains(step: int, part_of: Sequence[int], n_parts: int) -> list[int]:
 def _fixed_logprobs(
     backend: Backend, data: RunData, groups: list[list[int]], batches: list[Batch], top_k: int = 0,
     entropy: bool = False, first: Sequence[int] = (),
-) -> tuple[list[Tensor | None], list[RefExtras | None], list[Tensor | FromStep], dict[int, Tensor] | None]:
+) -> tuple[list[Tensor | None], list[RefExtras | None], list[Tensor | FromStep]]:
     """Per micro-batch: reference log-probs (adapter off), what the reference pass keeps beside them
     (the base's ``top_k`` likeliest next tokens, with ``entropy`` its next-token entropy; None each
-    without either), behaviour log-probs, and the run-start policy's own log-probs where a pass
-    computed them for a parent adapter (by micro-batch; None: no pass did, a fresh adapter's are the
-    reference's).
+    without either) and behaviour log-probs.
 
     Behaviour = the recorded log-probs where encode_sample kept them (never a replayed sample's: the
     loop sets those aside), the policy at the start of the run elsewhere. A fresh LoRA starts exactly
@@ -246,7 +241,7 @@ def _fixed_logprobs(
             continue
         lp = start[k] if need_start else ref[k]
         beh.append(backend.with_recorded(lp, rows, lp - full[k] if k in full else None))
-    return ref, extras, beh, start if need_start else None
+    return ref, extras, beh
 
 
 def _mean_kl(backend: Backend, batches: list[Batch], ref: list[Tensor]) -> float:

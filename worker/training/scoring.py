@@ -82,18 +82,21 @@ def score_model(
     max_tokens: int = 1024,
     seed: int = GATE_SEED,
     drawn: Draws | None = None,
+    with_kl: bool = True,
 ) -> ModelScores:
     """The gate's measurement of the base, or the base plus ``adapter_dir``, on ``pairs``: per
     answer the token log-prob, entropy and KL-to-base sums, and ``cfg.eval_samples`` sampled
     answers (at the chat's temperature and top-p) of at most ``cfg.eval_new_tokens`` tokens;
     ``drawn``: where the model's answers per prompt are remembered (:func:`draw_held`; None: drawn
-    anew in one batch)."""
+    anew in one batch). ``with_kl`` False: the KL sums are 0 (no pass of the base beside the adapter's,
+    for a model whose margin alone is read)."""
     groups, batches = _batches(backend, pairs, max_tokens)
     n = len(pairs)
     lp_sum, ent_sum, kl_sum, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
     with _serving(backend, adapter_dir):
         for g, batch in zip(groups, batches, strict=True):
-            for i, row in zip(g, backend.score_rows(batch, with_kl=adapter_dir is not None), strict=True):
+            rows = backend.score_rows(batch, with_kl=with_kl and adapter_dir is not None)
+            for i, row in zip(g, rows, strict=True):
                 lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
         sampled = sample_answers(backend, [p for p, _r in pairs], cfg, seed, drawn)
     return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)

@@ -569,10 +569,9 @@ class Trainer(TrainerInterface):
         return out
 
     @torch.no_grad()
-    def kl_sum(self, batch: dict[str, Tensor], ref: Tensor, new: Tensor | None = None) -> tuple[float, float]:
+    def kl_sum(self, batch: dict[str, Tensor], ref: Tensor) -> tuple[float, float]:
         mask = batch["response_mask"]
-        if new is None:
-            new = self._logprobs(batch)
+        new = self._logprobs(batch)
         return float(k3_kl(new[mask], ref[mask]).sum()), int(mask.sum())
 
     # -- optimizer --------------------------------------------------------------------------------
