@@ -52,7 +52,7 @@ class PolicyGradient:
         report(Progress(step=0, total=cfg.steps, tokens_per_s=0.0, phase="reference"))
         first = step_trains(0, part_of, len(parts))
         ref, extras, beh = _fixed_logprobs(backend, data, groups, batches, cfg.kl_top_k,
-                                                  cfg.entropy_hinge > 0, first)
+                                           cfg.entropy_hinge > 0, first)
         lesson = teach(backend, data.samples, data.encoded, groups, batches, cfg)
         extras = [x if t is None else replace(x or RefExtras(), teacher=t)
                   for x, t in zip(extras, lesson.targets, strict=True)]
@@ -135,7 +135,7 @@ class PolicyGradient:
             accepted_seq_frac=_mean(seq_fracs),
             mean_kl=mean_kl,
             start_kl=start_kl,
-            # of what is saved (the last step's predates its update), on the micro-batches the start was
+            # of what is saved (the last step's predates its update), over the start's micro-batches
             final_kl=_mean_kl(backend, [batches[k] for k in checked], [ref[k] for k in checked]),
             tokens_seen=seen,
             # The anchor's KL and the entropy's rise over the base's, before the first update and at
