@@ -162,3 +162,19 @@ def test_the_cpu_trainer_attends_this_way_in_bf16_sessions(tiny_trainer, monkeyp
             tiny_trainer.base.set_attn_implementation(ga.NAME)
     mask = batches[0]["response_mask"]
     assert float((grouped - sdpa)[mask].abs().max()) < 0.05  # bf16 rounding apart
+
+
+def test_the_softmax_backward_is_softmaxs_gradient_in_fp32_rounded_to_bf16():
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randn(2, 3, 40, 40, generator=g) * 4).bfloat16().requires_grad_()
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    scale = 128 ** -0.5  # not a power of two: the scaling rounds too
+    probs = ga._Softmax.apply(scores, mask, scale)
+    upstream = torch.randn(probs.shape, generator=g).bfloat16()
+    probs.backward(upstream)
+    p, u = probs.detach().float(), upstream.float()
+    want = (u - (u * p).sum(-1, keepdim=True)) * p * scale  # the gradient, all in fp32
+    got = scores.grad
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-6 * float(want.abs().max()))
+    assert float(got.float()[..., ~mask[0, 0]].abs().max()) == 0.0  # masked scores get no gradient
