@@ -52,8 +52,9 @@ BAD = (
 
 
 # The run's own figures kept beside the phases: its precision and the seconds of the parts inside them.
-RUN_METRICS = ("precision", "reward_model_seconds", "reward_model_known", "explore_seconds", "rewrite_seconds",
-               "teacher_seconds", "loop_seconds", "explored", "explored_known", "loop_checked", "gate_base_known")
+RUN_METRICS = ("precision", "allocator", "reward_model_seconds", "reward_model_known", "explore_seconds",
+               "rewrite_seconds", "teacher_seconds", "loop_seconds", "final_kl_seconds", "explored", "explored_known",
+               "loop_checked", "gate_base_known")
 
 
 def _wait(predicate, timeout: float, what: str, poll: float = 0.1):

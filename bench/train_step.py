@@ -17,6 +17,9 @@ the methods interleaved round by round, medians reported.
 * ``ours-sdpa``: ours with the model's attention left to SDPA's fused kernel, beside ``ours`` (whose
   CPU bf16 passes stack each key/value head's queries into one product: worker/training/
   grouped_attention.py), so one run shows what that buys.
+* ``ours-glibc``: ours on glibc's ``malloc``, beside ``ours`` and the others on ``--allocator`` (auto:
+  the mimalloc or jemalloc the training worker preloads, shared/allocator.py), so one run shows
+  what that buys. Every row names its process's allocator.
 * ``two-copy``: what a plain implementation does: a second, frozen copy of the model as the
   reference, run every step, full-vocabulary logits at every position; the same MIS-PO loss.
 
@@ -55,10 +58,11 @@ from typing import Any
 
 from .record import output_options, parser, publish
 
-METHODS = ("ours", "ours-fp32", "ours-serial", "ours-sdpa", "kto", "two-copy")
+METHODS = ("ours", "ours-fp32", "ours-serial", "ours-sdpa", "ours-glibc", "kto", "two-copy")
 # The variants of ours that a row's speed is also given against, by their column's name.
-VARIANTS = {"ours-fp32": "ours fp32", "ours-serial": "ours serial", "ours-sdpa": "ours sdpa"}
-DEFAULT_METHODS = ("ours", "ours-fp32", "kto", "two-copy")  # ours-serial and ours-sdpa on demand
+VARIANTS = {"ours-fp32": "ours fp32", "ours-serial": "ours serial", "ours-sdpa": "ours sdpa",
+            "ours-glibc": "ours glibc malloc"}
+DEFAULT_METHODS = ("ours", "ours-fp32", "kto", "two-copy")  # the other variants of ours on demand
 
 
 # -- one run, in its own process -------------------------------------------------------------------
@@ -172,6 +176,7 @@ def two_copy_run(trainer: Any, samples: list, cfg: Any, on_step: Any) -> None:
 def child(args: argparse.Namespace) -> dict:
     import torch
 
+    from rlfleet.shared import allocator
     from rlfleet.shared.models import pick_device
     from rlfleet.worker.batching import encode_sample
     from rlfleet.worker.presets import preset
@@ -241,6 +246,7 @@ def child(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "precision": precision,
         "attention": attention,
+        "allocator": allocator.in_use(),
         "samples": args.samples,
         "tokens_per_step": tokens_per_step,
         "steps": args.steps,
@@ -391,7 +397,7 @@ def matmul_gflops(device: str, threads: int, n: int = 1024, repeat: int = 20, dt
 
 def _forward(args: argparse.Namespace) -> list[str]:
     keep = ("model", "device", "dtype", "precision", "samples", "prompt_chars", "response_chars", "steps",
-            "micro_batch_tokens", "max_tokens", "rank", "threads")
+            "micro_batch_tokens", "max_tokens", "rank", "threads", "allocator")
     out: list[str] = []
     for k in keep:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
@@ -440,6 +446,7 @@ def summarise(results: list[dict], methods: list[str]) -> list[dict]:
             "tokens_per_step": mine[0]["tokens_per_step"],
             "precision": mine[0].get("precision", "fp32"),
             "attention": mine[0].get("attention"),
+            "allocator": mine[0].get("allocator", "system"),
             "step_tokens_per_s": statistics.median(r["step_tokens_per_s"] for r in mine),
             "run_tokens_per_s": statistics.median(r["run_tokens_per_s"] for r in mine),
             "model_gflops_per_s": statistics.median(r["step_model_gflops_per_s"] or 0.0 for r in mine),
@@ -475,11 +482,11 @@ def table(rows: list[dict]) -> str:
 
     # "speed vs ours fp32" always (the precision's gain), the other variants where a run has them
     shown = ["ours-fp32"] + [m for m in VARIANTS if m != "ours-fp32" and any(r["method"] == m for r in rows)]
-    header = ["method", "precision", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s", "peak memory",
-              "above base", "speed vs KTO", *(f"speed vs {VARIANTS[m]}" for m in shown), "peak vs KTO",
+    header = ["method", "precision", "malloc", "tokens/step", "step tokens/s", "run tokens/s", "model GFLOP/s",
+              "peak memory", "above base", "speed vs KTO", *(f"speed vs {VARIANTS[m]}" for m in shown), "peak vs KTO",
               "above-base vs KTO"]
     body = [
-        [r["method"], r["precision"], r["tokens_per_step"],
+        [r["method"], r["precision"], r["allocator"], r["tokens_per_step"],
          f"{r['step_tokens_per_s']:,.0f}", f"{r['run_tokens_per_s']:,.0f}",
          f"{r['model_gflops_per_s']:,.1f}",
          mib(r["peak_bytes"]), mib(r["above_base_bytes"]),
@@ -510,6 +517,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=1024, help="per-sample token cap (default 1024)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads per run (default: torch's choice)")
+    ap.add_argument("--allocator", choices=["auto", "system"], default="auto",
+                    help="every run's malloc, as train.allocator (default auto: mimalloc or jemalloc where the "
+                         "training worker would preload one); ours-glibc is always the system's")
     output_options(ap)
     ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true",
@@ -523,6 +533,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     if args.child:
+        from rlfleet.shared.allocator import preload
+
+        # (an exec where it preloads one: this child starts again with the same arguments)
+        preload("system" if args.child == "ours-glibc" else args.allocator)
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the one JSON line only
             result = child(args)
         print(json.dumps(result))
@@ -547,7 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
         "counts the step's needed work as bench.train_gpu does (frozen linears 4·N, LoRA 6 per parameter, "
         "causal attention, the head on answer tokens)."
     ) + (f"\n\n{profile_table(profile)}" if profile else "")
-    title = f"`bench.train_step` · {args.model} · weights {args.dtype} · precision {args.precision}"
+    title = (f"`bench.train_step` · {args.model} · weights {args.dtype} · precision {args.precision}"
+             f" · allocator {args.allocator}")
     publish(summary, text, args, title)
     return summary
 

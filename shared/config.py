@@ -78,6 +78,11 @@ class TrainSettings(BaseModel):
     # asked for while a run trains is otherwise slowed several times over (bench.answer_while_training).
     # 0: the same priority as everything else.
     nice: int = Field(10, ge=0, le=19)
+    # The training worker's malloc (shared/allocator.py): "auto" restarts it once, in place, with
+    # mimalloc preloaded (the train extra's wheel on Linux; else a system jemalloc or mimalloc), which
+    # keeps the step's large freed tensors for the next instead of faulting every page in again: faster
+    # steps and a lower peak (bench.train_step --allocator). "system": glibc's malloc, as the process starts.
+    allocator: Literal["auto", "system"] = "auto"
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"
     # The forward passes' precision (docs/objective.md, "Precision"): "auto" is bf16 on a GPU or CPU

@@ -43,6 +43,21 @@ def test_train_step_sets_one_micro_batch_at_a_time_beside_ours():
     assert rows["ours"]["tokens_per_step"] == rows["ours-serial"]["tokens_per_step"]
 
 
+def test_train_step_sets_glibcs_malloc_beside_ours_on_the_workers_allocator():
+    from rlfleet.shared import allocator
+
+    summary = train_step.main(["--model", "tiny", "--methods", "ours,ours-glibc", "--rounds", "1", "--steps", "2",
+                               "--samples", "4", "--prompt-chars", "40", "--response-chars", "60", "--threads", "1",
+                               "--json", "--no-record"])
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert rows["ours-glibc"]["allocator"] == "system"
+    # ours runs on what the training worker preloads: the wheel's mimalloc where the train extra is in
+    assert rows["ours"]["allocator"] == allocator.kind(allocator.library())
+    assert rows["ours"]["speed_vs_ours_glibc"] == pytest.approx(
+        rows["ours"]["step_tokens_per_s"] / rows["ours-glibc"]["step_tokens_per_s"])
+    assert "speed vs ours glibc malloc" in train_step.table(summary["rows"])
+
+
 def test_train_step_sets_sdpa_attention_beside_ours():
     # bf16 on the tiny model (auto keeps a toy-sized model in fp32): ours stacks the grouped queries.
     summary = train_step.main(["--model", "tiny", "--methods", "ours,ours-sdpa", "--rounds", "1", "--steps", "2",
@@ -160,6 +175,8 @@ def test_train_gpu_counts_exact_lengths_and_its_flops_by_hand():
 
 
 def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, private_tempdir):
+    from rlfleet.shared import allocator
+
     monkeypatch.delenv("REDIS_URL", raising=False)  # the embedded server, as a new user gets it
     # Two runs: the first run's held-out ratings stay pending, so fewer new ones start the second (the
     # benchmark used to wait for a run that had started before its clock did).
@@ -181,6 +198,9 @@ def test_time_to_adapter_runs_the_whole_pipeline(tiny_model_dir, monkeypatch, pr
         assert "training" in run["phases"]  # the progress record was seen mid-run
         # the run's own clock beside the phases (its loop checks are on by default)
         assert run["precision"] in ("fp32", "bf16") and run["loop_seconds"] >= 0 and run["loop_checked"] > 0
+        assert run["final_kl_seconds"] > 0
+        # the training worker as `rlfleet up` starts it: on the allocator it preloads where there is one
+        assert run["allocator"] == allocator.kind(allocator.library())
     assert list(private_tempdir.glob("rlfleet-*")) == []  # its data dir is gone with it
 
 

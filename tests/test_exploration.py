@@ -388,6 +388,7 @@ def test_a_runs_kl_check_reads_the_rated_answers_at_its_start_and_its_end_whatev
         # The end: the saved adapter's KL on the 8 rated answers alone, one pass over their tokens only.
         rated_tokens = sum(len(tiny_trainer.tokenizer(s.response)["input_ids"]) for s in samples)
         assert sum(measured) <= rated_tokens + len(samples)  # (their end tokens), not the explored ones
+        assert result.metrics["final_kl_seconds"] > 0  # that pass's time, reported with the run's
         measured.clear()
         assert checks[-1][1] == pytest.approx(saved_adapter_kl(tiny_trainer, samples, tmp_path / f"mb{n}", 1024),
                                               rel=1e-4, abs=1e-6)

@@ -164,17 +164,39 @@ def test_the_cpu_trainer_attends_this_way_in_bf16_sessions(tiny_trainer, monkeyp
     assert float((grouped - sdpa)[mask].abs().max()) < 0.05  # bf16 rounding apart
 
 
-def test_the_softmax_backward_is_softmaxs_gradient_in_fp32_rounded_to_bf16():
+def test_the_softmax_is_fp32_softmax_rounded_to_bf16_and_its_gradient_too():
     g = torch.Generator().manual_seed(3)
     scores = (torch.randn(2, 3, 40, 40, generator=g) * 4).bfloat16().requires_grad_()
     mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
-    scale = 128 ** -0.5  # not a power of two: the scaling rounds too
-    probs = ga._Softmax.apply(scores, mask, scale)
+    probs = ga._Softmax.apply(scores, mask)
+    # the forward: the fp32 softmax of the bf16 scores, rounded once
+    exact = torch.softmax(scores.detach().float().masked_fill(~mask, float("-inf")), -1)
+    assert probs.dtype == torch.bfloat16
+    assert torch.allclose(probs.float(), exact, rtol=2 ** -8, atol=0.0)
     upstream = torch.randn(probs.shape, generator=g).bfloat16()
     probs.backward(upstream)
     p, u = probs.detach().float(), upstream.float()
-    want = (u - (u * p).sum(-1, keepdim=True)) * p * scale  # the gradient, all in fp32
+    want = (u - (u * p).sum(-1, keepdim=True)) * p  # the gradient, all in fp32
     got = scores.grad
     assert got.dtype == torch.bfloat16
-    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-6 * float(want.abs().max()))
+    assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-6 * float(want.abs().max()))
     assert float(got.float()[..., ~mask[0, 0]].abs().max()) == 0.0  # masked scores get no gradient
+
+
+def test_a_scale_that_is_not_a_power_of_two_matches_sdpa():
+    lq = 24  # the scale rounds on the bf16 queries, as SDPA's math path rounds it
+    mask = torch.ones(lq, lq, dtype=torch.bool).tril()[None, None]
+    scale = 3 * D ** -0.5 / 2
+    results = []
+    for kind in ("grouped", "truth"):
+        q, k, v = (t.requires_grad_() for t in _qkv(lq, lq, seed=5))
+        if kind == "grouped":
+            out = ga.grouped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scale, False).float()
+        else:
+            rep = H // KV
+            out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                 attn_mask=mask, scale=scale).transpose(1, 2)
+        out.sum().backward()
+        results.append([out.detach(), *(t.grad for t in (q, k, v))])
+    for mine, truth in zip(*results, strict=True):
+        assert float((mine - truth).abs().max()) <= 0.03 * float(truth.abs().max())

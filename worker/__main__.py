@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlfleet.shared.allocator import preload
 from rlfleet.shared.config import data_dir, load_config
 from rlfleet.shared.errors import BadInput, RlfleetError
 from rlfleet.shared.home import check_home, open_home
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
             raise BadInput(f"unknown queue {args.queue!r}: use events, train or all")
         if open_home(home, read_only=False):
             print(f"new data dir created at {home}", file=sys.stderr)
-        run_worker(load_config(), args.queue, burst=args.burst)
+        cfg = load_config()
+        if args.queue in ("train", "all"):
+            preload(cfg.train.allocator)  # (an exec: this process starts again with it preloaded)
+        run_worker(cfg, args.queue, burst=args.burst)
     except RlfleetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

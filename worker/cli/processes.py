@@ -36,9 +36,12 @@ def worker(
     """Run one worker in the foreground (for scale-out: many events workers, one trainer per model)."""
     if queue not in ("events", "train", "all"):
         raise BadInput(f"unknown queue {queue!r}: use events, train or all")
+    from rlfleet.shared.allocator import preload
     from rlfleet.worker.runner import run_worker
 
     cfg = command_config()
+    if queue in ("train", "all"):
+        preload(cfg.train.allocator)  # (an exec: the command starts again with it preloaded)
     run_worker(cfg, queue, burst=burst)
 
 

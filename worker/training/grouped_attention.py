@@ -68,38 +68,40 @@ def grouped_attention(
         lk = min(lk, lq)
         key, value = key[:, :, :lk], value[:, :, :lk]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()[None, None]
+    if scaling != 1.0:
+        # On the queries, as SDPA's math path puts it: Lk/D times fewer elements than the scores, and
+        # exact where the scale is a power of two (1/8 for 64-wide heads).
+        query = query * scaling
     scores = torch.matmul(query.reshape(b, kv, g * lq, d), key.transpose(-1, -2)).view(b, kv, g, lq, lk)
-    probs = _Softmax.apply(scores, None if mask is None else mask[:, :, None], scaling)
+    probs = _Softmax.apply(scores, None if mask is None else mask[:, :, None])
     out = torch.matmul(probs.view(b, kv, g * lq, lk), value).view(b, h, lq, d)
     return out.transpose(1, 2).contiguous()
 
 
 class _Softmax(torch.autograd.Function):
-    """bf16 scores -> bf16 probabilities, scaled, masked and normalised in fp32, keeping only the bf16
-    probabilities for the backward (which the next product keeps anyway): autograd's own graph would
-    keep the fp32 softmax and the mask too, three times the memory for the same gradients within bf16
-    rounding. The gradient is softmax's, ``p · (g − Σ g·p)``, times the scale: torch's own softmax
-    backward kernel on the bf16 probabilities and gradient (fp32 inside, one pass over the scores and
-    no fp32 copy of them)."""
+    """bf16 scores -> bf16 probabilities, masked and normalised by torch's own softmax kernel on the
+    bf16 scores (fp32 inside, one pass and no fp32 copy of them), keeping only the bf16 probabilities
+    for the backward (which the next product keeps anyway): autograd's own graph would keep the mask
+    too. The gradient is softmax's, ``p · (g − Σ g·p)``, by torch's backward kernel on the bf16
+    probabilities and gradient (fp32 inside, one pass). The scale is on the queries
+    (:func:`grouped_attention`), so neither pass multiplies the scores."""
 
     @staticmethod
-    def forward(ctx: Any, scores: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
-        x = scores.float().mul_(scaling)
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                x.masked_fill_(~mask, torch.finfo(torch.float32).min)
-            else:
-                x.add_(mask)
+    def forward(ctx: Any, scores: Tensor, mask: Tensor | None) -> Tensor:
+        if mask is None:
+            x = scores
+        elif mask.dtype == torch.bool:
+            x = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:  # an additive mask (rare): added in its own precision, as SDPA adds it
+            x = scores.float() + mask
         probs = torch.softmax(x, dim=-1).to(scores.dtype)
         ctx.save_for_backward(probs)
-        ctx.scaling = scaling
         return probs
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         (probs,) = ctx.saved_tensors
-        g = torch.ops.aten._softmax_backward_data(grad.to(probs.dtype), probs, -1, probs.dtype)
-        return g.mul_(ctx.scaling), None, None
+        return torch.ops.aten._softmax_backward_data(grad.to(probs.dtype), probs, -1, probs.dtype), None
 
 
 def attention_forward(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlfleet.shared import allocator
 from rlfleet.shared.errors import RlfleetError
 
 from ..batching import Encoded, encode_sample, ended_as_recorded
@@ -185,6 +186,7 @@ def run_training(backend: Backend, signal: Signal, run: RunRequest) -> RunResult
         "steps": cfg.steps,
         "lr": cfg.lr,
         "precision": precision,
+        "allocator": allocator.in_use(),  # (the process's malloc: rlfleet.shared.allocator)
         "n_tokens": data.n_response,
         "ratings_cut": sum(not s.complete for s in samples),
         **chosen.metrics,

@@ -127,6 +127,9 @@ class PolicyGradient:
             elapsed = time.perf_counter() - train_started
             report(Progress(step + 1, cfg.steps, seen / max(elapsed, 1e-9), loss_value))
         train_seconds = time.perf_counter() - train_started
+        checked_at = time.perf_counter()
+        # of what is saved (the last step's predates its update), over the start's micro-batches
+        final_kl = _mean_kl(backend, [batches[k] for k in checked], [ref[k] for k in checked])
 
         yield Outcome(
             loss=loss_value,
@@ -135,12 +138,12 @@ class PolicyGradient:
             accepted_seq_frac=_mean(seq_fracs),
             mean_kl=mean_kl,
             start_kl=start_kl,
-            # of what is saved (the last step's predates its update), over the start's micro-batches
-            final_kl=_mean_kl(backend, [batches[k] for k in checked], [ref[k] for k in checked]),
+            final_kl=final_kl,
             tokens_seen=seen,
             # The anchor's KL and the entropy's rise over the base's, before the first update and at
             # the last step (before its update).
             extra={
+                "final_kl_seconds": time.perf_counter() - checked_at,
                 **({"anchor_kl_start": anchor_kls[0], "anchor_kl": anchor_kls[-1]} if cfg.kl_top_k else {}),
                 **({"entropy_excess_start": excesses[0], "entropy_excess": excesses[-1]}
                    if cfg.entropy_hinge > 0 else {}),

@@ -1,0 +1,100 @@
+"""Which ``malloc`` a training worker runs with: mimalloc (or jemalloc) where one is at hand, on Linux.
+
+A CPU training step allocates and frees tensors of tens of megabytes many times over (the output
+head's vocabulary-wide rows: 200-340 answer tokens × 49,152 logits in fp32 on the default model).
+glibc's ``malloc`` hands such blocks back to the kernel on every ``free`` (``mmap``/``munmap`` past its
+threshold, which it caps at 32 MB, and from the per-thread arenas a step's micro-batches run on), so
+every new one costs a page fault per 4 KB page before the product can write it. mimalloc and jemalloc
+keep freed pages for the next request. The step runs faster and its peak memory is lower
+(bench/RESULTS.md, ``bench.train_step --allocator``).
+
+``malloc`` can only be replaced when a process starts (``LD_PRELOAD``), so :func:`preload` starts the
+worker again, once, in place (``exec``: same process id, same arguments) with the library preloaded,
+and takes ``LD_PRELOAD`` back out of the environment its own children inherit. The library is the
+``cmeel-mimalloc`` wheel's (a dependency of the ``train`` extra on Linux), else a system jemalloc or
+mimalloc; none found, or anything but Linux, and the worker runs on as it is. ``train.allocator``:
+``"auto"`` (this), ``"system"`` (never).
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Set on the exec, so the restarted process neither execs again nor leaves LD_PRELOAD to its children;
+# its value is what LD_PRELOAD was before (restored for them).
+MARK = "RLFLEET_ALLOCATOR_PRELOADED"
+KNOWN = ("mimalloc", "jemalloc", "tcmalloc")
+CHOICES = ("auto", "system")
+
+
+def wheel_library() -> Path | None:
+    """The ``cmeel-mimalloc`` wheel's shared library, where that wheel is installed."""
+    for key in ("purelib", "platlib"):
+        lib = Path(sysconfig.get_paths()[key]) / "cmeel.prefix" / "lib"
+        found = sorted(lib.glob("libmimalloc.so*")) if lib.is_dir() else []
+        if found:
+            return found[0]
+    return None
+
+
+def library() -> str | None:
+    """What :func:`preload` would preload here: the wheel's mimalloc, else the system's jemalloc or
+    mimalloc (by the name the dynamic linker finds it under); None off Linux or when there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    wheel = wheel_library()
+    if wheel is not None:
+        return str(wheel)
+    for name in ("jemalloc", "mimalloc"):
+        found = ctypes.util.find_library(name)
+        if found:
+            return found
+    return None
+
+
+def kind(lib: str | None) -> str:
+    """Which of :data:`KNOWN` a library path or name is (``"system"`` for None or none of them)."""
+    return next((name for name in KNOWN if lib is not None and f"lib{name}" in Path(lib).name), "system")
+
+
+def in_use() -> str:
+    """The allocator this process runs with: one of :data:`KNOWN` when its library is mapped, else
+    ``"system"``."""
+    try:
+        maps = Path("/proc/self/maps").read_text(errors="replace")
+    except OSError:
+        return "system"
+    return next((name for name in KNOWN if f"lib{name}" in maps), "system")
+
+
+def preload(choice: str = "auto") -> None:
+    """Start this process again in place with :func:`library` preloaded (``choice`` "auto") when it
+    does not run with one yet; returns only where nothing is to be done or the exec failed (logged).
+    Call it first thing in a process entry point: the exec runs the same command line from the start."""
+    if choice not in CHOICES:
+        raise ValueError(f"unknown allocator {choice!r}: {' or '.join(CHOICES)}")
+    if MARK in os.environ:  # the restarted process: its children get LD_PRELOAD as it was
+        before = os.environ.pop(MARK)
+        if before:
+            os.environ["LD_PRELOAD"] = before
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+        return
+    if choice == "system" or in_use() != "system":
+        return
+    lib = library()
+    if lib is None:
+        return
+    before = os.environ.get("LD_PRELOAD", "")
+    env = {**os.environ, MARK: before, "LD_PRELOAD": f"{lib} {before}".strip()}
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError as exc:
+        log.warning("could not restart with %s preloaded (%s): running with the system allocator", lib, exc)
