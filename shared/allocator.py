@@ -5,8 +5,9 @@ head's vocabulary-wide rows: 200-340 answer tokens × 49,152 logits in fp32 on t
 glibc's ``malloc`` hands such blocks back to the kernel on every ``free`` (``mmap``/``munmap`` past its
 threshold, which it caps at 32 MB, and from the per-thread arenas a step's micro-batches run on), so
 every new one costs a page fault per 4 KB page before the product can write it. mimalloc and jemalloc
-keep freed pages for the next request. The step runs faster and its peak memory is lower
-(bench/RESULTS.md, ``bench.train_step --allocator``).
+keep freed pages for the next request. The step's peak memory is lower and, the more of its time
+such tensors take (long answers), the faster it runs (bench/RESULTS.md, ``bench.train_step``'s
+``ours-glibc``).
 
 ``malloc`` can only be replaced when a process starts (``LD_PRELOAD``), so :func:`preload` starts the
 worker again, once, in place (``exec``: same process id, same arguments) with the library preloaded,
@@ -19,10 +20,10 @@ mimalloc; none found, or anything but Linux, and the worker runs on as it is. ``
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import logging
 import os
 import sys
-import sysconfig
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -32,16 +33,18 @@ log = logging.getLogger(__name__)
 MARK = "RLFLEET_ALLOCATOR_PRELOADED"
 KNOWN = ("mimalloc", "jemalloc", "tcmalloc")
 CHOICES = ("auto", "system")
+WHEEL = "cmeel-mimalloc"  # the train extra's mimalloc on Linux
 
 
 def wheel_library() -> Path | None:
-    """The ``cmeel-mimalloc`` wheel's shared library, where that wheel is installed."""
-    for key in ("purelib", "platlib"):
-        lib = Path(sysconfig.get_paths()[key]) / "cmeel.prefix" / "lib"
-        found = sorted(lib.glob("libmimalloc.so*")) if lib.is_dir() else []
-        if found:
-            return found[0]
-    return None
+    """The ``cmeel-mimalloc`` wheel's shared library, wherever that wheel is installed (a venv, the
+    user's site-packages); None without it."""
+    try:
+        dist = importlib.metadata.distribution(WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    libs = sorted(Path(str(dist.locate_file(f))) for f in dist.files or () if f.name.startswith("libmimalloc.so"))
+    return next((f for f in libs if f.is_file()), None)
 
 
 def library() -> str | None:
@@ -91,6 +94,9 @@ def preload(choice: str = "auto") -> None:
         return
     lib = library()
     if lib is None:
+        return
+    if any(c in lib for c in " :"):  # LD_PRELOAD splits on both: such a path cannot be named in it
+        log.warning("not preloading %s: LD_PRELOAD cannot name a path with a space or a colon", lib)
         return
     before = os.environ.get("LD_PRELOAD", "")
     env = {**os.environ, MARK: before, "LD_PRELOAD": f"{lib} {before}".strip()}

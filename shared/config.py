@@ -80,8 +80,9 @@ class TrainSettings(BaseModel):
     nice: int = Field(10, ge=0, le=19)
     # The training worker's malloc (shared/allocator.py): "auto" restarts it once, in place, with
     # mimalloc preloaded (the train extra's wheel on Linux; else a system jemalloc or mimalloc), which
-    # keeps the step's large freed tensors for the next instead of faulting every page in again: faster
-    # steps and a lower peak (bench.train_step --allocator). "system": glibc's malloc, as the process starts.
+    # keeps the step's large freed tensors for the next instead of faulting every page in again: a lower
+    # peak, and faster steps where those tensors are much of a step (bench.train_step's ours-glibc).
+    # "system": glibc's malloc, as the process starts.
     allocator: Literal["auto", "system"] = "auto"
     # "auto": CUDA if torch sees one, else CPU. "mlx": the MLX trainer (Apple Silicon; pip install -e '.[mlx]').
     device: Literal["auto", "cpu", "cuda", "mps", "mlx"] = "auto"

@@ -127,9 +127,9 @@ class PolicyGradient:
             elapsed = time.perf_counter() - train_started
             report(Progress(step + 1, cfg.steps, seen / max(elapsed, 1e-9), loss_value))
         train_seconds = time.perf_counter() - train_started
-        checked_at = time.perf_counter()
         # of what is saved (the last step's predates its update), over the start's micro-batches
         final_kl = _mean_kl(backend, [batches[k] for k in checked], [ref[k] for k in checked])
+        final_kl_seconds = time.perf_counter() - train_started - train_seconds
 
         yield Outcome(
             loss=loss_value,
@@ -143,7 +143,7 @@ class PolicyGradient:
             # The anchor's KL and the entropy's rise over the base's, before the first update and at
             # the last step (before its update).
             extra={
-                "final_kl_seconds": time.perf_counter() - checked_at,
+                "final_kl_seconds": final_kl_seconds,
                 **({"anchor_kl_start": anchor_kls[0], "anchor_kl": anchor_kls[-1]} if cfg.kl_top_k else {}),
                 **({"entropy_excess_start": excesses[0], "entropy_excess": excesses[-1]}
                    if cfg.entropy_hinge > 0 else {}),
