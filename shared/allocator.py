@@ -62,19 +62,23 @@ def library() -> str | None:
     return None
 
 
+def _named(text: str) -> str:
+    """The first of :data:`KNOWN` whose library ``text`` names, else ``"system"``."""
+    return next((name for name in KNOWN if f"lib{name}" in text), "system")
+
+
 def kind(lib: str | None) -> str:
     """Which of :data:`KNOWN` a library path or name is (``"system"`` for None or none of them)."""
-    return next((name for name in KNOWN if lib is not None and f"lib{name}" in Path(lib).name), "system")
+    return "system" if lib is None else _named(Path(lib).name)
 
 
 def in_use() -> str:
     """The allocator this process runs with: one of :data:`KNOWN` when its library is mapped, else
     ``"system"``."""
     try:
-        maps = Path("/proc/self/maps").read_text(errors="replace")
+        return _named(Path("/proc/self/maps").read_text(errors="replace"))
     except OSError:
         return "system"
-    return next((name for name in KNOWN if f"lib{name}" in maps), "system")
 
 
 def preload(choice: str = "auto") -> None:
