@@ -234,3 +234,38 @@ def test_a_bf16_session_holds_the_frozen_weights_in_bf16_with_the_same_products(
     with tiny_trainer.adapter(None, preset("careful"), precision="bf16"):
         assert len(tiny_trainer._frozen) == 0 and all(m.weight.dtype == torch.float32 for m in linears)
         assert torch.equal(tiny_trainer.logprobs(batches[0]), fresh)
+
+
+def test_a_bf16_session_runs_the_output_head_in_bf16_for_every_pass(tiny_trainer):
+    """The output head's product over the vocabulary runs on a bf16 copy of the frozen head, made once
+    and kept: a bf16 session's logits are bf16 values widened (fp32 elsewhere), the same for a row
+    whether it runs alone or in a batch (what the kept log-probs and the ratios rely on), and within
+    bf16 rounding of the fp32 head's."""
+    from rlfleet.worker.batching import encode_sample
+    from rlfleet.worker.training.torch_backend import HalfHead, _head_logits
+
+    enc = [encode_sample(tiny_trainer.tokenizer, s, 1024) for s in recorded(tiny_trainer)]
+    _, batches = tiny_trainer.batches(enc, 4096)
+    with tiny_trainer.adapter(None, preset("careful"), precision="fp32"):
+        exact = tiny_trainer._response_logits(batches[0])[0]
+    assert not torch.equal(exact, exact.bfloat16().float())
+    with tiny_trainer.adapter(None, preset("careful"), precision="bf16"):
+        logits = tiny_trainer._response_logits(batches[0])[0]
+        with tiny_trainer.full_precision():
+            assert torch.equal(tiny_trainer._response_logits(batches[0])[0], exact)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits.bfloat16().float())
+    scale = exact.abs().max()
+    assert 0 < float((logits - exact).abs().max()) < 0.02 * float(scale)
+
+    head = tiny_trainer.base.get_output_embeddings()
+    half = HalfHead()
+    states = torch.randn(7, head.weight.shape[1])
+    together = _head_logits(head, states, half)
+    kept = half.weight(head)
+    assert kept.dtype == torch.bfloat16 and half.weight(head) is kept  # made once
+    assert head.weight.dtype == torch.float32  # the model's own head untouched
+    assert all(torch.equal(_head_logits(head, states[i:i + 1], half)[0], together[i]) for i in range(7))
+    trained = torch.nn.Linear(head.weight.shape[1], 11, bias=True)  # a head that trains is cast per call
+    x = torch.randn(3, head.weight.shape[1], requires_grad=True)
+    _head_logits(trained, x, half).sum().backward()
+    assert trained.weight.grad is not None and x.grad is not None and half.weight(head) is kept

@@ -98,6 +98,7 @@ class Trainer(TrainerInterface):
         self._bf16 = False  # bf16 autocast in this session's forward passes
         self._lora: list[Any] = []  # the session's LoRA layers (see autocast)
         self._frozen = FrozenWeights()  # a bf16 session's frozen weights, held in bf16 (see autocast)
+        self._half_head = HalfHead()  # a bf16 session's output head (see _head_logits)
         self._loss: Any = None
         self._opt: Any = None
         self._params: list[Tensor] = []
@@ -419,7 +420,7 @@ class Trainer(TrainerInterface):
         ran = rows if run is None else batch["row_host"][rows]
         states = (out.last_hidden_state if split else out.logits)[ran, cols]
         if split and head is not None:
-            logits = _head_logits(head, states)
+            logits = _head_logits(head, states, self._half_head if self._bf16 else None)
         else:
             logits = states.float()
         return logits, targets
@@ -532,7 +533,7 @@ class Trainer(TrainerInterface):
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
             # (The feature passes call this inside their autocast: the head's logits are fp32 all the same.)
-            logits = _head_logits(head, hidden[r, start - 1:n])
+            logits = _head_logits(head, hidden[r, start - 1:n], self._half_head if self._bf16 else None)
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
             lp = token.tolist()
@@ -860,12 +861,39 @@ def _plain_head(lm: Any) -> torch.nn.Linear | None:
     return head
 
 
-def _head_logits(head: torch.nn.Linear, states: Tensor) -> Tensor:
-    """``head``'s fp32 logits over ``states``, in the head's own precision whatever autocast the caller
-    is in: every log-prob, ratio and KL a run reads comes from them, and the log-softmax needs them
-    unrounded (a bf16 product would move each token's log-prob by its logits' rounding)."""
+def _head_logits(head: torch.nn.Linear, states: Tensor, half: HalfHead | None = None) -> Tensor:
+    """``head``'s fp32 logits over ``states``, whatever autocast the caller is in: every log-prob,
+    ratio and KL a run reads comes from them. With ``half`` (a bf16 session's) the product runs on
+    the bf16 head and its bf16 result is widened; else in the head's own precision. Either way every
+    pass of a session gets the same logits for the same row, so its ratios and KLs compare like with
+    like."""
     with torch.autocast(states.device.type, enabled=False):
-        return head(states.to(head.weight.dtype)).float()
+        weight = half.weight(head) if half is not None else None
+        if weight is None:
+            return head(states.to(head.weight.dtype)).float()
+        bias = None if head.bias is None else head.bias.to(weight.dtype)
+        return torch.nn.functional.linear(states.to(weight.dtype), weight, bias).float()
+
+
+class HalfHead:
+    """A frozen output head's weight in bf16, made once: the head's product over the vocabulary is the
+    largest single product of a step, and a bf16 product runs at several times the fp32 rate where
+    bf16 is native (bench/RESULTS.md, the tenth session). A head that trains (or a hindsight teacher's,
+    another model) is cast where it is used."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._source: Tensor | None = None
+        self._half: Tensor | None = None
+
+    def weight(self, head: torch.nn.Linear) -> Tensor:
+        w = head.weight
+        if w.requires_grad:
+            return w.to(torch.bfloat16)
+        with self._lock:
+            if self._source is not w or self._half is None:
+                self._source, self._half = w, w.detach().to(torch.bfloat16)
+            return self._half
 
 
 def _lm_and_body(model: Any) -> tuple[Any, Any]:
