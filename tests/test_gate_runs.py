@@ -79,9 +79,38 @@ def test_the_parent_is_measured_for_its_margin_alone_without_a_pass_of_the_base(
     real = trainer.score_rows
     monkeypatch.setattr(trainer, "score_rows", lambda batch, with_kl: passes.append(with_kl) or real(batch, with_kl))
     refs = GateReferences.measure(trainer, held, parent, GateConfig(eval_samples=0), 1024)
-    assert passes and not any(passes)  # the base's scores, then the parent's, neither with a KL pass
+    assert passes and not any(passes)  # the parent's scores alone, without a KL pass
     assert refs.parent.logprobs == pytest.approx(with_kl.logprobs, abs=1e-6)  # the margin reads these alone
     assert refs.parent.kl == 0.0
+
+
+def test_the_base_is_measured_from_the_candidates_kl_pass_without_a_pass_of_its_own(trainer, tmp_path,
+                                                                                    monkeypatch):
+    """A first run's gate judges the candidate against the base: the base's log-probs and entropy are
+    read from the pass of the base the candidate's exact KL runs anyway, and they are what a pass of
+    the base alone measures (the margin before, the entropy ratio)."""
+    from rlfleet.worker.gate import margin
+
+    cand = tmp_path / "cand"
+    trainer.run(pairs(TOPICS), None, LEARN, None, cand)
+    held = pairs(HELD)
+    gcfg = GateConfig(eval_samples=2, eval_new_tokens=6)
+    plain = [(s.prompt, s.response) for s in held]
+    base_alone = score_model(trainer, plain, None, gcfg, 1024)
+    cand_alone = score_model(trainer, plain, cand, gcfg, 1024)
+    passes: list[bool] = []
+    real = trainer.score_rows
+    monkeypatch.setattr(trainer, "score_rows", lambda batch, with_kl: passes.append(with_kl) or real(batch, with_kl))
+    refs = GateReferences.measure(trainer, held, None, gcfg, 1024)
+    assert passes == [] and refs.parent is None  # nothing scored before there is a candidate
+    verdict = refs.judge(trainer, cand)
+    assert passes and all(passes)  # the candidate's KL passes alone
+    m = verdict.metrics
+    assert m["heldout_margin_before"] == pytest.approx(margin(base_alone.logprobs, [s.reward for s in held]), abs=1e-5)
+    assert m["heldout_margin_after"] == pytest.approx(margin(cand_alone.logprobs, [s.reward for s in held]), abs=1e-5)
+    assert m["entropy_ratio"] == pytest.approx(cand_alone.entropy / base_alone.entropy, rel=1e-5)
+    assert m["heldout_kl"] == pytest.approx(cand_alone.kl, rel=1e-5) and cand_alone.kl > 0
+    assert refs.base_sampled and len(refs.base_sampled) == 2  # the base's own answers, drawn once
 
 
 def test_a_refused_run_falls_back_to_its_halfway_step_when_that_passes(trainer, tmp_path):

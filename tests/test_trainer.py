@@ -384,11 +384,13 @@ def test_the_gates_sums_are_those_of_a_full_pass_per_answer(trainer, tok):
                 with model.disable_adapter():
                     ref = torch.log_softmax(model(input_ids=ids).logits[0, e.prompt_len - 1 : -1], -1)
             target = torch.tensor(e.input_ids[e.prompt_len :])
-            assert row.tokens == e.n_response
-            assert row.logprob == pytest.approx(float(lp.gather(-1, target[:, None]).sum()), abs=1e-4)
-            assert row.entropy == pytest.approx(float(-(lp.exp() * lp).sum()), abs=1e-4)
-            assert row.kl == pytest.approx(float((lp.exp() * (lp - ref)).sum()), abs=1e-4)
-            assert row.kl > 1e-4  # the adapter is not the base: the KL is measured, not 0
+            for sums, want in ((row.model, lp), (row.base, ref)):  # the base's from the KL's pass of it
+                assert sums.tokens == e.n_response
+                assert sums.logprob == pytest.approx(float(want.gather(-1, target[:, None]).sum()), abs=1e-4)
+                assert sums.entropy == pytest.approx(float(-(want.exp() * want).sum()), abs=1e-4)
+            assert row.model.kl == pytest.approx(float((lp.exp() * (lp - ref)).sum()), abs=1e-4)
+            assert row.model.kl > 1e-4  # the adapter is not the base: the KL is measured, not 0
+            assert row.base.kl == 0.0 and row.base.logprob != row.model.logprob
 
 
 # -- training runs ----------------------------------------------------------------------------

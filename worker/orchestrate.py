@@ -352,13 +352,14 @@ def gate_config(cfg: Config) -> GateConfig:
 
 @dataclass(frozen=True)
 class GateReferences:
-    """What a candidate is judged against: the held-out ratings, and the base and the parent measured
-    on them once (a fallback candidate is judged against the same)."""
+    """What a candidate is judged against: the held-out ratings, the base's sampled answers on them
+    and the parent measured once (a fallback candidate is judged against the same). The base's
+    log-probs and entropy come from each candidate's own KL pass, which runs the base beside it."""
 
     pairs: list[tuple[list[dict], str]]
     rewards: list[float]
-    base: ModelScores
-    parent: ModelScores
+    base_sampled: list[list[int]]
+    parent: ModelScores | None  # None: the parent is the base (measured beside each candidate)
     gcfg: GateConfig
     max_tokens: int
     hints: Any = None  # the held-out answers' words as the teacher reads them (scoring.HeldHints)
@@ -369,15 +370,23 @@ class GateReferences:
     def measure(cls, trainer: Any, held: list[TrainSample], parent_dir: Path | None, gcfg: GateConfig,
                 max_tokens: int) -> GateReferences:
         from .training.feature_memo import base_draws
-        from .training.scoring import GATE_SEED, held_hints, held_known, score_model, teacher_divergences
+        from .training.scoring import (
+            GATE_SEED,
+            held_hints,
+            held_known,
+            sample_answers,
+            score_model,
+            teacher_divergences,
+        )
 
         pairs = [(s.prompt, s.response) for s in held]
+        prompts = [p for p, _ in pairs]
         # The base's answers to a held-out prompt are remembered (the worker may have drawn them ahead).
         drawn = base_draws(trainer)
-        known = held_known(trainer, [p for p, _ in pairs], gcfg, GATE_SEED, drawn)
-        base = score_model(trainer, pairs, None, gcfg, max_tokens, drawn=drawn)
+        known = held_known(trainer, prompts, gcfg, GATE_SEED, drawn)
+        base_sampled = sample_answers(trainer, prompts, gcfg, GATE_SEED, drawn)
         # The parent is only needed for its margin: no sampling, no KL (a second pass, of the base).
-        parent = base if parent_dir is None else score_model(
+        parent = None if parent_dir is None else score_model(
             trainer, pairs, parent_dir, replace(gcfg, eval_samples=0), max_tokens, with_kl=False
         )
         rewards = [s.reward for s in held]
@@ -387,16 +396,18 @@ class GateReferences:
             hints = held_hints(trainer, held, gcfg.hint_teacher, gcfg.hint_top_k, max_tokens)
             if hints is not None:
                 divergence = teacher_divergences(trainer, hints, parent_dir)
-        return cls(pairs, rewards, base, parent, gcfg, max_tokens, hints, divergence, known)
+        return cls(pairs, rewards, base_sampled, parent, gcfg, max_tokens, hints, divergence, known)
 
     def judge(self, trainer: Any, candidate_dir: Path) -> Verdict:
-        from .training.scoring import score_model, teacher_divergences
+        from .training.scoring import score_beside_base, teacher_divergences
 
-        cand = score_model(trainer, self.pairs, candidate_dir, self.gcfg, self.max_tokens)
+        cand, base = score_beside_base(trainer, self.pairs, candidate_dir, self.gcfg, self.max_tokens,
+                                       self.base_sampled)
         toward = None
         if self.hints is not None and self.parent_divergence is not None:
             toward = TowardHints(self.parent_divergence, teacher_divergences(trainer, self.hints, candidate_dir))
-        verdict = judge(self.rewards, self.base, self.parent, cand, self.gcfg, toward)
+        parent = base if self.parent is None else self.parent
+        verdict = judge(self.rewards, base, parent, cand, self.gcfg, toward)
         return replace(verdict, metrics={**verdict.metrics, "gate_base_known": self.base_known})
 
 

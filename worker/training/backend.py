@@ -84,6 +84,15 @@ class TokenSums(NamedTuple):
     tokens: int
 
 
+class RowScores(NamedTuple):
+    """One answer measured by :meth:`Backend.score_rows`: under the active model, and where the KL
+    pass ran the base beside it, under the base (its KL 0): the gate reads the base's sums from the
+    candidate's pass instead of a pass of its own."""
+
+    model: TokenSums
+    base: TokenSums | None = None
+
+
 class Backend(Protocol):
     tokenizer: Any
     device: str
@@ -225,8 +234,9 @@ class Backend(Protocol):
         first ``endings[r][j]`` answer tokens then the end token, in the same pass; raises
         NotImplementedError where the model cannot (the caller then encodes each ending as a row)."""
 
-    def score_rows(self, batch: Batch, with_kl: bool) -> list[TokenSums]:
-        """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums."""
+    def score_rows(self, batch: Batch, with_kl: bool) -> list[RowScores]:
+        """Per row, its answer's token log-prob, entropy and (``with_kl``) KL-to-base sums; with
+        ``with_kl``, the base's log-prob and entropy sums from the same pass of the base."""
 
     def teacher_divergence(self, batch: Batch, targets: Any) -> list[tuple[float, int]]:
         """Per row, the hindsight divergence (:func:`rlfleet.worker.objective.hindsight_kl`) of the

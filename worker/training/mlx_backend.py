@@ -30,7 +30,7 @@ from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from ..batching import Encoded, collate, micro_batches
 from ..presets import TrainConfig
-from .backend import RefExtras, StepStats, TokenSums, TopRow
+from .backend import RefExtras, RowScores, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
 from .mlx_model import (
     LoraSpec,
@@ -508,27 +508,29 @@ class MlxTrainer(TrainerInterface):
                        ) -> tuple[list[list[float]], list[list[list[float]]]]:
         raise NotImplementedError("the MLX trainer encodes each earlier ending as a row of its own")
 
-    def score_rows(self, batch: dict, with_kl: bool) -> list[TokenSums]:
+    def score_rows(self, batch: dict, with_kl: bool) -> list[RowScores]:
         import numpy as np
 
         mx = _mx()
         ids = batch["input_ids"]
-        logp = self._log_softmax(ids)
-        p = mx.exp(logp)
-        ent = -(p * logp).sum(axis=-1)
-        tok = mx.take_along_axis(logp, ids[:, 1:, None], axis=-1).squeeze(-1)
-        if with_kl:
-            with self.reference():
-                ref = self._log_softmax(ids)
-            kl = (p * (logp - ref)).sum(axis=-1)
-        else:
-            kl = mx.zeros_like(ent)
         pred = np.array(batch["response_mask"])[:, 1:]
-        tok_np, ent_np, kl_np = (np.array(a) for a in (tok, ent, kl))
-        return [
-            TokenSums(float(t[m].sum()), float(e[m].sum()), float(k[m].sum()), int(m.sum()))
-            for t, e, k, m in zip(tok_np, ent_np, kl_np, pred, strict=True)
-        ]
+
+        def sums(logp: Any, kl: Any) -> list[TokenSums]:
+            ent = -(mx.exp(logp) * logp).sum(axis=-1)
+            tok = mx.take_along_axis(logp, ids[:, 1:, None], axis=-1).squeeze(-1)
+            tok_np, ent_np, kl_np = (np.array(a) for a in (tok, ent, mx.zeros_like(ent) if kl is None else kl))
+            return [
+                TokenSums(float(t[m].sum()), float(e[m].sum()), float(k[m].sum()), int(m.sum()))
+                for t, e, k, m in zip(tok_np, ent_np, kl_np, pred, strict=True)
+            ]
+
+        logp = self._log_softmax(ids)
+        if not with_kl:
+            return [RowScores(row) for row in sums(logp, None)]
+        with self.reference():
+            ref = self._log_softmax(ids)
+        model = sums(logp, (mx.exp(logp) * (logp - ref)).sum(axis=-1))
+        return [RowScores(m, b) for m, b in zip(model, sums(ref, None), strict=True)]
 
     def _log_softmax(self, ids: Any) -> Any:
         """``[B, L-1, V]`` fp32 next-token log-probs at every position but the last."""

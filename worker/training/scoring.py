@@ -8,7 +8,8 @@
   signals a teacher-forced pass cannot see). The base's sampled answers depend on nothing but the
   base and the prompts: :func:`draw_held` remembers them per prompt (each answer seeded by the prompt
   and its occurrence), so the training worker draws them while it waits (worker/idle_work.py) and
-  a later gate on the same prompt reads them.
+  a later gate on the same prompt reads them. :func:`score_beside_base` reads the base's log-probs
+  and entropy from the pass of the base a candidate's exact KL runs anyway.
 - :func:`held_hints` / :func:`teacher_divergences`: held-out answers that came with words, as the
   hindsight teacher reads them, and how far a model's next-token distributions on them are from the
   teacher's: the gate's second side when the held-out ratings are all of one class.
@@ -28,7 +29,7 @@ from pathlib import Path
 from ..batching import Encoded, encode_sample
 from ..gate import GateConfig, ModelScores, sample_plan
 from ..samples import TrainSample
-from .backend import Backend, TopRow
+from .backend import Backend, TokenSums, TopRow
 from .feature_memo import DrawKey, Draws, prompt_seed
 from .hindsight import hint_for, hinted, rows_of
 
@@ -90,16 +91,45 @@ def score_model(
     ``drawn``: where the model's answers per prompt are remembered (:func:`draw_held`; None: drawn
     anew in one batch). ``with_kl`` False: the KL sums are 0 (no pass of the base beside the adapter's,
     for a model whose margin alone is read)."""
+    return _scored(backend, pairs, adapter_dir, cfg, max_tokens, seed, drawn, with_kl)[0]
+
+
+def score_beside_base(backend: Backend, pairs: Pairs, adapter_dir: Path, cfg: GateConfig, max_tokens: int,
+                      base_sampled: Sequence[Sequence[int]]) -> tuple[ModelScores, ModelScores]:
+    """:func:`score_model` of the base plus ``adapter_dir``, and the base's log-prob and entropy sums
+    from the pass of the base its exact KL runs anyway (same session, same numerics as the
+    adapter's), with ``base_sampled``, the base's sampled answers (:func:`sample_answers` of the
+    base): the base measured without a pass of its own."""
+    model, base = _scored(backend, pairs, adapter_dir, cfg, max_tokens, GATE_SEED, None, True)
+    assert base is not None  # a KL pass runs the base
+    sampled = list(base_sampled)
+    return model, ModelScores.from_sums(base.logprob, base.entropy, base.kl, base.tokens, sampled)
+
+
+class _Sums:
+    """Per answer sums over a pass, in the pairs' order."""
+
+    def __init__(self, n: int) -> None:
+        self.logprob, self.entropy, self.kl, self.tokens = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
+
+    def put(self, i: int, row: TokenSums) -> None:
+        self.logprob[i], self.entropy[i], self.kl[i], self.tokens[i] = row
+
+
+def _scored(backend: Backend, pairs: Pairs, adapter_dir: Path | None, cfg: GateConfig, max_tokens: int,
+            seed: int, drawn: Draws | None, with_kl: bool) -> tuple[ModelScores, _Sums | None]:
+    """The model's scores and, where its KL pass ran the base beside it, the base's sums."""
     groups, batches = _batches(backend, pairs, max_tokens)
-    n = len(pairs)
-    lp_sum, ent_sum, kl_sum, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
+    with_kl = with_kl and adapter_dir is not None
+    model, base = _Sums(len(pairs)), _Sums(len(pairs)) if with_kl else None
     with _serving(backend, adapter_dir):
         for g, batch in zip(groups, batches, strict=True):
-            rows = backend.score_rows(batch, with_kl=with_kl and adapter_dir is not None)
-            for i, row in zip(g, rows, strict=True):
-                lp_sum[i], ent_sum[i], kl_sum[i], count[i] = row
+            for i, row in zip(g, backend.score_rows(batch, with_kl=with_kl), strict=True):
+                model.put(i, row.model)
+                if base is not None and row.base is not None:
+                    base.put(i, row.base)
         sampled = sample_answers(backend, [p for p, _r in pairs], cfg, seed, drawn)
-    return ModelScores.from_sums(lp_sum, ent_sum, kl_sum, count, sampled)
+    return ModelScores.from_sums(model.logprob, model.entropy, model.kl, model.tokens, sampled), base
 
 
 def sample_answers(backend: Backend, prompts: Sequence[list[dict]], cfg: GateConfig, seed: int,

@@ -51,7 +51,7 @@ from ..objective import (
 )
 from ..presets import TrainConfig
 from . import decoding, feature_memo, grouped_attention
-from .backend import FromStep, RefExtras, StepStats, TokenSums, TopRow
+from .backend import FromStep, RefExtras, RowScores, StepStats, TokenSums, TopRow
 from .drawing import LIVE, Drawer, Weights
 from .interface import TrainerInterface
 from .parallel import MicroBatchPool, auto_workers
@@ -724,22 +724,27 @@ class Trainer(TrainerInterface):
         return own.tolist(), ended
 
     @torch.no_grad()
-    def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[TokenSums]:
+    def score_rows(self, batch: dict[str, Tensor], with_kl: bool) -> list[RowScores]:
         # The output head on answer positions only (and a shared prompt once): the prompt's
         # vocabulary-sized rows are never read.
         logits, targets = self._response_logits(batch)
         logp = torch.log_softmax(logits, dim=-1)
-        if with_kl:
-            with self.reference():
-                ref = torch.log_softmax(self._response_logits(batch)[0], dim=-1)
-            kl = (logp.exp() * (logp - ref)).sum(-1)
-        else:
-            kl = torch.zeros(logp.shape[0])
-        ent = -(logp.exp() * logp).sum(-1)
-        tok = logp.gather(-1, targets[:, None]).squeeze(-1)
         counts = torch.bincount(_rows_of_positions(batch), minlength=batch["input_ids"].shape[0]).tolist()
-        return [TokenSums(lp, e, d, int(n)) for lp, e, d, n in zip(
-            _per_row(batch, tok), _per_row(batch, ent), _per_row(batch, kl), counts, strict=True)]
+
+        def sums(lp: Tensor, kl: Tensor | None) -> list[TokenSums]:
+            p = lp.exp()
+            ent = -(p * lp).sum(-1)
+            tok = lp.gather(-1, targets[:, None]).squeeze(-1)
+            per_kl = _per_row(batch, kl) if kl is not None else [0.0] * len(counts)
+            return [TokenSums(t, e, d, int(n)) for t, e, d, n in zip(
+                _per_row(batch, tok), _per_row(batch, ent), per_kl, counts, strict=True)]
+
+        if not with_kl:
+            return [RowScores(row) for row in sums(logp, None)]
+        with self.reference():
+            ref = torch.log_softmax(self._response_logits(batch)[0], dim=-1)
+        model = sums(logp, (logp.exp() * (logp - ref)).sum(-1))
+        return [RowScores(m, b) for m, b in zip(model, sums(ref, None), strict=True)]
 
     @torch.no_grad()
     def teacher_divergence(self, batch: dict[str, Tensor], targets: tuple[Tensor, Tensor, Tensor]
