@@ -532,7 +532,7 @@ class Trainer(TrainerInterface):
                 continue
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
-            # (The feature passes call this inside their autocast: the head's logits are fp32 all the same.)
+            # (The feature passes call this inside their autocast: the head's logits are the step's all the same.)
             logits = _head_logits(head, hidden[r, start - 1:n], self._half_head if self._bf16 else None)
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
@@ -784,7 +784,7 @@ class Trainer(TrainerInterface):
             own = list(seeds) if seeds is not None else [seed + i for i in range(len(rows))]
             try:
                 with self._drawing():
-                    weight = head.weight.to(torch.bfloat16) if self._bf16 else head.weight
+                    weight = self._half_head.weight(head) if self._bf16 else head.weight
                     return decoding.draw(body, weight, rows, max_new_tokens, temperature, top_p, own,
                                          self._drawer.end_ids, pad)
             except (TypeError, ValueError, NotImplementedError, AttributeError) as exc:
@@ -882,9 +882,9 @@ def _head_logits(head: torch.nn.Linear, states: Tensor, half: HalfHead | None = 
 
 class HalfHead:
     """A frozen output head's weight in bf16, made once: the head's product over the vocabulary is the
-    largest single product of a step, and a bf16 product runs at several times the fp32 rate where
-    bf16 is native (bench/RESULTS.md, the tenth session). A head that trains (or a hindsight teacher's,
-    another model) is cast where it is used."""
+    largest single product of a step, and a bf16 product runs at two to three times the fp32 rate where
+    bf16 is native (bench/RESULTS.md, the tenth session). One head is kept: another model's (a
+    hindsight teacher's) takes its place while it is read; a head that trains is cast at each use."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
