@@ -420,10 +420,15 @@ class Trainer(TrainerInterface):
         ran = rows if run is None else batch["row_host"][rows]
         states = (out.last_hidden_state if split else out.logits)[ran, cols]
         if split and head is not None:
-            logits = _head_logits(head, states, self._half_head if self._bf16 else None)
+            logits = self._head_logits(head, states)
         else:
             logits = states.float()
         return logits, targets
+
+    def _head_logits(self, head: torch.nn.Linear, states: Tensor) -> Tensor:
+        """The session's fp32 logits of ``head`` over ``states`` (:func:`_head_logits`, on the bf16 head
+        in a bf16 session): every pass that reads the head reads it here."""
+        return _head_logits(head, states, self._half_head if self._bf16 else None)
 
     def _scatter(self, batch: dict[str, Tensor], values: Tensor) -> Tensor:
         """``[N]`` values at the response positions as ``[B, L]``, 0 elsewhere."""
@@ -533,7 +538,7 @@ class Trainer(TrainerInterface):
             row = ids[r, :n].tolist()
             # Positions start-1 .. n-1: each predicts the token after it (the last one, an ending's end).
             # (The feature passes call this inside their autocast: the head's logits are the step's all the same.)
-            logits = _head_logits(head, hidden[r, start - 1:n], self._half_head if self._bf16 else None)
+            logits = self._head_logits(head, hidden[r, start - 1:n])
             targets = torch.tensor(row[start:] + [eos], device=logits.device)
             token, lse = token_logprobs(logits, targets)
             lp = token.tolist()
@@ -873,9 +878,9 @@ def _head_logits(head: torch.nn.Linear, states: Tensor, half: HalfHead | None = 
     pass of a session gets the same logits for the same row, so its ratios and KLs compare like with
     like."""
     with torch.autocast(states.device.type, enabled=False):
-        weight = half.weight(head) if half is not None else None
-        if weight is None:
+        if half is None:
             return head(states.to(head.weight.dtype)).float()
+        weight = half.weight(head)
         bias = None if head.bias is None else head.bias.to(weight.dtype)
         return torch.nn.functional.linear(states.to(weight.dtype), weight, bias).float()
 
