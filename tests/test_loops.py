@@ -7,11 +7,13 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 from test_trainer import LEARN, chat, preference_samples
 
 from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.worker.batching import Encoded
 from rlfleet.worker.gate import repeated_ngrams
+from rlfleet.worker.objective import unlikelihood
 from rlfleet.worker.training.loops import ANSWERS, CHECK_EVERY, LoopPool, batched, repeated_positions
 
 
@@ -62,6 +64,47 @@ def check_unlikelihood_lowers_the_marked_tokens(trainer, out) -> None:
 
 def test_unlikelihood_lowers_the_marked_tokens(tiny_trainer, tmp_path):
     check_unlikelihood_lowers_the_marked_tokens(tiny_trainer, tmp_path / "a")
+
+
+def test_the_unlikelihood_term_reads_the_marked_tokens_alone_with_the_whole_answers_figures(tiny_trainer):
+    """The term's pass runs the head at the marked tokens only and stops at the last of them: its value
+    and gradients are those of the whole answers' log-probs."""
+    tok = tiny_trainer.tokenizer
+    answers = [" ".join(["la", "da", "ba"] * 3 + ["one", "two", "three", "four", "five", "six"]),
+               " ".join(["so", "me", "so", "me", "so"] + ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"])]
+    pool = LoopPool()
+    for question, text in zip(("Tell me about cats.", "And dogs?"), answers, strict=True):
+        ids, answer = prompt_ids(tok, chat(question)), tok(text, add_special_tokens=False)["input_ids"]
+        pool.encoded.append(Encoded(input_ids=ids + answer, prompt_len=len(ids)))
+        pool.marks.append(repeated_positions(answer))
+    ((batch, marks, share),) = batched(tiny_trainer, pool, 4096)
+    last = max(start + m[-1] for _row, start, m in marks)
+    assert last + 1 < batch["input_ids"].shape[1]  # the pass is cut short: the answers go on after their loops
+
+    def grads():
+        out = [p.grad.clone() for p in tiny_trainer._params]
+        tiny_trainer.begin_step()
+        return out
+
+    with tiny_trainer.adapter(None, LEARN, trainable=True):
+        tiny_trainer.begin_training(LEARN)
+        for p in tiny_trainer._params:  # a LoRA away from zero, so that every weight gets a gradient
+            p.data.normal_(0, 0.05)
+        tiny_trainer.begin_step()
+        value = tiny_trainer.accumulate_unlikelihood(batch, marks, 1.0, share)
+        fast = grads()
+        hit = torch.zeros_like(batch["response_mask"])
+        for row, start, positions in marks:
+            hit[row, [start + t for t in positions]] = True
+        whole = unlikelihood(tiny_trainer._logprobs(batch), batch["response_mask"], hit)
+        whole.backward()
+        slow = grads()
+        unmarked = [(row, start, []) for row, start, _m in marks]
+        assert tiny_trainer.accumulate_unlikelihood(batch, unmarked, 1.0, share) == 0.0
+        assert all(p.grad is None for p in tiny_trainer._params)  # nothing marked: no gradient
+    assert value == pytest.approx(float(whole.detach()), rel=1e-5)
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_a_run_with_unlikelihood_checks_its_own_answers_every_few_steps(tiny_trainer, tmp_path):

@@ -645,7 +645,14 @@ class Trainer(TrainerInterface):
         hit = torch.zeros_like(batch["response_mask"])
         for row, start, positions in marks:
             hit[row, [start + t for t in positions]] = True
-        loss = unlikelihood(self._logprobs(batch), batch["response_mask"], hit)
+        if not bool(hit.any()):
+            return 0.0  # nothing marked: the term and its gradient are 0
+        # The term reads the marked tokens' log-probs alone (the others only count the answer's tokens):
+        # the head runs at them alone, and the pass stops at the last one (nothing after a position
+        # changes its hidden state).
+        logp = self._logprobs(_marked_only(batch, hit))
+        logp = torch.nn.functional.pad(logp, (0, hit.shape[1] - logp.shape[1]))
+        loss = unlikelihood(logp, batch["response_mask"], hit)
         self._pool.backward(loss * (weight * share), self._params)
         return float(loss.detach())
 
@@ -959,6 +966,14 @@ def _frozen_linears(model: Any) -> list[torch.nn.Linear]:
     the input embedding in many models, whose lookups must stay in the weights' own type)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def _marked_only(batch: dict[str, Tensor], marked: Tensor) -> dict[str, Tensor]:
+    """``batch`` cut after its last ``marked`` position, with the marked positions as its response:
+    a pass over it computes the head at those positions only and nothing past the last of them."""
+    width = int(marked.any(dim=0).nonzero().max()) + 1
+    cut = {k: v[:, :width] for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    return {**batch, **cut, "response_mask": marked[:, :width]}
 
 
 def _rows_of_positions(batch: dict[str, Tensor]) -> Tensor:
