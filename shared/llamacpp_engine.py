@@ -51,10 +51,12 @@ INSTALL_HINT = "pip install llama-cpp-python (or the rlfleet[fast] extra)"
 _RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's "draw a random seed"
 
 
-def engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> LlamaCppEngine | None:
+def engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int,
+               max_batch: int = 16) -> LlamaCppEngine | None:
     """The llama.cpp engine for ``ref`` when ``choice`` (``chat.engine``) asks for it and it can run;
     None: torch draws the tokens. ``auto`` takes llama.cpp where the model is a GGUF file, the device a
-    CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error)."""
+    CPU and llama-cpp-python installed, and says why not otherwise; ``llama.cpp`` insists (an error).
+    ``max_batch``: the most prompts one call of its ``generate`` takes."""
     if choice not in ENGINES:
         raise ConfigError(f"unknown engine {choice!r}: one of {', '.join(ENGINES)}")
     if choice == "torch":
@@ -71,7 +73,8 @@ def engine_for(ref: ModelRef, choice: str, device: str, max_adapters: int) -> Ll
 
         try:
             served = serving_gguf.served_file(Path(ref.path) / str(ref.gguf_file))
-            return LlamaCppEngine(served, threads=torch.get_num_threads(), max_adapters=max_adapters)
+            return LlamaCppEngine(served, threads=torch.get_num_threads(), max_batch=max_batch,
+                                  max_adapters=max_adapters)
         except Exception as exc:
             problem = f"llama.cpp could not load it ({type(exc).__name__}: {exc})"
     if choice == "llama.cpp":

@@ -365,7 +365,9 @@ def _trainer_gaps(trainer, convs, answers) -> list[float]:
 def test_a_run_draws_with_llama_cpp_from_saved_weights_and_from_its_weights_as_they_train(ref, adapters, tmp_path):
     from dataclasses import replace
 
+    from rlfleet.worker.gate import GateConfig
     from rlfleet.worker.presets import preset
+    from rlfleet.worker.training.drawing import DRAW_BATCH
     from rlfleet.worker.training.torch_backend import Trainer
 
     trainer = Trainer(ref)
@@ -374,6 +376,8 @@ def test_a_run_draws_with_llama_cpp_from_saved_weights_and_from_its_weights_as_t
     assert not drawer.loaded
     trainer.draw_with("auto", load=True)  # the training worker's preload
     assert drawer.loaded and drawer.drawn == 0
+    # The gate's answers are drawn in one batch (as many rows as llama.cpp's batched rate rises for).
+    assert drawer._engine.max_batch == DRAW_BATCH >= GateConfig().eval_samples
     convs = [[{"role": "user", "content": p}] for p in PROMPTS]
     end = trainer.tokenizer.eos_token_id
 

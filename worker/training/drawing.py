@@ -34,6 +34,10 @@ class _Live:
         return "LIVE"
 
 
+# Rows llama.cpp draws in one batch: a CPU's batched rate rises up to about this many answers and no
+# further (bench/RESULTS.md, "the gate's answers in one batch"), and the gate draws this many.
+DRAW_BATCH = 32
+
 # The weights in use are no saved folder's: a run has stepped since it loaded or saved them.
 LIVE: Final = _Live()
 Weights = Path | None | _Live  # a saved adapter folder, None (the base) or LIVE
@@ -79,7 +83,8 @@ class Drawer:
     def _get(self) -> Any:
         with self._lock:
             if not self._asked:
-                self._engine = llamacpp_engine.engine_for(self.ref, self.choice, self.device, max_adapters=4)
+                self._engine = llamacpp_engine.engine_for(self.ref, self.choice, self.device, max_adapters=4,
+                                                           max_batch=DRAW_BATCH)
                 self._asked = True
             return self._engine
 
