@@ -14,7 +14,7 @@ from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.worker.batching import Encoded
 from rlfleet.worker.gate import repeated_ngrams
 from rlfleet.worker.objective import unlikelihood
-from rlfleet.worker.training.loops import ANSWERS, CHECK_EVERY, LoopPool, batched, repeated_positions
+from rlfleet.worker.training.loops import ANSWERS, CHECK_EVERY, LoopPool, batched, check, repeated_positions
 
 
 def test_repeated_positions_mark_the_tokens_that_complete_an_earlier_trigram():
@@ -29,6 +29,27 @@ def test_marked_share_is_what_the_gate_counts_as_repetition():
     for _ in range(200):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(3, 30))]
         assert len(repeated_positions(tokens)) / (len(tokens) - 2) == pytest.approx(repeated_ngrams(tokens))
+
+
+def test_each_check_draws_its_answers_from_streams_no_other_check_uses():
+    """Row i of a draw is seeded ``seed + i``: checks whose bases were a step apart drew most of their
+    rows from the same streams as the check before (correlated answers, fewer independent looks)."""
+    drawn: list[list[int]] = []
+
+    class Drawing:
+        def sample(self, prompts, max_new_tokens, seed, temperature=0.7, top_p=1.0, seeds=None):
+            drawn.append([seed + i for i in range(len(prompts))])
+            return [[1, 2, 3, 4] for _ in prompts]  # no repeated trigram: nothing is kept
+
+    samples = [replace(s, prompt=chat(f"Question {i}?")) for i, s in enumerate(preference_samples()[:3])]
+    pool = LoopPool()
+    for run_seed in (0, 1):
+        for step in range(CHECK_EVERY, 12, CHECK_EVERY):
+            check(Drawing(), pool, samples, step, run_seed)
+    used = [s for batch in drawn for s in batch]
+    assert len(drawn) == 10 and all(len(batch) == ANSWERS for batch in drawn)
+    assert len(set(used)) == len(used), used
+    assert pool.checked == 10 * ANSWERS and not pool.encoded
 
 
 def check_unlikelihood_lowers_the_marked_tokens(trainer, out) -> None:

@@ -77,7 +77,8 @@ def check(backend: Backend, pool: LoopPool, samples: Sequence[TrainSample], step
         return
     first = pool.checked % len(prompts)
     chosen = [prompts[(first + i) % len(prompts)] for i in range(ANSWERS)]
-    answers = backend.sample(chosen, NEW_TOKENS, seed * 1_000 + step)
+    # Row i is drawn from seed base + i: bases ANSWERS apart keep every check's rows on streams of their own.
+    answers = backend.sample(chosen, NEW_TOKENS, (seed * 1_000 + step) * ANSWERS)
     for prompt, tokens in zip(chosen, answers, strict=True):
         marks = repeated_positions(tokens)
         pool.checked += 1
