@@ -9,6 +9,14 @@ keep freed pages for the next request. The step's peak memory is lower and, the 
 such tensors take (long answers), the faster it runs (bench/RESULTS.md, ``bench.train_step``'s
 ``ours-glibc``).
 
+mimalloc gives a freed block back to the kernel a second after it was freed (its arena's purge delay),
+and a step frees and asks again for the same blocks every second or so: each purge is a ``madvise``
+and every page of the block a fault again at its next use. So the preloaded mimalloc keeps what it
+frees for an hour (:data:`KEEP`), and the worker gives it all back at once with :func:`release` at the
+start of each optimizer step (the torch trainer's ``begin_step``) and when the trainer falls idle
+(``worker/idle_work.py``'s lease): a step reuses its blocks, a run's peak stays about where it was,
+and an idle worker holds no more than before (bench/RESULTS.md, 2026-12-07, twelfth session).
+
 ``malloc`` can only be replaced when a process starts (``LD_PRELOAD``), so :func:`preload` starts the
 worker again, once, in place (``exec``: same process id, same arguments) with the library preloaded,
 and takes ``LD_PRELOAD`` back out of the environment its own children inherit. The library is the
@@ -19,6 +27,7 @@ mimalloc; none found, or anything but Linux, and the worker runs on as it is. ``
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import importlib.metadata
 import logging
@@ -34,6 +43,9 @@ MARK = "RLFLEET_ALLOCATOR_PRELOADED"
 KNOWN = ("mimalloc", "jemalloc", "tcmalloc")
 CHOICES = ("auto", "system")
 WHEEL = "cmeel-mimalloc"  # the train extra's mimalloc on Linux
+# mimalloc's arena purge delay is its purge_delay (1 s by default) times this: an hour. A user's own
+# MIMALLOC_ARENA_PURGE_MULT stands.
+KEEP = ("MIMALLOC_ARENA_PURGE_MULT", "3600")
 
 
 def wheel_library() -> Path | None:
@@ -103,8 +115,23 @@ def preload(choice: str = "auto") -> None:
         log.warning("not preloading %s: LD_PRELOAD cannot name a path with a space or a colon", lib)
         return
     before = os.environ.get("LD_PRELOAD", "")
-    env = {**os.environ, MARK: before, "LD_PRELOAD": f"{lib} {before}".strip()}
+    env = {KEEP[0]: KEEP[1], **os.environ, MARK: before, "LD_PRELOAD": f"{lib} {before}".strip()}
     try:
         os.execve(sys.executable, sys.orig_argv, env)
     except OSError as exc:
         log.warning("could not restart with %s preloaded (%s): running with the system allocator", lib, exc)
+
+
+def release() -> bool:
+    """Give what this process's malloc keeps of freed memory back to the kernel now: mimalloc's
+    ``mi_collect(true)``, which purges whatever its arenas hold free, whichever thread freed it. False
+    (nothing done) where mimalloc is not the process's malloc."""
+    if in_use() != "mimalloc":
+        return False
+    try:
+        collect = ctypes.CDLL(None).mi_collect
+    except (OSError, AttributeError):  # mapped but not global (loaded another way than LD_PRELOAD)
+        return False
+    collect.argtypes, collect.restype = [ctypes.c_bool], None
+    collect(True)
+    return True

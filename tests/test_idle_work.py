@@ -163,6 +163,34 @@ def test_a_run_waiting_behind_another_keeps_the_idle_work_out():
         assert mine
 
 
+def test_the_trainer_falling_idle_gives_malloc_s_kept_memory_back_and_a_handover_does_not(monkeypatch):
+    released: list[str] = []
+    monkeypatch.setattr(idle_work.allocator, "release", lambda: released.append("released") or True)
+    lease = idle_work.TrainerLease()
+    second_in = threading.Event()
+
+    def second() -> None:
+        with lease.run():
+            second_in.set()
+            assert released == []  # handed over from the first run, which let go with this one waiting
+
+    with lease.run():
+        t = threading.Thread(target=second)
+        t.start()
+        deadline = time.monotonic() + 5
+        while not lease.wanted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.wanted()
+    t.join(5)
+    assert second_in.is_set() and released == ["released"]  # the second let go with nobody waiting
+    with lease.idle() as mine:
+        assert mine and released == ["released"]
+    assert released == ["released"] * 2  # the idle work's pass ended: idle again
+    with lease.run(), lease.idle() as mine:
+        assert not mine
+    assert released == ["released"] * 3  # a pass that never had the trainer gives nothing back; the run did
+
+
 def test_the_idle_work_survives_a_failing_pass():
     calls: list[str] = []
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rlfleet.shared import scopes
+from rlfleet.shared import allocator, scopes
 from rlfleet.shared.compute_thread import on_compute_thread
 from rlfleet.shared.config import Config
 
@@ -39,7 +39,9 @@ log = logging.getLogger("rlfleet.worker")
 
 class TrainerLease:
     """Who has the trainer: a run, which waits for it, or the idle work, which takes it only when free
-    and gives it up at its next pass once a run asks."""
+    and gives it up at its next pass once a run asks. Whoever lets go of it with no run waiting gives
+    the memory malloc kept for the trainer's work back (:func:`rlfleet.shared.allocator.release`): the
+    next user of the trainer is not here yet."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -56,7 +58,7 @@ class TrainerLease:
         try:
             yield
         finally:
-            self._lock.release()
+            self._let_go()
 
     def _wait(self, delta: int) -> None:
         with self._count:
@@ -70,7 +72,12 @@ class TrainerLease:
             yield got
         finally:
             if got:
-                self._lock.release()
+                self._let_go()
+
+    def _let_go(self) -> None:
+        self._lock.release()
+        if not self.wanted():
+            allocator.release()
 
     def wanted(self) -> bool:
         """Whether a run is waiting for the trainer."""

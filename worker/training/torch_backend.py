@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from rlfleet.shared import allocator
 from rlfleet.shared.chat_prompt import prompt_ids
 from rlfleet.shared.models import (
     ModelRef,
@@ -592,6 +593,10 @@ class Trainer(TrainerInterface):
 
     def begin_step(self) -> None:
         self._opt.zero_grad(set_to_none=True)
+        # What the last step freed goes back to the kernel now: the worker's mimalloc keeps freed blocks
+        # (rlfleet.shared.allocator), and a run's blocks, of sizes that differ from one micro-batch to
+        # the next, would otherwise pile up over its steps; within a step they are reused.
+        allocator.release()
 
     def accumulate(
         self,
