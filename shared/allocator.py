@@ -14,8 +14,9 @@ and a step frees and asks again for the same blocks every second or so: each pur
 and every page of the block a fault again at its next use. So the preloaded mimalloc keeps what it
 frees for an hour (:data:`KEEP`), and the worker gives it all back at once with :func:`release` at the
 start of each optimizer step (the torch trainer's ``begin_step``) and when the trainer falls idle
-(``worker/idle_work.py``'s lease): a step reuses its blocks, a run's peak stays about where it was,
-and an idle worker holds no more than before (bench/RESULTS.md, 2026-12-07, twelfth session).
+(``worker/idle_work.py``'s lease): a step reuses its blocks, a run's peak rises by what one step's
+unreused blocks hold, and an idle worker holds no more than before (bench/RESULTS.md, 2026-12-07,
+twelfth session).
 
 ``malloc`` can only be replaced when a process starts (``LD_PRELOAD``), so :func:`preload` starts the
 worker again, once, in place (``exec``: same process id, same arguments) with the library preloaded,
