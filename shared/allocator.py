@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.metadata
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +129,22 @@ def release() -> bool:
     """Give what this process's malloc keeps of freed memory back to the kernel now: mimalloc's
     ``mi_collect(true)``, which purges whatever its arenas hold free, whichever thread freed it. False
     (nothing done) where mimalloc is not the process's malloc."""
-    if in_use() != "mimalloc":
+    collect = _mi_collect()
+    if collect is None:
         return False
+    collect(True)
+    return True
+
+
+@functools.cache
+def _mi_collect() -> Any:
+    """mimalloc's ``mi_collect`` in this process, None where mimalloc is not its malloc: looked up once
+    (a process's malloc is fixed when it starts, and :func:`release` runs at every optimizer step)."""
+    if in_use() != "mimalloc":
+        return None
     try:
         collect = ctypes.CDLL(None).mi_collect
     except (OSError, AttributeError):  # mapped but not global (loaded another way than LD_PRELOAD)
-        return False
+        return None
     collect.argtypes, collect.restype = [ctypes.c_bool], None
-    collect(True)
-    return True
+    return collect

@@ -105,7 +105,7 @@ def test_release_gives_the_freed_blocks_mimalloc_kept_back_to_the_kernel():
                          check=True).stdout.split()
     in_use, before, kept, released, after = out[0], *map(float, out[1:3]), out[3], float(out[4])
     assert in_use == "mimalloc" and released == "True"
-    assert kept > before - 50  # freed, and kept (mimalloc's own delay had given them back): a next step's
+    assert kept > before - 50  # freed, and kept for a next step (mimalloc's own 1 s delay gives them back)
     assert after < kept - 300  # given back
 
 
