@@ -748,8 +748,8 @@ class Trainer(TrainerInterface):
         logp = torch.log_softmax(logits, dim=-1)
         counts = torch.bincount(_rows_of_positions(batch), minlength=batch["input_ids"].shape[0]).tolist()
 
-        def sums(lp: Tensor, kl: Tensor | None) -> list[TokenSums]:
-            p = lp.exp()
+        def sums(lp: Tensor, kl: Tensor | None, p: Tensor | None = None) -> list[TokenSums]:
+            p = lp.exp() if p is None else p
             ent = -(p * lp).sum(-1)
             tok = lp.gather(-1, targets[:, None]).squeeze(-1)
             per_kl = _per_row(batch, kl) if kl is not None else [0.0] * len(counts)
@@ -760,7 +760,8 @@ class Trainer(TrainerInterface):
             return [RowScores(row) for row in sums(logp, None)]
         with self.reference():
             ref = torch.log_softmax(self._response_logits(batch)[0], dim=-1)
-        model = sums(logp, (logp.exp() * (logp - ref)).sum(-1))
+        p = logp.exp()  # the entropy and the KL read the same vocabulary-wide exp
+        model = sums(logp, (p * (logp - ref)).sum(-1), p)
         return [RowScores(m, b) for m, b in zip(model, sums(ref, None), strict=True)]
 
     @torch.no_grad()
