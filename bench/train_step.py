@@ -37,7 +37,8 @@ count for every method.
 ``--profile``: one more ``ours`` run whose second optimizer step (a steady one) is recorded with
 torch.profiler and summed by family (:func:`families`): the output head's products, the LoRA's, the
 other products, attention, vocabulary-wide elementwise work (the log-softmax, entropy and their
-gradients), casts and copies, and the rest; seconds of the step and each family's share.
+gradients), casts and copies, and the rest; seconds of the step and each family's share; then the
+operators with the most self time (:func:`top_ops`).
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ class StepProfile:
             raise RuntimeError("--profile: the run ended before its second optimizer step")
         events = [(e.key, [list(s) for s in e.input_shapes if s], _self_us(e, self.cuda))
                   for e in self.prof.key_averages(group_by_input_shape=True)]
-        return {"step_seconds": self.seconds, "self_seconds": families(events, vocab, rank)}
+        return {"step_seconds": self.seconds, "self_seconds": families(events, vocab, rank), "ops": top_ops(events)}
 
 
 def _self_us(event: Any, cuda: bool) -> float:
@@ -339,13 +340,27 @@ def families(events: list[tuple[str, list[list[int]], float]], vocab: int | None
     return out
 
 
+def top_ops(events: list[tuple[str, list[list[int]], float]], n: int = 15) -> dict[str, float]:
+    """The ``n`` operators with the most self time (seconds, most first), each summed over its input
+    shapes: a family's total says what kind of work a step does, this says which calls do it."""
+    by_name: dict[str, float] = {}
+    for name, _, us in events:
+        by_name[name] = by_name.get(name, 0.0) + us / 1e6
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:n])
+
+
 def profile_table(profile: dict[str, Any]) -> str:
     from .record import markdown_table
 
     total = sum(profile["self_seconds"].values()) or 1.0
-    rows = [[k, f"{v:.3f}", f"{v / total:.0%}"] for k, v in
-            sorted(profile["self_seconds"].items(), key=lambda kv: -kv[1])]
-    return (markdown_table(["family (ours, one steady step)", "self seconds", "share"], rows)
+
+    def rows(seconds: dict[str, float]) -> list[list[str]]:
+        return [[k, f"{v:.3f}", f"{v / total:.0%}"] for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])]
+
+    ops = profile.get("ops") or {}
+    by_op = markdown_table([f"operator (the {len(ops)} with the most self time)", "self seconds", "share"], rows(ops))
+    return (markdown_table(["family (ours, one steady step)", "self seconds", "share"], rows(profile["self_seconds"]))
+            + (f"\n\n{by_op}" if ops else "")
             + f"\n\nThe profiled step took {profile['step_seconds']:.2f} s (the profiler's own cost included); "
             "self seconds are summed over every thread (micro-batches side by side on a CPU: more than the step).")
 

@@ -81,6 +81,12 @@ def test_train_step_profiles_one_steady_step_by_family():
     assert set(profile["self_seconds"]) == set(train_step.FAMILIES)
     assert profile["step_seconds"] > 0 and profile["self_seconds"]["other products"] > 0
     assert sum(profile["self_seconds"].values()) <= profile["step_seconds"] * 1.05 + 0.01  # one step, not the run
+    ops = list(profile["ops"].items())
+    assert 0 < len(ops) <= 15 and any(name in train_step.PRODUCTS for name, _ in ops)
+    assert all(a[1] >= b[1] for a, b in zip(ops, ops[1:], strict=False))  # most self time first
+    assert sum(s for _, s in ops) <= sum(profile["self_seconds"].values()) * 1.0001
+    table = train_step.profile_table(profile)
+    assert "operator (the" in table and f"| {ops[0][0]} |" in table
 
 
 def test_train_step_sums_a_profile_by_family():
@@ -101,6 +107,16 @@ def test_train_step_sums_a_profile_by_family():
     assert out["casts and copies"] == pytest.approx(4e-5) and out["other"] == pytest.approx(3e-5)
     assert sum(out.values()) == pytest.approx(1e-3)
     assert train_step.families(events, None, rank)["head products"] == 0  # no head known: not guessed
+
+
+def test_train_step_ranks_a_profiles_operators_over_their_shapes():
+    events = [("aten::mm", [[30, 64], [64, 1000]], 500.0), ("aten::mm", [[30, 64], [64, 8]], 100.0),
+              ("aten::sub", [[30, 1000]], 80.0), ("aten::addmm", [[64], [30, 64], [64, 64]], 200.0),
+              ("aten::mul", [[30, 64]], 30.0)]
+    assert train_step.top_ops(events) == pytest.approx({"aten::mm": 6e-4, "aten::addmm": 2e-4, "aten::sub": 8e-5,
+                                                        "aten::mul": 3e-5})
+    assert list(train_step.top_ops(events)) == ["aten::mm", "aten::addmm", "aten::sub", "aten::mul"]
+    assert list(train_step.top_ops(events, n=2)) == ["aten::mm", "aten::addmm"]
 
 
 def test_train_gpu_takes_the_unlikelihood_weight_and_profiles(capsys):
