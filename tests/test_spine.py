@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from rlfleet.cli import dispatch
 from rlfleet.cli.app import app
+from rlfleet.shared import allocator
 from rlfleet.shared.config import Config, load_config
 from rlfleet.shared.events import Capture, Rating, Undo
 from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue
@@ -140,9 +141,33 @@ def test_undo_of_a_trained_rating_is_retracted_by_the_next_run(tiny_home):
         assert len(pending) == 1 and pending[0][0].state == "undone"
         res = rl("train", "--wait", "--json")
         assert res.exit_code == 0, res.output
+        # No worker was running: the run trained in a training worker the command started, on the malloc
+        # a training worker preloads (not in this test's process, which runs on the system's).
+        assert json.loads(res.output)["metrics"]["allocator"] == allocator.kind(allocator.library())
+        assert (cfg.home / "logs" / "worker-train.log").is_file()
         meta = AdapterRegistry(cfg.adapters_root, slug).meta("v0002")
         assert meta["retracted_rating_ids"] == [pending[0][0].id] and meta["rating_ids"] == []
         assert store.pending_ratings(slug, 10) == []
+
+
+def test_train_wait_says_where_to_look_when_its_training_worker_dies_and_leaves_the_run_queued(
+        tiny_home, monkeypatch):
+    from rlfleet.cli import fleet
+
+    spawn = fleet.BackgroundWorkers._spawn
+    # the worker it starts exits at once (an unknown queue: exit code 2), before it takes the run
+    monkeypatch.setattr(fleet.BackgroundWorkers, "_spawn",
+                        lambda self, name, argv: spawn(self, name, ["rlfleet.worker", "--queue", "nosuch"]))
+    with opened_queue() as (cfg, handle):
+        _rate_some(cfg, handle, 2)
+        res = rl("train", "--wait", "--json")
+        said = json.loads(res.output)
+        assert res.exit_code != 0 and not said["ok"]
+        log = cfg.home / "logs" / "worker-train.log"
+        assert "exited with code 2" in said["message"] and str(log) in said["message"] and log.is_file()
+        assert status()["training"]["state"] == "queued" and handle.train.count == 1  # for the next worker
+        _work_train_queue(handle)
+        assert status()["adapter"]["current"] == "v0001"
 
 
 def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch):

@@ -37,6 +37,7 @@ class BackgroundWorkers:
     def __init__(
         self, cfg: Config, which: tuple[str, ...] = ("events", "train"), bots: tuple[str, ...] = (),
         serve: bool = False, bridge: bool = False, web: bool = False, policy: RestartPolicy | None = None,
+        burst: bool = False,
     ) -> None:
         self.cfg = cfg
         self.which = which
@@ -45,6 +46,7 @@ class BackgroundWorkers:
         self.bridge = bridge  # `rlfleet bridge`, the agents' and gateways' HTTP ingress
         self.web = web  # `rlfleet web`, the browser app (its own model, these workers)
         self.policy = policy or RestartPolicy()
+        self.burst = burst  # the workers quit when their queues are empty (`rlfleet train --wait`'s trainer)
         self.children: dict[str, _Child] = {}
         self.log_dir = cfg.home / "logs"
         self._lock = threading.Lock()
@@ -58,7 +60,8 @@ class BackgroundWorkers:
     def start(self, supervise: bool = True) -> None:
         """Start every child; with ``supervise`` a daemon thread restarts the ones that die."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        commands = {name: ["rlfleet.worker", "--queue", name] for name in self.which}
+        commands = {name: ["rlfleet.worker", "--queue", name, *(["--burst"] if self.burst else [])]
+                    for name in self.which}
         if self.serve:
             commands["serve"] = ["rlfleet.cli", "serve"]
         if self.bridge:

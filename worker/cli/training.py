@@ -24,7 +24,8 @@ def _args(scope: str | None, **args: object) -> dict:
 
 @app.command()
 def train(
-    wait: Annotated[bool, typer.Option("--wait", help="Stay until the run ends (runs it here if no worker).")] = False,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="Stay until the run ends (starts a training worker until it does if none is running).")] = False,
     scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -52,6 +53,7 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
     import threading
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rq.exceptions import StopRequested
 
     from rlfleet.shared import scopes
     from rlfleet.shared.models import model_slug
@@ -83,20 +85,31 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
                                rate=f"{p['tokens_per_s']:.0f} tok/s" if p["tokens_per_s"] else "")
                 done.wait(0.5)
 
+    exit_code: int | None = None
     if _train_worker_alive(q):
         watch()
     else:
-        # Nobody would pick the job up: train here, in the foreground (RQ wants the main thread).
-        from rlfleet.worker.runner import run_worker
+        # Nobody would pick the job up: a training worker of our own works the queue until it is empty,
+        # started as `rlfleet chat` starts its trainer (a process of its own, on the malloc it preloads:
+        # shared/allocator.py) and stopped with this command.
+        from .fleet import BackgroundWorkers
 
+        trainer = BackgroundWorkers(cfg, which=("train",), burst=True)
+        trainer.start(supervise=False)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            run_worker(cfg, "train", burst=True, handle=q)
+            exit_code = trainer.procs["train"].wait()
+        except (KeyboardInterrupt, StopRequested):  # Ctrl-C (RQ's handler raises the latter where this
+            pass  # process applied the command's events itself): the run's state below says what became of it
         finally:
             done.set()
             watcher.join(timeout=5)
+            trainer.stop()  # (interrupted: the run is let go, and the next worker's recovery queues it again)
     run = store.get_run(run_id) if run_id else None
+    if run is not None and run.state in ("queued", "running") and exit_code:
+        return {"ok": False, "message": f"the training worker exited with code {exit_code} before the run "
+                f"ended: see {cfg.home / 'logs' / 'worker-train.log'}", "version": run.version}
     if run is None:
         return {"ok": False, "message": "no training run found"}
     if run.state == "succeeded":
