@@ -25,7 +25,7 @@ def _args(scope: str | None, **args: object) -> dict:
 @app.command()
 def train(
     wait: Annotated[bool, typer.Option(
-        "--wait", help="Stay until the run ends (starts a training worker until it does if none is running).")] = False,
+        "--wait", help="Stay until the run ends; with no training worker running, start one for the run.")] = False,
     scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -100,8 +100,10 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
         watcher.start()
         try:
             exit_code = trainer.procs["train"].wait()
-        except (KeyboardInterrupt, StopRequested):  # Ctrl-C (RQ's handler raises the latter where this
-            pass  # process applied the command's events itself): the run's state below says what became of it
+        except (KeyboardInterrupt, StopRequested):
+            # Ctrl-C (RQ's handler raises the latter where this process applied the command's events
+            # itself): the run's state, read below, says what became of the run
+            pass
         finally:
             done.set()
             watcher.join(timeout=5)
