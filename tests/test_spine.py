@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,6 +171,40 @@ def test_train_wait_says_where_to_look_when_its_training_worker_dies_and_leaves_
         assert status()["training"]["state"] == "queued" and handle.train.count == 1  # for the next worker
         _work_train_queue(handle)
         assert status()["adapter"]["current"] == "v0001"
+
+
+def test_train_wait_finishes_the_run_in_hand_on_a_first_ctrl_c_and_stops_at_a_second(tiny_home):
+    cfg = load_config()
+    cfg.train.steps = 400  # a run long enough to be interrupted in
+    cfg.save()
+    with opened_queue() as (cfg, handle):
+        _rate_some(cfg, handle, 2)
+    store = Store(cfg.db_url)
+    slug = status()["model_slug"]
+
+    def interrupted(times: int) -> tuple[subprocess.Popen, str, str]:
+        proc = subprocess.Popen([sys.executable, "-c", "from rlfleet.cli import main; main()", "train", "--wait"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while (run := store.latest_run(slug)) is None or run.state != "running" or run.id in seen:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        seen.add(run.id)
+        for _ in range(times):
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+        out, said = proc.communicate(timeout=600)
+        return proc, out, said
+
+    seen: set[int] = set()
+    proc, out, said = interrupted(1)  # the run ends as it would have, then the command
+    assert "finishing the run in hand" in said and proc.returncode == 0 and "v0001 is live" in out, (out, said)
+    with opened_queue() as (cfg, handle):
+        _rate_some(cfg, handle, 2)
+    proc, out, said = interrupted(2)  # stopped now: the run is let go, the served version stays
+    assert proc.returncode != 0 and "interrupted" in out + said, (out, said)
+    assert status()["adapter"]["current"] == "v0001"
+    assert store.get_run(max(seen)).state == "failed"
 
 
 def test_a_failed_run_keeps_current_and_reports_the_error(tiny_home, monkeypatch):

@@ -3,6 +3,8 @@ version served."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from typing import Annotated
 
 import typer
@@ -53,7 +55,6 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
     import threading
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rq.exceptions import StopRequested
 
     from rlfleet.shared import scopes
     from rlfleet.shared.models import model_slug
@@ -99,15 +100,11 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            exit_code = trainer.procs["train"].wait()
-        except (KeyboardInterrupt, StopRequested):
-            # Ctrl-C (RQ's handler raises the latter where this process applied the command's events
-            # itself): the run's state, read below, says what became of the run
-            pass
+            exit_code = _worked_through(trainer.procs["train"])
         finally:
             done.set()
             watcher.join(timeout=5)
-            trainer.stop()  # (interrupted: the run is let go, and the next worker's recovery queues it again)
+            trainer.stop()  # (stopped now: the run is let go, and the next worker's recovery queues it again)
     run = store.get_run(run_id) if run_id else None
     if run is not None and run.state in ("queued", "running") and exit_code:
         return {"ok": False, "message": f"the training worker exited with code {exit_code} before the run "
@@ -118,6 +115,26 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
         return {"ok": True, "message": f"{run.version} is live", "version": run.version, "metrics": run.metrics}
     return {"ok": False, "message": f"run {run.id} {run.state}: {run.error or 'see rlfleet status'}",
             "version": run.version}
+
+
+def _worked_through(worker: subprocess.Popen) -> int | None:
+    """``worker``'s exit code once it has worked the queue, None where Ctrl-C stopped it: a first Ctrl-C
+    asks it to finish the run in hand and quit (one SIGTERM: RQ's warm stop), a second stops it now."""
+    # Python's own handler, not RQ's, which this process keeps from applying the command's events itself
+    # (it would turn a second Ctrl-C into a quiet exit)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        try:
+            return worker.wait()
+        except KeyboardInterrupt:
+            err.print("finishing the run in hand, then stopping (Ctrl-C again to stop now)")
+            worker.send_signal(signal.SIGTERM)
+        try:
+            return worker.wait()
+        except KeyboardInterrupt:
+            return None
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @app.command()
