@@ -187,7 +187,9 @@ def test_train_wait_finishes_the_run_in_hand_on_a_first_ctrl_c_and_stops_at_a_se
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while (run := store.latest_run(slug)) is None or run.state != "running" or run.id in seen:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"no run started: {proc.communicate(timeout=30)}")
             time.sleep(0.1)
         seen.add(run.id)
         for _ in range(times):

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 23's GPU step checks as one device call: the 8B-shaped step in the precision a user's config
-# gets (auto: bf16 autocast), the same without the loop checks, then a profile of the latter. Each
-# check has a time limit of its own so one that hangs leaves the others their time; the blocks the
+# gets (auto: bf16 autocast), the same without the loop checks, then a profile of the latter.
+#   bench/offline/gpu_checks.sh [OUT_DIR] [bench.train_gpu options]
+# Each check has a time limit of its own so one that hangs leaves the others their time; the blocks the
 # benchmark appends to bench/RESULTS.md there, its logs and a summary land in OUT_DIR (default
 # $OUT, the device tool's folder that comes back). Before the lease, here: bench/offline/wheels.sh;
 # then, as the device call (carry bench/offline/wheels; under 10 minutes on an H100 or H200):
@@ -9,8 +10,8 @@
 # Extra arguments go to every bench.train_gpu call: `bench/offline/gpu_checks.sh /tmp/g --arch tiny
 # --device cpu --steps 2` runs the script through on a CPU.
 set -u
-out=${1:-${OUT:-/tmp/rlfleet-gpu-checks}}
-[ $# -gt 0 ] && shift
+out=${OUT:-/tmp/rlfleet-gpu-checks}
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then out=$1; shift; fi  # a first argument not an option: OUT_DIR
 here=$(cd "$(dirname "$0")" && pwd)
 results=$here/../RESULTS.md
 mkdir -p "$out"
