@@ -86,7 +86,7 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
                                rate=f"{p['tokens_per_s']:.0f} tok/s" if p["tokens_per_s"] else "")
                 done.wait(0.5)
 
-    exit_code: int | None = None
+    died: str | None = None  # why our own training worker stopped before the run could end
     if _train_worker_alive(q):
         watch()
     else:
@@ -105,10 +105,12 @@ def _wait_for_training(cfg: Config, q: QueueHandle, quiet: bool, scope: object =
             done.set()
             watcher.join(timeout=5)
             trainer.stop()  # (stopped now: the run is let go, and the next worker's recovery queues it again)
+        if exit_code:
+            died = (f"the training worker exited with code {exit_code} before the run ended: "
+                    f"see {trainer.log_path('train')}")
     run = store.get_run(run_id) if run_id else None
-    if run is not None and run.state in ("queued", "running") and exit_code:
-        return {"ok": False, "message": f"the training worker exited with code {exit_code} before the run "
-                f"ended: see {cfg.home / 'logs' / 'worker-train.log'}", "version": run.version}
+    if run is not None and run.state in ("queued", "running") and died:
+        return {"ok": False, "message": died, "version": run.version}
     if run is None:
         return {"ok": False, "message": "no training run found"}
     if run.state == "succeeded":
