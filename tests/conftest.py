@@ -27,7 +27,7 @@ REDIS_BASE = os.environ.get("RLFLEET_TEST_REDIS", "redis://127.0.0.1:6379")
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 TEST_DB = int(os.environ.get("RLFLEET_TEST_REDIS_DB", "13")) + _WORKER
 
-# Two workers each using every core fight over them (torch's threads spin while they wait): each worker,
+# Workers each using every core fight over them (torch's threads spin while they wait): each worker,
 # and each process a test starts, gets its share of the cores unless the caller chose a number.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:

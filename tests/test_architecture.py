@@ -14,6 +14,8 @@ load a second copy of it). Imports inside functions count as much as those at th
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,3 +118,14 @@ def test_the_check_catches_function_level_and_relative_imports():
     assert imports_in("from .app import main\n", "rlfleet.cli", is_package=True) == [(1, "rlfleet.cli.app")]
     assert not allowed("cli", "rlfleet.worker.cli.app") and allowed("cli", "rlfleet.worker.runner")
     assert not allowed("bridge", "rlfleet.bots.core") and allowed("bridge", "rlfleet.shared.ingress.grammar")
+
+
+def test_the_jobs_an_events_worker_imports_leave_torch_out():
+    # RQ imports rlfleet.worker.jobs in every worker; an events worker only applies ratings, and torch
+    # with transformers is seconds of start-up and hundreds of MB it never uses (the training job
+    # imports them when it runs).
+    code = ("import sys, rlfleet.worker.jobs; "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -175,7 +175,7 @@ def test_train_wait_says_where_to_look_when_its_training_worker_dies_and_leaves_
 
 def test_train_wait_finishes_the_run_in_hand_on_a_first_ctrl_c_and_stops_at_a_second(tiny_home):
     cfg = load_config()
-    cfg.train.steps = 120  # a run long enough to be interrupted in
+    cfg.train.steps = 60  # a run long enough to be interrupted in (several seconds on the tiny model)
     cfg.save()
     with opened_queue() as (cfg, handle):
         _rate_some(cfg, handle, 2)

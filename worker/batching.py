@@ -6,13 +6,14 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import islice
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.shared.chat_prompt import prompt_ids, token_ids
 
 from .samples import TrainSample
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def micro_batches(
 
 def collate(items: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``response_mask`` (0 on padding), ``[B, L]``."""
+    import torch  # (here: the events worker imports this module for its encoding helpers, not for tensors)
+
     width = max(e.length for e in items)
     input_ids = torch.full((len(items), width), int(pad_id), dtype=torch.long)
     attention = torch.zeros((len(items), width), dtype=torch.long)

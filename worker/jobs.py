@@ -9,10 +9,8 @@ anything unexpected raises so RQ retries it, which the store's idempotency makes
 
 from __future__ import annotations
 
-from .agent_runs import run_in_worker
 from .context import context, current_job
 from .drain_job import apply_one, drain
-from .orchestrate import run_training_job
 from .push_schedule import run_push
 
 
@@ -29,12 +27,16 @@ def drain_events() -> dict:
 
 def train(run_id: int, slug: str) -> dict:
     """Training run ``run_id`` of model ``slug`` (queued by worker/trigger.py)."""
+    from .orchestrate import run_training_job  # (here: an events worker imports this module, not torch)
+
     return run_training_job(context(), current_job().connection, run_id, slug).to_dict()
 
 
 def gym_run(payload: str) -> dict:
     """An environment agent's run (rlfleet.gym's ``background=True``): train and commit its candidate;
     the agent judges and serves it (worker/agent_runs.py)."""
+    from .agent_runs import run_in_worker
+
     return run_in_worker(current_job().connection, payload)
 
 
