@@ -124,7 +124,7 @@ def _unservable(ctx: Context, version: str, force: bool = False) -> str | None:
 
 def promote(ctx: Context, conn: redis.Redis, version: str, force: bool) -> JobResult:
     """Serve ``version``; a version the gate rejected only with ``force``."""
-    from .objective import update_ema
+    from .training.advantages import update_ema  # (not .objective, which loads torch for it)
 
     refusal = _unservable(ctx, version, force)
     if refusal:
