@@ -97,8 +97,14 @@ class ComputeThread:
 
 def _torch_threads() -> int | None:
     """The calling thread's torch threads, where torch is loaded (None: it is not, and nothing to keep)."""
-    torch = sys.modules.get("torch")
-    return None if torch is None else int(torch.get_num_threads())
+    if "torch" not in sys.modules:
+        return None
+    # In sys.modules is not yet loaded: another thread may be importing it (the training worker's
+    # preload does, while its idle work starts), and a half-made module has no get_num_threads. The
+    # import statement waits for that thread to finish it.
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _raise_in(thread: threading.Thread, exc_type: type[BaseException]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,3 +114,22 @@ def test_the_compute_thread_has_the_torch_threads_of_the_thread_that_started_it(
         assert compute.run(torch.get_num_threads) == torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_torch_another_thread_is_still_importing_is_waited_for(tmp_path):
+    # The training worker's preload imports torch in a thread while its idle work starts on the compute
+    # thread, which keeps the caller's torch threads: a half-imported torch has no get_num_threads yet.
+    # A stand-in torch that takes a second to import, in a process of its own (the real one is loaded here).
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import time\ntime.sleep(1.0)\ndef get_num_threads():\n    return 3\n"
+                                      "def set_num_threads(n):\n    pass\n")
+    code = ("import sys, threading, time\n"
+            "from rlfleet.shared.compute_thread import ComputeThread\n"
+            "threading.Thread(target=lambda: __import__('torch'), daemon=True).start()\n"
+            "while 'torch' not in sys.modules:\n    time.sleep(0.01)\n"
+            "print(ComputeThread().run(lambda: 'ran'), sys.modules['torch'].get_num_threads())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ran", "3"]
