@@ -99,9 +99,9 @@ def _torch_threads() -> int | None:
     """The calling thread's torch threads, where torch is loaded (None: it is not, and nothing to keep)."""
     if "torch" not in sys.modules:
         return None
-    # In sys.modules is not yet loaded: another thread may be importing it (the training worker's
-    # preload does, while its idle work starts), and a half-made module has no get_num_threads. The
-    # import statement waits for that thread to finish it.
+    # torch in sys.modules may be half made: another thread may still be importing it (the training
+    # worker's preload, while its idle work starts), and a half-made module has no get_num_threads
+    # yet. The import statement waits for that thread to finish it.
     import torch
 
     return int(torch.get_num_threads())

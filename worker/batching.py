@@ -6,14 +6,13 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from rlfleet.shared.chat_prompt import prompt_ids, token_ids
 
 from .samples import TrainSample
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -182,8 +181,6 @@ def micro_batches(
 
 def collate(items: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``response_mask`` (0 on padding), ``[B, L]``."""
-    import torch  # (here: the events worker imports this module for its encoding helpers, not for tensors)
-
     width = max(e.length for e in items)
     input_ids = torch.full((len(items), width), int(pad_id), dtype=torch.long)
     attention = torch.zeros((len(items), width), dtype=torch.long)
