@@ -282,9 +282,13 @@ def _model_from(ref: ModelRef, path: str, kwargs: dict[str, Any], device: str, d
 def end_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The ids that end an answer, in order and once each: the tokenizer's end token, then the model's
     generation config's (one id or several)."""
+    return ordered_ids(tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+
+
+def ordered_ids(*sources: Any) -> list[int]:
+    """The ids of ``sources`` (each None, one id or several), in order and once each."""
     ids: list[int] = []
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for source in (tokenizer.eos_token_id, configured):
+    for source in sources:
         for i in source if isinstance(source, (list, tuple)) else [source]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))

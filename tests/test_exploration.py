@@ -4,6 +4,7 @@ that explore (separable ratings, AUC over the bar) or say why they do not."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -232,6 +233,58 @@ def test_sample_honours_temperature_and_top_p(backend_name, tiny_trainer, reques
     assert backend.sample(rows, 12, seed=2, temperature=0.0) == greedy
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1e-6) == greedy
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1.0) != greedy
+
+
+def test_mlx_draws_the_torch_trainers_answers_in_one_batch(tiny_trainer, mlx_trainer, monkeypatch):
+    """The MLX trainer draws a batch's answers together, by the torch trainer's rules: from the same
+    weights and seeds the same answers, a row the same alone as in its batch, and the same again on a
+    model whose cache does not batch (each row then drawn alone)."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache
+
+    rows = [chat("Tell me about cats."), chat("What is rain?"), chat("Hi"), chat("Name three colours, please.")] * 2
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        drawn = mlx_trainer.sample(rows, 12, seed=5, temperature=temperature, top_p=top_p)
+        assert drawn == tiny_trainer.sample(rows, 12, seed=5, temperature=temperature, top_p=top_p)
+        assert len({tuple(a) for a in drawn}) > 4  # separate draws, not the prompts' answers repeated
+        assert mlx_trainer.sample(rows[5:], 12, seed=0, seeds=[10, 11, 12], temperature=temperature,
+                                  top_p=top_p) == drawn[5:]
+
+    forwards: list[int] = []  # the rows of each forward of the model
+
+    class Counted:
+        def __init__(self, model: object) -> None:
+            self.model = model
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.model, name)
+
+        def __call__(self, ids: mx.array, cache: list) -> mx.array:
+            forwards.append(ids.shape[0])
+            return self.model(ids, cache=cache)
+
+    monkeypatch.setattr(mlx_trainer, "model", Counted(mlx_trainer.model))
+    assert mlx_trainer.sample(rows, 12, seed=5, temperature=0.7, top_p=0.9) == drawn
+    assert forwards[0] == len(rows) and len(forwards) <= 12  # a forward per token for the batch, not per row
+    # A row that ends leaves the batch, and the others draw on as they would have: the answers cut at a
+    # token made an end token, from fewer rows each step.
+    common = Counter(t for a in drawn for t in a[1:]).most_common(1)[0][0]
+    monkeypatch.setattr(mlx_trainer, "_end_ids", [*mlx_trainer._end_ids, common])
+    forwards.clear()
+    cut = mlx_trainer.sample(rows, 12, seed=5, temperature=0.7, top_p=0.9)
+    assert cut == [a[:a.index(common)] if common in a else a for a in drawn] != drawn
+    assert forwards[-1] < forwards[0] == len(rows) and forwards == sorted(forwards, reverse=True)
+    monkeypatch.setattr(mlx_trainer, "_end_ids", mlx_trainer._end_ids[:-1])
+
+    def refuse(cls: type, caches: list) -> None:  # as mlx_lm says it of a cache that does not batch
+        raise ValueError(f"{cls} does not yet support batching with history")
+
+    forwards.clear()
+    monkeypatch.setattr(mlx_cache.KVCache, "merge", classmethod(refuse))
+    assert mlx_trainer.sample(rows, 12, seed=5, temperature=0.7, top_p=0.9) == drawn
+    assert set(forwards) == {1} and len(forwards) > len(rows)  # each row drawn alone
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        mlx_trainer.sample(rows[:2], 4, seed=0, seeds=[1])
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "mlx"])

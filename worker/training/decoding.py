@@ -63,6 +63,20 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch
     return ids.gather(-1, at.clamp(max=ids.shape[-1] - 1)).squeeze(-1)
 
 
+class RowStreams:
+    """One random stream per row, seeded by the row's seed: the uniform a row's next token is drawn
+    at depends on its seed and how many tokens it has drawn, never on the batch it is drawn in.
+    Shared by every decoder of the trainers (this one, :mod:`.mlx_decoding`), so one seed gives one
+    answer on either backend, up to the logits' rounding."""
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        self._streams = [torch.Generator().manual_seed(int(s) & 0xFFFF_FFFF_FFFF_FFFF) for s in seeds]
+
+    def uniforms(self, rows: Sequence[int]) -> torch.Tensor:
+        """``[len(rows)]`` CPU fp32: the next uniform of each of ``rows``' streams, in that order."""
+        return torch.cat([torch.rand(1, generator=self._streams[r]) for r in rows])
+
+
 @torch.no_grad()
 def draw(body: Any, head_weight: torch.Tensor, rows: Sequence[Sequence[int]], max_new_tokens: int,
          temperature: float, top_p: float, seeds: Sequence[int], end_ids: Sequence[int], pad_id: int
@@ -89,15 +103,14 @@ def draw(body: Any, head_weight: torch.Tensor, rows: Sequence[Sequence[int]], ma
     kv = {cache_argument(body): cache}
     hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                   **kv).last_hidden_state[:, -1]
-    streams = [torch.Generator().manual_seed(int(s) & 0xFFFF_FFFF_FFFF_FFFF) for s in seeds]
+    streams = RowStreams(seeds)
     ends = torch.tensor(sorted({int(e) for e in end_ids}) or [-1], device=device)
     out: list[list[int]] = [[] for _ in rows]
     live = list(range(len(rows)))  # the rows still drawing, in the batch's order
     at = positions[:, -1]
     for step in range(max_new_tokens):
         logits = F.linear(hidden.to(head_weight.dtype), head_weight).float()
-        uniforms = torch.cat([torch.rand(1, generator=streams[r]) for r in live]).to(device)
-        tokens = pick(logits, temperature, top_p, uniforms)
+        tokens = pick(logits, temperature, top_p, streams.uniforms(live).to(device))
         ended = torch.isin(tokens, ends)
         for r, t, e in zip(live, tokens.tolist(), ended.tolist(), strict=True):
             if not e:

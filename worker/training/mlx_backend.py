@@ -30,11 +30,13 @@ from rlfleet.shared.models import ModelRef, load_tokenizer
 
 from ..batching import Encoded, collate, micro_batches
 from ..presets import TrainConfig
+from . import mlx_decoding
 from .backend import RefExtras, RowScores, StepStats, TokenSums, TopRow
 from .interface import TrainerInterface
 from .mlx_model import (
     LoraSpec,
     checkpoint_shapes,
+    end_ids,
     fresh_spec,
     hf_folder,
     legacy_rope_fields,
@@ -72,6 +74,7 @@ class MlxTrainer(TrainerInterface):
         self._teachers = TeacherCache(self.tokenizer)
         self.folder = hf_folder(ref, cache_dir)
         self.config, self.model = self._load(ref, self.folder)
+        self._end_ids = end_ids(self.folder, self.config, self.tokenizer)
         # a list of (path, array) pairs: mlx annotates the return as that or a dict, which it returns
         # only when given a dict to fill
         flat = cast("list[tuple[str, Any]]", tree_flatten(self.model.parameters()))
@@ -188,7 +191,7 @@ class MlxTrainer(TrainerInterface):
 
     @property
     def rows_seeded(self) -> bool:
-        return True  # one answer at a time, each from its own seed
+        return True  # each row from its own stream (mlx_decoding)
 
     def full_precision(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -541,33 +544,16 @@ class MlxTrainer(TrainerInterface):
         self, prompts: Sequence[list[dict]], max_new_tokens: int, seed: int,
         temperature: float = 0.7, top_p: float = 1.0, seeds: Sequence[int] | None = None,
     ) -> list[list[int]]:
-        """One answer at a time, seeded ``seed + j`` for the j-th prompt (``seeds[j]`` where given); no
-        top-k."""
-        own = list(seeds) if seeds is not None else [seed + j for j in range(len(prompts))]
-        return [self._sample(prompt, max_new_tokens, s, temperature, top_p)
-                for prompt, s in zip(prompts, own, strict=True)]
-
-    def _sample(
-        self, prompt: list[dict], max_new_tokens: int, seed: int, temperature: float, top_p: float
-    ) -> list[int]:
-        from mlx_lm.generate import generate_step
-        from mlx_lm.sample_utils import make_sampler
-
-        mx = _mx()
-        ids = prompt_ids(self.tokenizer, prompt)
+        """The prompts' answers drawn in one batch (:func:`.mlx_decoding.draw`), each row from a stream
+        of its own (``seeds``, or ``seed + i``): the torch trainer's rules, so the same seed draws the
+        same answer from the same weights on either backend."""
+        rows = [prompt_ids(self.tokenizer, p) for p in prompts]
+        own = list(seeds) if seeds is not None else [seed + i for i in range(len(rows))]
+        if len(own) != len(rows):
+            raise ValueError(f"{len(rows)} prompts but {len(own)} seeds")
         eos = self.tokenizer.eos_token_id
-        mx.random.seed(seed)
-        new: list[int] = []
-        steps = generate_step(
-            mx.array(ids, dtype=mx.int32), self.model, max_tokens=max_new_tokens,
-            sampler=make_sampler(temp=temperature, top_p=top_p),
-        )
-        for token, _logprobs in steps:
-            t = int(token)
-            if t == eos:
-                break
-            new.append(t)
-        return new
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        return mlx_decoding.draw(self.model, rows, max_new_tokens, temperature, top_p, own, self._end_ids, pad)
 
 
 def _mx() -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlfleet.shared.errors import ModelUnavailable
 from rlfleet.shared.gguf_copy import cache_root, copy_folder, default_root, is_model_folder, write_copy
-from rlfleet.shared.models import ModelRef, save_model_folder
+from rlfleet.shared.models import ModelRef, ordered_ids, save_model_folder
 from rlfleet.shared.registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 INSTALL_HINT = "pip install -e '.[mlx]'"
@@ -66,6 +66,15 @@ def hf_folder(ref: ModelRef, cache_dir: Path | None = None) -> Path:
     if is_model_folder(dest):
         return dest
     return write_copy(dest, lambda tmp: save_model_folder(ref, tmp), Path(ref.path) / (ref.gguf_file or ""))
+
+
+def end_ids(folder: Path, config: dict, tokenizer: Any) -> list[int]:
+    """The ids that end an answer, as :func:`rlfleet.shared.models.end_token_ids` reads them from a
+    torch model: the tokenizer's end token, then the folder's generation config's (transformers falls
+    back on the model config's where the folder has none)."""
+    path = folder / "generation_config.json"
+    generation = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else config
+    return ordered_ids(tokenizer.eos_token_id, generation.get("eos_token_id"))
 
 
 def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
