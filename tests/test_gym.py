@@ -494,7 +494,10 @@ def test_a_training_worker_killed_mid_run_is_raised_in_the_loop_and_the_next_bat
         while agent.store.latest_run(agent.slug) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         run_id = agent.store.latest_run(agent.slug).id
-        job = Job.fetch(train_job_id(agent.slug, run_id), connection=conn)
+        job_id = train_job_id(agent.slug, run_id)
+        while not Job.exists(job_id, connection=conn) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the run is stored a moment before its job is queued
+        job = Job.fetch(job_id, connection=conn)
         while int(conn.hget(progress_key(agent.slug), "step") or 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the worker is inside the run's updates
         assert job.get_status(refresh=True) == JobStatus.STARTED
