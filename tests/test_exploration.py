@@ -4,6 +4,7 @@ that explore (separable ratings, AUC over the bar) or say why they do not."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import replace
 
@@ -235,12 +236,14 @@ def test_sample_honours_temperature_and_top_p(backend_name, tiny_trainer, reques
     assert backend.sample(rows, 12, seed=3, temperature=1.0, top_p=1.0) != greedy
 
 
-def test_mlx_draws_the_torch_trainers_answers_in_one_batch(tiny_trainer, mlx_trainer, monkeypatch):
+def test_mlx_draws_the_torch_trainers_answers_in_one_batch(tiny_trainer, mlx_trainer, monkeypatch, caplog):
     """The MLX trainer draws a batch's answers together, by the torch trainer's rules: from the same
     weights and seeds the same answers, a row the same alone as in its batch, and the same again on a
     model whose cache does not batch (each row then drawn alone)."""
     import mlx.core as mx
     from mlx_lm.models import cache as mlx_cache
+
+    from rlfleet.worker.training import mlx_decoding
 
     rows = [chat("Tell me about cats."), chat("What is rain?"), chat("Hi"), chat("Name three colours, please.")] * 2
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -281,8 +284,12 @@ def test_mlx_draws_the_torch_trainers_answers_in_one_batch(tiny_trainer, mlx_tra
 
     forwards.clear()
     monkeypatch.setattr(mlx_cache.KVCache, "merge", classmethod(refuse))
-    assert mlx_trainer.sample(rows, 12, seed=5, temperature=0.7, top_p=0.9) == drawn
-    assert set(forwards) == {1} and len(forwards) > len(rows)  # each row drawn alone
+    monkeypatch.setattr(mlx_decoding, "_said", set())  # (what an earlier test in this process may have said)
+    with caplog.at_level(logging.WARNING, logger="rlfleet.worker.training.mlx_decoding"):
+        assert mlx_trainer.sample(rows, 12, seed=5, temperature=0.7, top_p=0.9) == drawn
+        assert set(forwards) == {1} and len(forwards) > len(rows)  # each row drawn alone
+        assert mlx_trainer.sample(rows[:2], 4, seed=5) == [a[:4] for a in mlx_trainer.sample(rows[:2], 12, seed=5)]
+    assert sum("drawn one at a time" in r.getMessage() for r in caplog.records) == 1  # said once, not per draw
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
         mlx_trainer.sample(rows[:2], 4, seed=0, seeds=[1])
 

@@ -20,6 +20,7 @@ import numpy as np
 from .decoding import RowStreams, pick
 
 log = logging.getLogger(__name__)
+_said: set[str] = set()  # the reasons a model's rows were drawn one at a time, warned once each
 
 
 def draw(model: Any, rows: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
@@ -37,8 +38,11 @@ def draw(model: Any, rows: Sequence[Sequence[int]], max_new_tokens: int, tempera
     try:
         cache, first = _prefill(model, rows, pad_id)
     except (AttributeError, NotImplementedError, TypeError, ValueError) as exc:
-        log.warning("this model's key/value cache does not batch in mlx_lm (%s: %s); its answers are drawn "
-                    "one at a time", type(exc).__name__, exc)
+        reason = f"{type(exc).__name__}: {exc}"
+        if reason not in _said:
+            _said.add(reason)
+            log.warning("this model's key/value cache does not batch in mlx_lm (%s); its answers are drawn "
+                        "one at a time", reason)
         out: list[list[int]] = []
         for i, row in enumerate(rows):
             cache, first = _prefill(model, [row], pad_id, batched=False)
