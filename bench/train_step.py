@@ -313,6 +313,10 @@ def _vocab(trainer: Any) -> int | None:
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_matmul"}
 COPIES = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"}
+# The grouped attention's operators (a CPU bf16 pass: worker/training/grouped_attention.py) where SDPA's
+# are one fused call: its batched products (the model's linears and the head multiply 2-D operands),
+# its softmax and that softmax's backward, its mask's fill.
+GROUPED = {"aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_softmax_backward_data", "aten::masked_fill_"}
 FAMILIES = ("head products", "LoRA products", "other products", "attention", "vocabulary-wide elementwise",
             "casts and copies", "other")
 
@@ -320,16 +324,17 @@ FAMILIES = ("head products", "LoRA products", "other products", "attention", "vo
 def families(events: list[tuple[str, list[list[int]], float]], vocab: int | None, rank: int) -> dict[str, float]:
     """Self time (µs in, seconds out) by family, from ``(op name, its input shapes, self µs)`` rows: a
     product with a vocabulary-sized dimension is the head's, one with a ``rank``-sized one the LoRA's;
-    any other op with a vocabulary-sized dimension is the log-softmax's kind of work. The shares add
+    SDPA's calls and the grouped attention's operators (:data:`GROUPED`) are attention's; any other op
+    with a vocabulary-sized dimension is the log-softmax's kind of work. The shares add
     up to the step's profiled self time."""
     out = dict.fromkeys(FAMILIES, 0.0)
     for name, shapes, us in events:
         dims = {d for shape in shapes for d in shape}
         wide = vocab is not None and vocab in dims
-        if name in PRODUCTS:
-            family = "head products" if wide else "LoRA products" if rank in dims else "other products"
-        elif "scaled_dot_product" in name or "flash_attention" in name:
+        if "scaled_dot_product" in name or "flash_attention" in name or (name in GROUPED and not wide):
             family = "attention"
+        elif name in PRODUCTS:
+            family = "head products" if wide else "LoRA products" if rank in dims else "other products"
         elif wide:
             family = "vocabulary-wide elementwise"
         elif name in COPIES:

@@ -83,13 +83,16 @@ def test_train_step_sums_a_profile_by_family():
         ("aten::sub", [[30, vocab], [30, 1]], 80.0),  # the log-softmax's kind of work
         ("aten::_to_copy", [[30, 64]], 40.0),
         ("aten::mul", [[30, 64], [30, 64]], 30.0),
+        ("aten::bmm", [[1, 60, 16], [1, 16, 30]], 20.0),  # the grouped attention's scores
+        ("aten::_softmax", [[1, 1, 2, 30, 30]], 10.0),  # and their softmax
+        ("aten::_softmax", [[30, vocab]], 7.0),  # a vocabulary-wide softmax is not attention's
     ]
     out = train_step.families(events, vocab, rank)
     assert out["head products"] == pytest.approx(5e-4) and out["LoRA products"] == pytest.approx(1e-4)
-    assert out["other products"] == pytest.approx(2e-4) and out["attention"] == pytest.approx(5e-5)
-    assert out["vocabulary-wide elementwise"] == pytest.approx(8e-5)
+    assert out["other products"] == pytest.approx(2e-4) and out["attention"] == pytest.approx(8e-5)
+    assert out["vocabulary-wide elementwise"] == pytest.approx(8.7e-5)
     assert out["casts and copies"] == pytest.approx(4e-5) and out["other"] == pytest.approx(3e-5)
-    assert sum(out.values()) == pytest.approx(1e-3)
+    assert sum(out.values()) == pytest.approx(1.037e-3)
     assert train_step.families(events, None, rank)["head products"] == 0  # no head known: not guessed
 
 
