@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rows < 1 or args.new_tokens < 1 or args.rounds < 1:
         ap.error("--rows, --new-tokens and --rounds take a positive number")
 
+    from rlfleet.shared.errors import ModelUnavailable
+    from rlfleet.worker.training.mlx_model import require_mlx
+
+    try:
+        require_mlx()
+    except ModelUnavailable as exc:
+        ap.error(str(exc))
     import mlx.core as mx
 
     from rlfleet.shared.chat_prompt import prompt_ids
