@@ -14,6 +14,7 @@ Tokens/s counts the answers' tokens, so a way that stops a row at its end is not
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -24,17 +25,34 @@ TOPICS = ["rain", "tea", "maps", "jazz", "bread", "snow", "chess", "kites", "shi
 WAYS = ("llama.cpp", "decoding", "generate")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = parser("bench.draw", __doc__)
+def draw_options(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that draws a run's answers (this one, bench.draw_mlx)."""
     ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
     ap.add_argument("--rows", type=int, default=64, help="answers per draw (default 64, a run's exploration)")
     ap.add_argument("--new-tokens", type=int, default=64, help="length cap of an answer (default 64)")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds; medians reported (default 3)")
-    ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+
+
+def parse_draw_options(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed with the output options added, refused where nothing would be drawn."""
     output_options(ap)
     args = ap.parse_args(argv)
     if args.rows < 1 or args.new_tokens < 1 or args.rounds < 1:
         ap.error("--rows, --new-tokens and --rounds take a positive number")
+    return args
+
+
+def draw_prompts(rows: int) -> list[list[dict]]:
+    """``rows`` one-message chats, four per topic, as a run explores."""
+    return [[{"role": "user", "content": f"Tell me about {TOPICS[i // 4 % len(TOPICS)]} in two sentences."}]
+            for i in range(rows)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser("bench.draw", __doc__)
+    draw_options(ap)
+    ap.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    args = parse_draw_options(ap, argv)
 
     import torch
 
@@ -46,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.worker.training.torch_backend import Trainer
 
     trainer = Trainer(resolve_model(args.model))
-    prompts = [[{"role": "user", "content": f"Tell me about {TOPICS[i // 4 % len(TOPICS)]} in two sentences."}]
-               for i in range(args.rows)]
+    prompts = draw_prompts(args.rows)
     decoder = torch_backend._decoder
 
     def run(way: str) -> tuple[float, int]:

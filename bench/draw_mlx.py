@@ -19,22 +19,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .draw import TOPICS
-from .record import markdown_table, output_options, parser, publish
+from .draw import draw_options, draw_prompts, parse_draw_options
+from .record import markdown_table, parser, publish
 
 WAYS = ("rlfleet", "batch_generate", "one at a time")
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = parser("bench.draw_mlx", __doc__)
-    ap.add_argument("--model", default="smollm2-135m", help="alias, folder or hub id (default: the default model)")
-    ap.add_argument("--rows", type=int, default=64, help="answers per draw (default 64, a run's exploration)")
-    ap.add_argument("--new-tokens", type=int, default=64, help="length cap of an answer (default 64)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds; medians reported (default 3)")
-    output_options(ap)
-    args = ap.parse_args(argv)
-    if args.rows < 1 or args.new_tokens < 1 or args.rounds < 1:
-        ap.error("--rows, --new-tokens and --rounds take a positive number")
+    draw_options(ap)
+    args = parse_draw_options(ap, argv)
 
     from rlfleet.shared.errors import ModelUnavailable
     from rlfleet.worker.training.mlx_model import require_mlx
@@ -50,8 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rlfleet.worker.training.mlx_backend import MlxTrainer
 
     trainer = MlxTrainer(resolve_model(args.model))
-    prompts = [[{"role": "user", "content": f"Tell me about {TOPICS[i // 4 % len(TOPICS)]} in two sentences."}]
-               for i in range(args.rows)]
+    prompts = draw_prompts(args.rows)
     rows = [prompt_ids(trainer.tokenizer, p) for p in prompts]
     ends = list(trainer._end_ids)
     ways: dict[str, Callable[[Sequence[list[int]], int], list[list[int]]]] = {

@@ -77,6 +77,14 @@ class RowStreams:
         return torch.cat([torch.rand(1, generator=self._streams[r]) for r in rows])
 
 
+def check_rows(rows: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
+    """What every decoder of the trainers refuses: a seed count that is not the rows', an empty prompt."""
+    if len(seeds) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(seeds)} seeds")
+    if any(not r for r in rows):
+        raise ValueError("an empty prompt")
+
+
 @torch.no_grad()
 def draw(body: Any, head_weight: torch.Tensor, rows: Sequence[Sequence[int]], max_new_tokens: int,
          temperature: float, top_p: float, seeds: Sequence[int], end_ids: Sequence[int], pad_id: int
@@ -85,12 +93,9 @@ def draw(body: Any, head_weight: torch.Tensor, rows: Sequence[Sequence[int]], ma
     model whose body (the decoder stack, returning ``last_hidden_state``) is ``body`` and whose
     output head multiplies by ``head_weight``; row ``i`` draws from a stream seeded ``seeds[i]``.
     The new ids of each row, without the end token that ended it."""
-    if len(seeds) != len(rows):
-        raise ValueError(f"{len(rows)} rows but {len(seeds)} seeds")
+    check_rows(rows, seeds)
     if not rows:
         return []
-    if any(not r for r in rows):
-        raise ValueError("an empty prompt")
     from transformers import DynamicCache
 
     from rlfleet.shared.models import cache_argument

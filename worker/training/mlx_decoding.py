@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .decoding import RowStreams, pick
+from .decoding import RowStreams, check_rows, pick
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()  # the reasons a model's rows were drawn one at a time, warned once each
@@ -28,12 +28,9 @@ def draw(model: Any, rows: Sequence[Sequence[int]], max_new_tokens: int, tempera
     """Each of ``rows`` (prompt token ids) continued by up to ``max_new_tokens`` tokens drawn from the
     mlx_lm ``model``; row ``i`` draws from a stream seeded ``seeds[i]``. The new ids of each row,
     without the end token that ended it."""
-    if len(seeds) != len(rows):
-        raise ValueError(f"{len(rows)} rows but {len(seeds)} seeds")
+    check_rows(rows, seeds)
     if not rows:
         return []
-    if any(not r for r in rows):
-        raise ValueError("an empty prompt")
     streams = RowStreams(seeds)
     try:
         cache, first = _prefill(model, rows, pad_id)
