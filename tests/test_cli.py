@@ -287,6 +287,21 @@ def test_every_command_has_help(cmd):
     assert res.exit_code == 0 and "Usage" in res.output
 
 
+def test_help_lists_each_command_by_the_first_paragraph_of_its_help_on_one_line(monkeypatch):
+    import inspect
+
+    monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no description wraps
+    res = rl("--help")
+    assert res.exit_code == 0
+    rows = {line.split()[1]: line for line in res.output.splitlines() if line.startswith("│ ")}
+    commands = [c for c in app.registered_commands if c.callback is not None and c.callback.__doc__]
+    assert len(commands) > 20 and "rate" in rows
+    for info in commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        first = " ".join(inspect.cleandoc(info.help or info.callback.__doc__).split("\n\n")[0].split())
+        assert first in rows[name], (name, rows[name])
+
+
 def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir, monkeypatch):
     from rlfleet.shared.embedded_redis import EmbeddedRedis
 

@@ -9,11 +9,13 @@ command uses are in :mod:`.app`; each module below holds the commands of one job
 from __future__ import annotations
 
 # (`app` stays the module's name here: rlfleet.cli.app.app is the Typer root)
+from . import app as _app
 from .app import dispatch, main
 
 # Importing a module registers its commands, in this order: the order of `rlfleet --help`.
 # isort: off
 from . import setup, rate, status, training, data, processes  # noqa: F401
 # isort: on
+_app.one_line_summaries(_app.app)  # once every command is registered
 
 __all__ = ["dispatch", "main"]

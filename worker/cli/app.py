@@ -7,6 +7,7 @@ Heavy imports (torch, the worker) happen inside the commands that need them, so 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -72,6 +73,19 @@ def _root(
             raise BadInput("--home is empty: give the data dir's path, or leave --home out for ~/.rlfleet")
         os.environ["RLFLEET_HOME"] = str(Path(home).expanduser().resolve())
     check_home(data_dir())
+
+
+def one_line_summaries(root: typer.Typer) -> None:
+    """Each command of ``root`` (and of its groups) listed in ``--help`` by its help's first paragraph as
+    one line of text: typer's rich mode keeps that paragraph's line breaks in the list (a command's own
+    ``--help`` rewraps it), which left a description broken off mid-sentence."""
+    for info in root.registered_commands:
+        text = info.help or (info.callback.__doc__ if info.callback is not None else None)
+        if info.short_help is None and text:
+            info.short_help = " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
+    for group in root.registered_groups:
+        if group.typer_instance is not None:
+            one_line_summaries(group.typer_instance)
 
 
 def command_config(read_only: bool = False, **overrides: Any) -> Config:
