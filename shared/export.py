@@ -18,14 +18,14 @@ from pathlib import Path
 from .config import Config
 from .errors import BadInput, NotFound
 from .models import ModelRef, load_model, load_tokenizer, quiet_peft, resolve_model
-from .registry import EXPORTED_FILES, AdapterRegistry
+from .registry import EXPORTED_FILES, AdapterRegistry, version_name
 
 
 def pick_version(cfg: Config, version: str | None) -> tuple[ModelRef, AdapterRegistry, str]:
     """The model, its registry and the version to export (default: the one being served)."""
     ref = resolve_model(cfg.model)
     registry = AdapterRegistry(cfg.adapters_root, ref.slug)
-    version = version or registry.current()
+    version = version_name(version) if version else registry.current()
     if version is None:
         raise NotFound("no adapter is being served (the base model is): name one with --version, or train first")
     if not registry.exists(version):

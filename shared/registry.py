@@ -29,6 +29,7 @@ EXPORTED_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LEGACY_WEIGHTS, META_FILE)  #
 CURRENT_FILE = "CURRENT"  # the name of the version being served; absent: the base model
 
 _VERSION = re.compile(r"^v(\d{4,})$")  # the names this registry gives its versions
+_TYPED_VERSION = re.compile(r"^[vV]?0*(\d{1,9})$")  # how people name one: v0003, v3, 3
 # What CURRENT may name: a plain folder name, no separators, no dots (peft adapter names become torch
 # ModuleDict keys, which must not contain '.'). Loaders serve any such folder; the registry writes vNNNN.
 _POINTER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -97,6 +98,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def version_name(typed: str) -> str:
+    """A version as people type it (``v0003``, ``v3``, ``3``) as the registry names it (``v0003``);
+    anything else as it was typed, for the registry to refuse by name."""
+    found = _TYPED_VERSION.match(typed.strip())
+    return f"v{int(found.group(1)):04d}" if found else typed
+
+
 class AdapterRegistry:
     def __init__(self, root: Path, slug: str) -> None:
         """``slug``: a model's slug (its shared adapters) or a scope's lineage (shared/scopes.py)."""
@@ -119,7 +127,7 @@ class AdapterRegistry:
 
     def path(self, version: str) -> Path:
         if not _VERSION.match(version):
-            raise NotFound(f"{version!r} is not a version name (expected v0001, v0002, …)")
+            raise NotFound(f"{version!r} is not a version name (expected v0001, v0002, … or 1, 2, …)")
         return self.dir / version
 
     def exists(self, version: str) -> bool:

@@ -16,7 +16,14 @@ from rlfleet.shared.config import load_config
 from rlfleet.shared.job_result import JobResult
 from rlfleet.shared.models import model_slug
 from rlfleet.shared.queue import status_key
-from rlfleet.shared.registry import ADAPTER_FILES, CURRENT_FILE, AdapterRegistry, Pointer, read_pointer
+from rlfleet.shared.registry import (
+    ADAPTER_FILES,
+    CURRENT_FILE,
+    AdapterRegistry,
+    Pointer,
+    read_pointer,
+    version_name,
+)
 from rlfleet.shared.status import build_status, gather_status, publish_snapshot
 from rlfleet.shared.store import Store
 
@@ -107,6 +114,14 @@ def _spelled_outside(owner: str, needles: tuple[str, ...]) -> list[str]:
             found += [f"{path.relative_to(ROOT)}:{line}: {text!r}" for line, text in _literals(path)
                       if any(needle in text for needle in needles)]
     return found
+
+
+@pytest.mark.parametrize("typed, name", [
+    ("v0003", "v0003"), ("v3", "v0003"), ("3", "v0003"), (" V03 ", "v0003"), ("v12345", "v12345"),
+    ("base", "base"), ("v3x", "v3x"), ("-1", "-1"), ("3.0", "3.0"), ("", ""),
+])
+def test_a_version_as_people_type_it_is_the_registrys_name(typed, name):
+    assert version_name(typed) == name
 
 
 def test_only_the_registry_spells_the_adapter_folder_format():

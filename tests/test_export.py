@@ -295,6 +295,8 @@ def test_export_refuses_what_it_cannot_do(served_adapter, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     with pytest.raises(NotFound, match="no adapter version v0009"):
         rl("export", "merged", tmp_path / "m", "--version", "v0009")
+    res = rl("export", "adapter", tmp_path / "typed", "--version", "1")  # a version as people type it
+    assert res.exit_code == 0 and "wrote adapter v0001" in res.output, res.output
     served_adapter.set_current(None)
     with pytest.raises(NotFound, match="no adapter is being served"):
         rl("export", "adapter", tmp_path / "a")

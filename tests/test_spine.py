@@ -132,6 +132,11 @@ def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
         assert reg.current() is None
         assert rl("rollback", "v0002").exit_code == 0
         assert reg.current() == "v0002"
+        # a version as people type it
+        assert rl("rollback", "1").exit_code == 0
+        assert reg.current() == "v0001"
+        assert rl("promote", "v2").exit_code == 0
+        assert reg.current() == "v0002"
 
 
 def test_undo_of_a_trained_rating_is_retracted_by_the_next_run(tiny_home):

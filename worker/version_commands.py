@@ -12,7 +12,7 @@ from rlfleet.shared.config import Config
 from rlfleet.shared.events import Command, Source
 from rlfleet.shared.job_result import JobResult
 from rlfleet.shared.models import model_slug
-from rlfleet.shared.registry import AdapterRegistry
+from rlfleet.shared.registry import AdapterRegistry, version_name
 from rlfleet.shared.runs import ratings_until_run
 from rlfleet.shared.status import build_status, publish_snapshot
 from rlfleet.shared.store import Store
@@ -99,13 +99,14 @@ def rollback(ctx: Context, conn: redis.Redis, target: object) -> JobResult:
         ctx.store.set_active(ctx.slug, None)
         schedule_push(ctx, conn)
         return JobResult.done("rolled back to the base model", version=None)
-    refusal = _unservable(ctx, target)
+    version = version_name(target)
+    refusal = _unservable(ctx, version)
     if refusal:
         return JobResult.failed(refusal)
-    ctx.registry.set_current(target)
-    ctx.store.set_active(ctx.slug, target)
+    ctx.registry.set_current(version)
+    ctx.store.set_active(ctx.slug, version)
     schedule_push(ctx, conn)
-    return JobResult.done(f"now serving {target}", version=target)
+    return JobResult.done(f"now serving {version}", version=version)
 
 
 def _unservable(ctx: Context, version: str, force: bool = False) -> str | None:
@@ -126,6 +127,7 @@ def promote(ctx: Context, conn: redis.Redis, version: str, force: bool) -> JobRe
     """Serve ``version``; a version the gate rejected only with ``force``."""
     from .training.advantages import update_ema  # (not .objective, which loads torch for it)
 
+    version = version_name(version)
     refusal = _unservable(ctx, version, force)
     if refusal:
         return JobResult.failed(refusal)

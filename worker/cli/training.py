@@ -142,7 +142,7 @@ def _worked_through(worker: subprocess.Popen) -> int | None:
 @app.command()
 def rollback(
     version: Annotated[
-        str | None, typer.Argument(help="Version to serve (v0003), or 'base'. Default: the parent.")
+        str | None, typer.Argument(help="Version to serve (v0003, v3 or 3), or 'base'. Default: the parent.")
     ] = None,
     scope: ScopeOpt = None,
     as_json: JsonOpt = False,
@@ -175,7 +175,7 @@ def resume(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
 
 @app.command()
 def promote(
-    version: Annotated[str, typer.Argument(help="Version to serve (v0003).")],
+    version: Annotated[str, typer.Argument(help="Version to serve (v0003, v3 or 3).")],
     force: Annotated[bool, typer.Option("--force", help="Serve it even though the gate rejected it.")] = False,
     scope: ScopeOpt = None,
     as_json: JsonOpt = False,
