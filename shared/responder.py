@@ -58,6 +58,7 @@ class Answer:
     model: str  # the model spec
     seconds: float
     new_tokens: int
+    prompt_tokens: int  # the prompt as the model read it (system prompt and chat template included)
     # The conversation the prompt was built from, system prompt included: store this as the capture's
     # prompt, so the trainer rebuilds the very prompt these log-probs were computed under.
     messages: list[dict] = field(default_factory=list)
@@ -488,7 +489,7 @@ class LocalResponder:
             return Answer(
                 text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
                 adapter_version=chosen.version, model=self.ref.spec, seconds=time.perf_counter() - t0,
-                new_tokens=len(got), messages=msgs,
+                new_tokens=len(got), prompt_tokens=len(ids), messages=msgs,
                 finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
             )
 
@@ -576,12 +577,12 @@ class LocalResponder:
                     chosen.model, [torch.tensor(r, device=self.device) for r in batch.rows], batch.news, batch.pad_id)
             seconds = time.perf_counter() - t0
             answers = []
-            for new, lps, msgs in zip(batch.news, logprobs, batch.built, strict=True):
+            for new, lps, msgs, row in zip(batch.news, logprobs, batch.built, batch.rows, strict=True):
                 got = new.tolist()
                 answers.append(Answer(
                     text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got,
                     logprobs=lps, adapter_version=chosen.version, model=self.ref.spec, seconds=seconds,
-                    new_tokens=len(got), messages=msgs,
+                    new_tokens=len(got), prompt_tokens=len(row), messages=msgs,
                     finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
                 ))
             return answers

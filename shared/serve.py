@@ -128,6 +128,12 @@ def _logprobs(answer, tokenizer) -> dict:
     ]}
 
 
+def _usage(answer) -> dict:
+    """OpenAI's usage object: clients read all three counts."""
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.new_tokens,
+            "total_tokens": answer.prompt_tokens + answer.new_tokens}
+
+
 def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dict:
     """The OpenAI-shaped response for one answer, with rlfleet's extension object."""
     body: dict = {
@@ -141,7 +147,7 @@ def completion_body(req: ChatRequest, answer, model_name: str, tokenizer) -> dic
             "message": {"role": "assistant", "content": answer.text},
             "finish_reason": answer.finish_reason,
         }],
-        "usage": {"completion_tokens": answer.new_tokens},
+        "usage": _usage(answer),
         "rlfleet": _extension(answer),
     }
     if req.logprobs:
@@ -170,7 +176,7 @@ class _Chunks:
                           rlfleet=_extension(answer))
 
     def usage(self, answer) -> bytes:
-        return self.event([], usage={"completion_tokens": answer.new_tokens})
+        return self.event([], usage=_usage(answer))
 
 
 async def _stream(request: web.Request, req: ChatRequest, answer_with, model_name: str,

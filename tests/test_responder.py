@@ -15,6 +15,7 @@ pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from rlfleet.shared.chat_prompt import prompt_ids  # noqa: E402
 from rlfleet.shared.models import resolve_model  # noqa: E402
 from rlfleet.shared.responder import Answer, LocalResponder  # noqa: E402
 
@@ -333,6 +334,8 @@ def test_answer_many_gives_each_conversation_its_own_answer_with_its_raw_logprob
     alone = [g.answer(c) for c in convs]
     assert [a.token_ids for a in many] == [a.token_ids for a in alone]
     assert [a.finish_reason for a in many] == [a.finish_reason for a in alone]
+    assert [a.prompt_tokens for a in many] == [a.prompt_tokens for a in alone] == [
+        len(prompt_ids(g.tokenizer, c)) for c in convs]
     assert [a.adapter_version for a in many] == ["v0001"] * 3
     for got, conv in zip(many, convs, strict=True):
         assert got.messages == conv  # no system prompt set: the conversation as asked

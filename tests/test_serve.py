@@ -123,7 +123,7 @@ def test_a_streamed_answer_is_the_same_answer_piece_by_piece(served):
     assert last.model_extra["rlfleet"]["logprobs"] == pytest.approx(whole.model_extra["rlfleet"]["logprobs"])
     assert [t.logprob for t in last.choices[0].logprobs.content] == pytest.approx(
         whole.model_extra["rlfleet"]["logprobs"])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert len({c.id for c in chunks}) == 1
 
 
@@ -162,6 +162,10 @@ def test_requests_that_wait_are_answered_together_each_with_its_own_answer(serve
         assert t.model_extra["rlfleet"]["token_ids"] == a.model_extra["rlfleet"]["token_ids"]
         assert t.model_extra["rlfleet"]["logprobs"] == pytest.approx(a.model_extra["rlfleet"]["logprobs"], abs=1e-4)
         assert t.choices[0].message.content == a.choices[0].message.content
+        # OpenAI's usage, as clients read it: the prompt as the model read it, then the answer
+        assert (t.usage.prompt_tokens, t.usage.completion_tokens) == (a.usage.prompt_tokens, a.usage.completion_tokens)
+        assert a.usage.prompt_tokens > len(a.model_extra["rlfleet"]["messages"][-1]["content"].split())
+        assert a.usage.total_tokens == a.usage.prompt_tokens + len(a.model_extra["rlfleet"]["token_ids"])
 
 
 def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tmp_path, single_thread):
