@@ -94,6 +94,19 @@ def test_rate_in_stars_keeps_them_beside_the_thumb(queued_home):
     assert status_json()["ratings"] == {"total": 1, "good": 0, "bad": 1, "pending": 1}
 
 
+def test_why_may_follow_a_rating_in_words_as_in_the_chat(queued_home):
+    rl("capture", "--prompt", "q", "--response", "an answer")
+    assert rl("bad", "too", "long").exit_code == 0
+    assert rl("good", "clear and short", "--target", "last").exit_code == 0
+    assert rl("rate", "2", "rambles").exit_code == 0
+    res = rl_main("bad", "too long", "--comment", "wrong")
+    assert res.returncode == 2 and "not both" in res.stderr and "Traceback" not in res.stderr
+    with Store(load_config().db_url).session() as s:
+        assert [(r.value, r.stars, r.comment, r.state) for r in s.query(RatingRow).order_by(RatingRow.id)] == [
+            (-1, None, "too long", "replaced"), (1, None, "clear and short", "replaced"),
+            (-1, 2, "rambles", "active")]
+
+
 def test_unknown_target_is_one_line_error_and_changes_nothing(queued_home):
     res = rl("good", "--target", "nope")
     assert res.exit_code == 2

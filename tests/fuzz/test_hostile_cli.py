@@ -117,6 +117,8 @@ def usage_errors(draw) -> list[str]:
         kind = "unknown_option"
     if kind == "flag_value" and not flags:
         kind = "unknown_option"
+    if kind == "extra_argument" and any(a.nargs == -1 for a in args):
+        kind = "unknown_option"  # a command that takes words (`rlfleet bad too long`) takes any number
     if kind == "missing_required":
         tokens = [t for t in tokens if t not in {n for p in cmd.params if p.required for n in p.opts}]
         return [*path, *tokens]  # a required option or argument left out

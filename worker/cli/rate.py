@@ -77,10 +77,13 @@ def capture(
 
 
 def _rate(value: int | None, target: str, comment: str | None, conversation: str | None, as_json: bool,
-          stars: int | None = None) -> None:
+          stars: int | None = None, words: list[str] | None = None) -> None:
+    if words and comment is not None:
+        raise BadInput("say why once: in words after the command or with --comment, not both")
     cfg = command_config()
     try:
-        ev = Rating(target=target, value=value, comment=comment, conversation=conversation, stars=stars)
+        ev = Rating(target=target, value=value, comment=" ".join(words) if words else comment,
+                    conversation=conversation, stars=stars)
     except Exception as exc:
         raise BadInput(_validation_line(exc)) from None
     with queue_for(cfg) as q:
@@ -91,30 +94,33 @@ def _rate(value: int | None, target: str, comment: str | None, conversation: str
 TargetOpt = Annotated[str, typer.Option("--target", help="A capture id or message ref, or 'last'.")]
 CommentOpt = Annotated[str | None, typer.Option("--comment", help="Why (kept with the rating).")]
 ConvOpt = Annotated[str | None, typer.Option("--conversation", help="With --target last: in this conversation.")]
+WhyArg = Annotated[list[str] | None, typer.Argument(
+    help="Why, in your own words, as in the chat's `/rl bad too long` (the same as --comment).", show_default=False)]
 
 
 @app.command()
-def good(target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
+def good(why: WhyArg = None, target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
          as_json: JsonOpt = False) -> None:
-    """Rate an answer good (the last one by default)."""
-    _rate(1, target, comment, conversation, as_json)
+    """Rate an answer good (the last one by default), with why in a few words if you like."""
+    _rate(1, target, comment, conversation, as_json, words=why)
 
 
 @app.command()
-def bad(target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
+def bad(why: WhyArg = None, target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
         as_json: JsonOpt = False) -> None:
-    """Rate an answer bad (the last one by default)."""
-    _rate(-1, target, comment, conversation, as_json)
+    """Rate an answer bad (the last one by default), with why in a few words if you like."""
+    _rate(-1, target, comment, conversation, as_json, words=why)
 
 
 @app.command()
 def rate(
     stars: Annotated[int, typer.Argument(min=1, max=5, help="1-5 stars: 4 or 5 is a good rating, 1 to 3 a bad one.")],
-    target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None, as_json: JsonOpt = False,
+    why: WhyArg = None, target: TargetOpt = "last", comment: CommentOpt = None, conversation: ConvOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Rate an answer in stars (the last one by default); the stars are kept beside the thumb they make, and a
     4 weighs more than a bare good, a 5 more still, against what you usually give (docs/objective.md)."""
-    _rate(None, target, comment, conversation, as_json, stars)
+    _rate(None, target, comment, conversation, as_json, stars, words=why)
 
 
 @app.command()
