@@ -304,7 +304,7 @@ def test_every_command_has_help(cmd):
     assert res.exit_code == 0 and "Usage" in res.output
 
 
-def test_help_lists_each_command_by_the_first_paragraph_of_its_help_on_one_line(monkeypatch):
+def test_help_shows_each_commands_help_as_paragraphs_that_the_terminal_wraps(monkeypatch):
     import inspect
 
     monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no description wraps
@@ -317,6 +317,9 @@ def test_help_lists_each_command_by_the_first_paragraph_of_its_help_on_one_line(
         name = info.name or info.callback.__name__.replace("_", "-")
         first = " ".join(inspect.cleandoc(info.help or info.callback.__doc__).split("\n\n")[0].split())
         assert first in rows[name], (name, rows[name])
+    # a command's own help: each paragraph rewrapped, none broken off where its docstring's line ended
+    res = rl("web", "--help")
+    assert "and printed here. It listens on 127.0.0.1 unless told otherwise" in res.output, res.output
 
 
 def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir, monkeypatch):

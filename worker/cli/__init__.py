@@ -16,6 +16,6 @@ from .app import dispatch, main
 # isort: off
 from . import setup, rate, status, training, data, processes  # noqa: F401
 # isort: on
-_app.one_line_summaries(_app.app)  # once every command is registered
+_app.rewrap_help(_app.app)  # once every command is registered
 
 __all__ = ["dispatch", "main"]

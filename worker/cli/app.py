@@ -75,17 +75,23 @@ def _root(
     check_home(data_dir())
 
 
-def one_line_summaries(root: typer.Typer) -> None:
-    """Each command of ``root`` (and of its groups) listed in ``--help`` by its help's first paragraph as
-    one line of text: typer's rich mode keeps that paragraph's line breaks in the list (a command's own
-    ``--help`` rewraps it), which left a description broken off mid-sentence."""
+def rewrap_help(root: typer.Typer) -> None:
+    """The help of each command of ``root`` (and of its groups) as paragraphs the terminal wraps: typer's
+    rich mode keeps a docstring's line breaks in the command list and in a command's later paragraphs,
+    which broke lines off mid-sentence. The list shows the first paragraph as one line of text; a
+    paragraph that starts with click's ``\\b`` keeps its lines."""
     for info in root.registered_commands:
         text = info.help or (info.callback.__doc__ if info.callback is not None else None)
-        if info.short_help is None and text:
-            info.short_help = " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
+        if not text:
+            continue
+        paragraphs = [p if p.startswith("\b") else " ".join(p.split())
+                      for p in inspect.cleandoc(text).split("\n\n")]
+        info.help = "\n\n".join(paragraphs)
+        if info.short_help is None:
+            info.short_help = paragraphs[0]
     for group in root.registered_groups:
         if group.typer_instance is not None:
-            one_line_summaries(group.typer_instance)
+            rewrap_help(group.typer_instance)
 
 
 def command_config(read_only: bool = False, **overrides: Any) -> Config:
