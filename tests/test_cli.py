@@ -319,7 +319,7 @@ def test_help_shows_each_commands_help_as_paragraphs_that_the_terminal_wraps(mon
         assert first in rows[name], (name, rows[name])
     # a command's own help: each paragraph rewrapped, none broken off where its docstring's line ended
     res = rl("web", "--help")
-    assert "and printed here. It listens on 127.0.0.1 unless told otherwise" in res.output, res.output
+    assert "and printed here when this is a terminal (to a pipe" in res.output, res.output
 
 
 def test_up_stops_workers_and_the_embedded_redis_on_sigterm(home, tiny_model_dir, monkeypatch):

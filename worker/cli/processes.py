@@ -197,8 +197,9 @@ def web(
 ) -> None:
     """Chat and rate in a browser: a local web app for the data dir's owner, behind a login token.
 
-    The token is made on first start (0600, in the data dir as web-token) and printed here. It listens
-    on 127.0.0.1 unless told otherwise; elsewhere, put TLS in front."""
+    The token is made on first start (0600, in the data dir as web-token) and printed here when this is
+    a terminal (to a pipe or a log, only its file is named). It listens on 127.0.0.1 unless told
+    otherwise; elsewhere, put TLS in front."""
     from rlfleet.bots.web.run import run_web
 
     cfg = command_config()
