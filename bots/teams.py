@@ -20,10 +20,11 @@ from botbuilder.integration.aiohttp import CloudAdapter, ConfigurationBotFramewo
 from botbuilder.schema import Activity, ChannelAccount, MessageReaction
 
 from rlfleet.shared.config import Config, TeamsSettings
+from rlfleet.shared.errors import ConfigError
 from rlfleet.shared.ingress.grammar import is_rl, reaction_value, stars_of, thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
 from rlfleet.shared.secrets_file import read_secret
-from rlfleet.shared.webserver import listening, until_cancelled
+from rlfleet.shared.webserver import is_loopback, listening, until_cancelled
 
 from .core import BotCore
 from .supervisor import Link, supervise
@@ -260,11 +261,17 @@ async def run(core: BotCore, cfg: Config, http: bool | None = None, host: str | 
               port: int | None = None) -> None:
     """Serve ``/api/messages`` on ``host:port`` until cancelled (Teams only talks HTTP)."""
     s = cfg.bots.teams
+    bind = (host or s.host, s.port if port is None else port)
+    if not s.app_id and not is_loopback(bind[0]):
+        # Without an app id no request is verified: whoever reaches the port speaks as any user, admins too.
+        raise ConfigError(
+            f"the Teams bot would listen on {bind[0]} with no app_id, so it could not tell who sends a message: "
+            f"set bots.teams.app_id (and the app password in ${s.token_env} or a 0600 file), or listen on "
+            "127.0.0.1 (the Bot Framework Emulator)")
     password = read_secret(s.token_env, s.token_file, "the Teams app password") if s.app_id else None
     link = Link("teams", core.handle.redis, (password or "",))
 
     async def attempt() -> None:
-        bind = (host or s.host, s.port if port is None else port)
         async with listening(web_app(core, s, password, link), *bind) as bound:
             log.info("teams: /api/messages on %s:%s (auth %s)", bind[0], bound,
                      "on" if s.app_id else "off: no app_id")

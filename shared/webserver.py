@@ -1,9 +1,10 @@
 """An aiohttp app listening on an address for as long as a block runs: what `rlfleet serve`, the
-Slack and Telegram HTTP modes and the Teams endpoint share (and the tests, on port 0)."""
+Slack and Telegram HTTP modes, the Teams endpoint and the web app share (and the tests, on port 0)."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,3 +27,13 @@ async def listening(app: web.Application, host: str, port: int) -> AsyncIterator
 
 async def until_cancelled() -> None:
     await asyncio.Event().wait()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` stays on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only localhost is known to stay on this machine
+        return False

@@ -9,6 +9,7 @@ import logging
 from contextlib import asynccontextmanager
 
 import aiohttp
+import pytest
 from botfakes import FakeTeamsConnector
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from sqlalchemy import select
@@ -196,6 +197,25 @@ def test_auth_on_with_an_app_id_and_bad_bodies_change_nothing(queued_home):
                 assert resp.status == 413
             await asyncio.sleep(0.1)
             assert r.queued() == 0 and not r.connector.calls
+    run(go())
+
+
+def test_without_an_app_id_the_bot_listens_only_on_loopback(queued_home):
+    """No app id: no request is verified, so whoever reaches the port could speak as any user (an admin
+    too). Beyond this machine the bot refuses to start; on loopback (the Emulator) it serves."""
+    from rlfleet.bots import teams
+    from rlfleet.shared.errors import ConfigError
+
+    async def go():
+        async with bot_rig("teams") as base:
+            for host in ("0.0.0.0", "::", "192.168.1.20", "teams.example.com"):
+                with pytest.raises(ConfigError, match=f"listen on {host} with no app_id"):
+                    await teams.run(base.core, base.cfg, host=host, port=0)
+            serving = asyncio.create_task(teams.run(base.core, base.cfg, host="127.0.0.1", port=0))
+            await asyncio.sleep(0.5)
+            assert not serving.done()  # listening, not refused
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
     run(go())
 
 

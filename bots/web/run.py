@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from typing import Any
 
@@ -12,22 +11,13 @@ from rich.markup import escape
 
 from rlfleet.shared.config import Config
 from rlfleet.shared.queue import QueueHandle
-from rlfleet.shared.webserver import listening, until_cancelled
+from rlfleet.shared.webserver import is_loopback, listening, until_cancelled
 
 from .app import Dispatch, WebApp, build_app
 from .login import ensure_token
 
 log = logging.getLogger(__name__)
 console = Console(highlight=False, stderr=True)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: only localhost is known to stay on this machine
-        return False
 
 
 def local_responder(cfg: Config) -> Any:
