@@ -93,6 +93,27 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     return web.json_response(_error_body(message, kind), status=status)
 
 
+ROUTES = {"/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (no such route, a wrong method, a body over the cap) in OpenAI's error
+    shape, as the routes' own are: clients parse that, not aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        asked = f"{request.method} {request.path[:200]}"
+        if exc.status == 404:
+            served = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
+            return _error(404, f"no such endpoint: {asked} (this server has {served})", "not_found_error")
+        if exc.status == 405:
+            return _error(405, f"{asked}: use {ROUTES.get(request.path, 'another method')}")
+        return _error(exc.status, exc.text or exc.reason)
+
+
 def request_scope(model: str | None, header: str | None, model_name: str) -> str | None:
     """The scope key a request asks to be answered by (None: the shared one), from the model name
     ``<served model>@<key>`` or the :data:`SCOPE_HEADER`; ValueError for a model not served here, a key
@@ -344,11 +365,14 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
         return web.json_response(completion_body(req, answer, model_name, responder.tokenizer))
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
     app.cleanup_ctx.append(batching)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
+    handlers = {"/v1/chat/completions": chat, "/v1/models": models, "/health": health}
+    for path, method in ROUTES.items():
+        if method == "GET":
+            app.router.add_get(path, handlers[path])  # (HEAD too)
+        else:
+            app.router.add_route(method, path, handlers[path])
     return app
 
 

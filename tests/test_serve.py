@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlfleet.shared.models import resolve_model  # noqa: E402
 from rlfleet.shared.registry import AdapterRegistry  # noqa: E402
+from rlfleet.shared.serve import MAX_BODY_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
@@ -106,6 +107,18 @@ def test_bad_requests_get_openai_shaped_errors(served):
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
     assert exc.value.code == 400 and b"invalid request" in exc.value.read()
+    # aiohttp's own refusals in OpenAI's shape too: no such route, a wrong method, a body over the cap
+    for method, path, data, code, words in [
+        ("POST", "/v1/completions", b"{}", 404, "no such endpoint: POST /v1/completions"),
+        ("GET", "/v1/chat/completions", None, 405, "GET /v1/chat/completions: use POST"),
+        ("POST", "/v1/chat/completions", b"x" * (MAX_BODY_BYTES + 1), 413, "Maximum request body size"),
+    ]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(req, timeout=10)
+        error = json.loads(exc.value.read())["error"]
+        assert exc.value.code == code and words in error["message"] and error["type"].endswith("_error"), error
 
 
 def test_a_streamed_answer_is_the_same_answer_piece_by_piece(served):
