@@ -93,9 +93,6 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
     return web.json_response(_error_body(message, kind), status=status)
 
 
-ROUTES = {"/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET"}
-
-
 @web.middleware
 async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own refusals (no such route, a wrong method, a body over the cap) in OpenAI's error
@@ -106,11 +103,12 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         if exc.status < 400:
             raise
         asked = f"{request.method} {request.path[:200]}"
-        if exc.status == 404:
-            served = ", ".join(f"{method} {path}" for path, method in ROUTES.items())
+        if isinstance(exc, web.HTTPNotFound):
+            served = ", ".join(sorted({f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                                       if r.method != "HEAD" and r.resource is not None}))
             return _error(404, f"no such endpoint: {asked} (this server has {served})", "not_found_error")
-        if exc.status == 405:
-            return _error(405, f"{asked}: use {ROUTES.get(request.path, 'another method')}")
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            return _error(405, f"{asked}: use {' or '.join(sorted(exc.allowed_methods))}")
         return _error(exc.status, exc.text or exc.reason)
 
 
@@ -367,12 +365,9 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
     app.cleanup_ctx.append(batching)
-    handlers = {"/v1/chat/completions": chat, "/v1/models": models, "/health": health}
-    for path, method in ROUTES.items():
-        if method == "GET":
-            app.router.add_get(path, handlers[path])  # (HEAD too)
-        else:
-            app.router.add_route(method, path, handlers[path])
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
     return app
 
 
