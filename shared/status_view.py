@@ -3,12 +3,14 @@ chat's ``/rl status``, and the version table of ``rlfleet history``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rich import box
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 
 def render_status(st: dict) -> Group:
@@ -78,30 +80,86 @@ def history_rows(versions: list[dict]) -> list[dict]:
     ]
 
 
-def versions_table(versions: list[dict], title: str | None = None) -> Table:
-    """One row per version, narrow enough for 80 columns (the rest is in --json and meta.json)."""
-    rows = history_rows(versions)
-    # The hindsight teacher's column only where a run read words: the table stays within 80 columns.
-    hints = any(r["hinted"] for r in rows)
-    t = Table("version", "status", "created", "ratings", "held-out margin", "KL", "acc tok",
-              *(("hints",) if hints else ()), "verdict",
-              box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
-    for r in rows:
-        before, after = r["heldout_margin_before"], r["heldout_margin_after"]
-        margin = f"{before:+.3f} → {after:+.3f}" if before is not None and after is not None else "–"
-        verdict = r["verdict"] or ""
-        if r["fallback"] == "halfway":  # the whole run was refused; the step from halfway through it passed
-            verdict += f" (step {r['steps_served']}, halfway)"
-        if r["heldout_toward_teacher"] and r["verdict"] == "promoted":
-            verdict += (f" (nearer what the words asked: {_fmt(r['heldout_teacher_div_before'])} → "
-                        f"{_fmt(r['heldout_teacher_div_after'])})")
-        if r["reason"] and r["status"] != "active":
-            verdict += f": {r['reason']}"
-        kl = r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"]
-        t.add_row(r["version"], r["status"], (r["created"] or "")[5:16].replace("T", " "),
-                  _ratings(r["ratings_used"], r["replayed"]), margin, _fmt(kl, 3), _fmt(r["accepted_token_frac"], 2),
-                  *((_hints(r["hint_taught"], r["hinted"], r["teacher_gap"]),) if hints else ()), escape(verdict))
+def versions_table(versions: list[dict], title: str | None = None) -> VersionsTable:
+    """One row per version, fitted to the terminal; the rest is in --json and meta.json."""
+    return VersionsTable(history_rows(versions), title)
+
+
+# Columns a narrow terminal gives up first: the version, its status, the held-out margin and the
+# verdict are what a person reads the table for.
+_DROP_ORDER = ("acc tok", "hints", "KL", "ratings", "created")
+
+
+@dataclass(frozen=True)
+class VersionsTable:
+    """The table of versions with one line per version, its cells never wrapped, and the columns a
+    terminal has no room for left out; a verdict's reason goes under the table, wrapped to the width,
+    where it cannot squeeze the columns into a column of single words."""
+
+    rows: list[dict]
+    title: str | None = None
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        columns = _version_columns(self.rows)
+        table = _table(columns, self.title)
+        unbounded = options.update_width(10_000)  # a measurement is clamped to the width it is given
+        for name in _DROP_ORDER:
+            if console.measure(table, options=unbounded).maximum <= options.max_width:
+                break
+            columns = [c for c in columns if c[0] != name]
+            table = _table(columns, self.title)
+        yield table
+        for r in self.rows:
+            note = _verdict_note(r)
+            if note:
+                yield Text(f"{r['version']} {r['verdict'] or r['status']}{note}", overflow="fold")
+
+
+def _table(columns: list[tuple[str, list[str]]], title: str | None) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title=title, title_justify="left")
+    for name, _ in columns:
+        t.add_column(name, no_wrap=True, overflow="ellipsis")
+    for cells in zip(*(cells for _, cells in columns), strict=True):
+        t.add_row(*cells)
     return t
+
+
+def _version_columns(rows: list[dict]) -> list[tuple[str, list[str]]]:
+    def margin(r: dict) -> str:
+        before, after = r["heldout_margin_before"], r["heldout_margin_after"]
+        return f"{before:+.3f} → {after:+.3f}" if before is not None and after is not None else "–"
+
+    def kl(r: dict) -> str:
+        return _fmt(r["heldout_kl"] if r["heldout_kl"] is not None else r["final_mean_kl"], 3)
+
+    columns = [
+        ("version", [r["version"] for r in rows]),
+        ("status", [r["status"] for r in rows]),
+        ("created", [(r["created"] or "")[5:16].replace("T", " ") for r in rows]),
+        ("ratings", [_ratings(r["ratings_used"], r["replayed"]) for r in rows]),
+        ("held-out margin", [margin(r) for r in rows]),
+        ("KL", [kl(r) for r in rows]),
+        ("acc tok", [_fmt(r["accepted_token_frac"], 2) for r in rows]),
+        # The hindsight teacher's column only where a run read words.
+        *([("hints", [_hints(r["hint_taught"], r["hinted"], r["teacher_gap"]) for r in rows])]
+          if any(r["hinted"] for r in rows) else []),
+        ("verdict", [(r["verdict"] or "") + (" *" if _verdict_note(r) else "") for r in rows]),
+    ]
+    return [(name, [escape(c) for c in cells]) for name, cells in columns]
+
+
+def _verdict_note(r: dict) -> str:
+    """What the verdict word alone does not say: served from halfway through the run, nearer what the
+    held-out words asked, or why a version is not the active one."""
+    note = ""
+    if r["fallback"] == "halfway":  # the whole run was refused; the step from halfway through it passed
+        note += f" (step {r['steps_served']}, halfway)"
+    if r["heldout_toward_teacher"] and r["verdict"] == "promoted":
+        note += (f" (nearer what the words asked: {_fmt(r['heldout_teacher_div_before'])} → "
+                 f"{_fmt(r['heldout_teacher_div_after'])})")
+    if r["reason"] and r["status"] != "active":
+        note += f": {r['reason']}"
+    return note
 
 
 def _ratings(used: Any, replayed: Any) -> str:

@@ -272,6 +272,42 @@ def test_history_marks_a_version_served_from_halfway_through_its_run():
     assert "promoted (step 4, halfway)" in console.export_text()
 
 
+def test_history_fits_an_80_column_terminal_one_line_per_version():
+    """Every version on one line of at most 80 columns, whatever its reason says: the columns a narrow
+    terminal has no room for are left out, and the reasons go under the table in full."""
+    from rich.console import Console
+
+    from rlfleet.shared.status_view import versions_table
+
+    why = "degenerating: next-token entropy 1.34x the base's (> 1.3) [checked on 32 held-out prompts]"
+    base = {"ratings_used": 27, "replayed": 16, "heldout_margin_before": -0.4, "heldout_margin_after": -0.3,
+            "heldout_kl": 0.123, "accepted_token_frac": 0.91, "hinted": 12, "hint_taught": 10,
+            "teacher_gap": 0.041}
+    versions = [
+        {"version": "v0001", "status": "retired", "created": "2026-11-25T22:00:00Z", "parent": None,
+         "metrics": {**base, "verdict": "promoted"}},
+        {"version": "v0002", "status": "rejected", "created": "2026-11-25T23:00:00Z", "parent": "v0001",
+         "metrics": {**base, "verdict": "rejected", "reason": why}},
+        {"version": "v0003", "status": "active", "created": "2026-11-26T01:00:00Z", "parent": "v0001",
+         "metrics": {**base, "verdict": "promoted", "fallback": "halfway", "steps_served": 4}},
+    ]
+    for width in (80, 60):
+        console = Console(width=width, record=True)
+        console.print(versions_table(versions, title="versions (newest last)"))
+        lines = console.export_text().splitlines()
+        assert all(len(line) <= width for line in lines)
+        for v, state, verdict in (("v0001", "retired", "promoted"), ("v0002", "rejected", "rejected"),
+                                   ("v0003", "active", "promoted")):
+            (row,) = [line for line in lines if line.split()[:2] == [v, state]]
+            assert verdict in row and "-0.400 → -0.300" in row
+        assert why in " ".join(" ".join(lines).split())  # the reason, wrapped but whole
+        assert "v0003 promoted (step 4, halfway)" in lines
+    wide = Console(width=160, record=True)
+    wide.print(versions_table(versions))
+    header = wide.export_text().splitlines()[1]
+    assert all(name in header for name in ("created", "ratings", "KL", "acc tok", "hints"))
+
+
 def test_history_says_when_the_held_out_words_vouched_for_a_version():
     from rich.console import Console
 
