@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_MESSAGES, Ident, Message, known_finish_word
 
@@ -32,14 +32,22 @@ class CaptureIn(_Body):
         "end token")
 
 
+def _no_bool_or_float(v: object) -> object:
+    """JSON's ``true`` and ``1.0`` are ``1`` to a Literal: a thumb is the word or the integer, as the
+    schema says, and a sender's ``false`` or ``0.5`` would otherwise be refused while ``true`` passed."""
+    if isinstance(v, (bool, float)):
+        raise ValueError(f'a thumb is "good", "bad", 1 or -1 (or null), not {v!r}')
+    return v
+
+
 class RatingIn(_Body):
     target: Ident = Field("last", description="a message_ref or capture id, or `last` (your latest in conversation; "
                           "with no value, the answer of your latest rating there)")
     conversation: Ident | None = None
-    value: Literal["good", "bad", 1, -1] | None = Field(
+    value: Annotated[Literal["good", "bad", 1, -1] | None, BeforeValidator(_no_bool_or_float)] = Field(
         description="null: keep your rating of the answer and give it `comment` as its reason (`/rl why`)")
     comment: str | None = Field(None, max_length=MAX_COMMENT_CHARS)
-    stars: int | None = Field(None, ge=1, le=5, description="1-5 stars beside the thumb (4-5 good, 1-3 bad); "
+    stars: StrictInt | None = Field(None, ge=1, le=5, description="1-5 stars beside the thumb (4-5 good, 1-3 bad); "
                               "with no value they set it, with one they must agree with it")
 
 
@@ -104,7 +112,8 @@ def openapi() -> dict:
         "info": {"title": "rlfleet bridge", "version": "1",
                  "description": "Signed with HMAC-SHA256: X-Rlfleet-Timestamp (unix s), X-Rlfleet-Key (default "
                                 "`local`), X-Rlfleet-Signature: sha256=hex(HMAC(secret, timestamp \\n METHOD \\n "
-                                "path \\n + raw body))."},
+                                "path with its query string \\n + raw body)); a key that is not an admin names "
+                                "only its own actors (`alice` signed by key `gw` acts as `gw:alice`)."},
         "paths": paths,
         "components": {"schemas": {**schemas, **defs}, "securitySchemes": {"hmac": {
             "type": "apiKey", "in": "header", "name": "X-Rlfleet-Signature"}}},

@@ -61,6 +61,16 @@ def load_keys(cfg: Config) -> dict[str, Key]:
     return keys
 
 
+def acting_as(key: Key, name: str | None) -> str:
+    """The actor (or owner) a request signed by ``key`` names, as the store knows them. An admin key,
+    the data dir's own among them, vouches for whoever it names; a gateway key's people are its own,
+    ``gw:alice`` for key ``gw``, so that it reaches neither the data dir's owner (``local``), a chat
+    platform's users nor another key's people (a key id holds no colon: shared/config.BridgeKey)."""
+    if name is None or name == key.id:
+        return key.id
+    return name if key.admin else f"{key.id}:{name}"
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -126,10 +136,10 @@ class Bridge:
         body = self._parse(_BODIES[path], raw)
         if isinstance(body, web.Response):
             return body
-        who = Actor(body.source, body.actor or key.id)
+        who = Actor(body.source, acting_as(key, body.actor))
         try:
             if isinstance(body, CaptureIn):
-                return self._capture(body, who)
+                return self._capture(body, who, acting_as(key, body.owner) if body.owner else who.id)
             if isinstance(body, RatingIn) and body.value is None and body.stars is None:
                 out = self.cases.why(who, body.conversation, body.comment, target=body.target, event_id=body.event_id)
                 if isinstance(out, Reply):
@@ -152,11 +162,11 @@ class Bridge:
         return out.event, None
 
     @staticmethod
-    def _capture(body: CaptureIn, who: Actor) -> tuple[Capture, str]:
+    def _capture(body: CaptureIn, who: Actor, owner: str) -> tuple[Capture, str]:
         """An answer produced elsewhere, recorded as the sender says (no permission needed)."""
         prompt = [Message(role="user", content=body.prompt)] if isinstance(body.prompt, str) else body.prompt
         extra = {k: v for k, v in (("event_id", body.event_id), ("capture_id", body.capture_id)) if v}
-        ev = Capture(source=body.source, actor=who.id, owner=body.owner or who.id, conversation=body.conversation,
+        ev = Capture(source=body.source, actor=who.id, owner=owner, conversation=body.conversation,
                      message_ref=body.message_ref, prompt=prompt, response=body.response, model=body.model,
                      finish_reason=finish_reason(body.finish_reason), **extra)
         return ev, ev.capture_id

@@ -288,6 +288,20 @@ class BridgeSettings(BaseModel):
     keys: list[BridgeKey] = Field(default_factory=list)
     agent_admin: bool = False  # /rl train, rollback, reset, pause, resume typed in a coding agent
 
+    @model_validator(mode="after")
+    def _distinct_key_ids(self) -> BridgeSettings:
+        # A key's id is who its requests act as: a second key of the same id would take the first one's
+        # place unseen, and ``local`` is the data dir's own key (its secret file), an admin key always.
+        ids = [k.id for k in self.keys]
+        if "local" in ids:
+            raise ValueError("bridge key id 'local' is the data dir's own key (its secret file): "
+                             "give the [[bridge.keys]] entry another id")
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ValueError(f"bridge key id {twice[0]!r} is given to more than one [[bridge.keys]] entry: "
+                             "each key needs an id of its own")
+        return self
+
 
 class WebSettings(BaseModel):
     """`rlfleet web`: the browser app for the data dir's owner (docs/web.md)."""

@@ -196,10 +196,13 @@ def test_forged_stale_replayed_and_unknown_key_requests_change_nothing(bridge):
         "stale request": sign(SECRET, "POST", path, body, now=time.time() - 600),
         "unknown key": sign(SECRET, "POST", path, body, key="mallory"),
         "missing": {},
+        # too many digits for a float, then for int() itself: unix seconds they are not
+        "not unix seconds": {**sign(SECRET, "POST", path, body), "X-Rlfleet-Timestamp": "9" * 400},
+        "not unix seconds ": {**sign(SECRET, "POST", path, body), "X-Rlfleet-Timestamp": "9" * 5000},
     }
     for why, headers in cases.items():
         status, reply = raw(url, "POST", path, body, headers)
-        assert status == 401, why
+        assert status == 401, (why, reply)
         assert set(reply) == {"error"} and "Traceback" not in reply["error"]
     other_path = sign(SECRET, "POST", "/v1/ratings", body)  # signed for another endpoint
     assert raw(url, "POST", path, body, other_path)[0] == 401
@@ -218,7 +221,10 @@ def test_oversized_malformed_and_over_limit_requests(bridge):
     status, reply = raw(url, "POST", "/v1/captures", huge, sign(SECRET, "POST", "/v1/captures", huge))
     assert status == 413 and ("too large" in reply["error"] or "over" in reply["error"])
     for body, fragment in ((b"{nope", "invalid body"), (b'{"value": "meh"}', "value"),
-                           (b'{"value": "good", "extra": 1}', "extra"), (b"[]", "invalid body")):
+                           (b'{"value": "good", "extra": 1}', "extra"), (b"[]", "invalid body"),
+                           # JSON's true and 1.0 are 1 to a lax check: a 1-star thumbs-down from `true`
+                           (b'{"value": true}', "not True"), (b'{"value": 1.0}', "not 1.0"),
+                           (b'{"value": null, "stars": true}', "stars"), (b'{"value": null, "stars": "5"}', "stars")):
         status, reply = raw(url, "POST", "/v1/ratings", body, sign(SECRET, "POST", "/v1/ratings", body))
         assert status == 422 and fragment in reply["error"], (body, reply)
     assert handle.waiting_events() == 0
@@ -233,6 +239,55 @@ def test_oversized_malformed_and_over_limit_requests(bridge):
         statuses = list(pool.map(rate, range(60)))
     assert 429 in statuses and set(statuses) == {202, 429}
     assert handle.waiting_events() == statuses.count(202)  # refused requests enqueued nothing
+
+
+def test_a_gateway_key_names_its_own_people_and_reaches_no_one_else(bridge):
+    """A non-admin key may name the people it relays, but they are its own (``gateway:alice``): naming
+    ``local`` or a chat platform's user id neither rates, re-rates, undoes nor plants an answer for
+    them. An admin key still vouches for whoever it names."""
+    cfg, handle, url = bridge
+    owner, gateway = BridgeClient(url, SECRET), BridgeClient(url, GATEWAY_SECRET, key="gateway")
+    owner.capture("owner q", "owner answer", message_ref="o-1")
+    work(cfg, handle)
+    owner.rate("o-1", "good", comment="mine")
+    gateway.capture("alice q", "alice answer", message_ref="a-1", actor="alice")
+    gateway.capture("planted q", "PLANTED", owner="local")
+    work(cfg, handle)
+    answers = [while_working(cfg, handle, lambda: gateway.rate("o-1", "bad", actor="local", wait=5)),
+               while_working(cfg, handle, lambda: gateway.undo(actor="local", wait=5)),
+               while_working(cfg, handle, lambda: gateway.rate("a-1", "good", actor="alice", wait=5))]
+    assert [a["result"]["ok"] for a in answers] == [False, False, True], answers
+    with Store(cfg.db_url).session() as s:
+        caps = {c.response: (c.source, c.owner) for c in s.scalars(select(CaptureRow))}
+        active = {(r.actor, r.value, r.comment, r.capture_id[:0]) for r in s.scalars(
+            select(RatingRow).where(RatingRow.state == "active"))}
+    assert caps == {"owner answer": ("bridge", "local"), "alice answer": ("bridge", "gateway:alice"),
+                    "PLANTED": ("bridge", "gateway:local")}
+    assert active == {("local", 1, "mine", ""), ("gateway:alice", 1, None, "")}
+    # The owner's `last` is still their own answer, not the planted one.
+    while_working(cfg, handle, lambda: owner.rate("last", "bad", wait=5))
+    with Store(cfg.db_url).session() as s:
+        (mine,) = s.scalars(select(RatingRow).where(RatingRow.state == "active", RatingRow.actor == "local"))
+        assert s.get(CaptureRow, mine.capture_id).response == "owner answer" and mine.value == -1
+    # An admin key names anyone.
+    answer = while_working(cfg, handle, lambda: owner.rate("a-1", "bad", actor="gateway:alice", wait=5))
+    assert answer["result"]["ok"], answer
+
+
+@pytest.mark.parametrize("ids, fragment", [(["local"], "'local' is the data dir's own key"),
+                                            (["gw", "ops", "gw"], "'gw' is given to more than one")])
+def test_a_key_that_would_replace_another_is_a_config_error(home, ids, fragment):
+    """Two keys of one id, or a key named like the data dir's own, would silently take the other's
+    place (and ``local`` is an admin whatever the entry says): ``rlfleet bridge`` refuses the config."""
+    import os
+    import subprocess
+    import sys
+
+    entries = "".join(f'[[bridge.keys]]\nid = "{i}"\nsecret_env = "UNUSED"\n' for i in ids)
+    (home / "config.toml").write_text(entries)
+    res = subprocess.run([sys.executable, "-c", "from rlfleet.cli import main; main()", "bridge", "--port", "0"],
+                         capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    assert res.returncode != 0 and fragment in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 def test_admin_commands_need_an_admin_key(bridge):
