@@ -254,8 +254,12 @@ class LlamaCppEngine:
         L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(float(temperature)))
         if top_p < 1:
             L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(float(top_p), 1))
-        s = _RANDOM_SEED if seed is None else int(seed) & 0xFFFFFFFF
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(s if s != _RANDOM_SEED else s - 1))
+        if seed is None:  # llama.cpp draws one: answers vary, as they do without a seed anywhere else
+            s = _RANDOM_SEED
+        else:  # a seed that happens to be the sentinel stays a seed: the same answer again
+            s = int(seed) & 0xFFFFFFFF
+            s = s - 1 if s == _RANDOM_SEED else s
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(s))
         return chain
 
     def _decode_shared(self, prompts: Sequence[list[int]], drawn: Callable[[int, int], None]) -> None:

@@ -222,6 +222,11 @@ def test_sampling_follows_the_seed_and_the_temperature(responder, adapters):
     other = responder.answer_many(convo, seed=6, temperature=1.0, top_p=1.0, max_new_tokens=24)[0]
     assert one.token_ids == again.token_ids and one.token_ids != other.token_ids
     assert len(one.token_ids) <= 24 and (one.finish_reason == "length") == (len(one.token_ids) == 24)
+    # No seed: each answer draws afresh, alone or in a batch (a chat's, a bot's, `serve`'s requests)
+    alone = {tuple(responder.answer(convo[0], temperature=1.0, top_p=1.0, max_new_tokens=24).token_ids)
+             for _ in range(3)}
+    batch = responder.answer_many(convo * 4, temperature=1.0, top_p=1.0, max_new_tokens=24)
+    assert len(alone) == 3 and len({tuple(a.token_ids) for a in batch}) == 4
 
 
 def test_an_adapter_llama_cpp_cannot_take_is_answered_by_torch_and_said_once(responder, adapters, caplog,
