@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from rlfleet.shared.config import Config
-from rlfleet.shared.errors import RlfleetError
+from rlfleet.shared.errors import ContextTooLong, RlfleetError
 from rlfleet.shared.events import describe_validation_error
 from rlfleet.shared.ingress.grammar import parse_rl
 from rlfleet.shared.ingress.reasons import OTHER, REASONS, menu, reason_for
@@ -190,8 +190,12 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
         if switched:
             console.print(f"[green]✓ now answering with adapter {switched}[/]")
         messages = state.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
-        with console.status("thinking…"):
-            answer = responder.answer(messages, scope=cfg.scope_key_of(ME.source, ME.id, state.conversation))
+        try:
+            with console.status("thinking…"):
+                answer = responder.answer(messages, scope=cfg.scope_key_of(ME.source, ME.id, state.conversation))
+        except ContextTooLong as exc:  # the message is not kept: the next one would be refused too
+            console.print(f"[red]{escape(str(exc))}[/]")
+            continue
         console.print(f"[bold]ai>[/] {escape(answer.text)}")
         state.history = messages + [{"role": "assistant", "content": answer.text}]
         if not answer.text.strip():

@@ -15,6 +15,11 @@ class BadInput(RlfleetError):
     exit_code = 2
 
 
+class ContextTooLong(BadInput):
+    """A conversation longer than the model reads at once: refused before any token is drawn (past its
+    trained context a model answers nonsense, slowly)."""
+
+
 class NotFound(RlfleetError):
     """The thing addressed (capture, version, model) does not exist."""
 

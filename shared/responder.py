@@ -30,6 +30,7 @@ from typing import Any
 from . import llamacpp_engine, scopes
 from .chat_prompt import prompt_ids
 from .config import Config
+from .errors import ContextTooLong
 from .events import FinishReason
 from .models import (
     ModelRef,
@@ -435,6 +436,29 @@ class LocalResponder:
 
     # ------------------------------------------------------------------ answering
 
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens the model reads at once, prompt and answer together (its trained context)."""
+        return int(getattr(self._base.config, "max_position_embeddings", None) or 1 << 30)
+
+    def check_fits(self, messages: list[dict]) -> int:
+        """The prompt's token count when ``messages`` leave the model room to answer; else
+        :class:`ContextTooLong`, without drawing (a server refuses such a request before it waits)."""
+        n = len(prompt_ids(self.tokenizer, self._with_system(messages)))
+        self._room(n, 1)
+        return n
+
+    def _room(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """``max_new_tokens`` cut to what the context leaves after the prompt (the answer then ends
+        ``length``); a prompt that leaves no room is refused."""
+        room = self.context_tokens - prompt_tokens
+        if room < 1:
+            raise ContextTooLong(f"the conversation is {prompt_tokens:,} tokens and the model reads at most "
+                                 f"{self.context_tokens:,} at once, its answer included: shorten it or start "
+                                 "a new conversation")
+        return min(max_new_tokens, room)
+
+
     def answer(
         self,
         messages: list[dict],
@@ -463,7 +487,7 @@ class LocalResponder:
             chosen = self._select(scope)
             msgs = self._with_system(messages)
             ids = prompt_ids(self.tokenizer, msgs)
-            new_cap = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+            new_cap = self._room(len(ids), self.max_new_tokens if max_new_tokens is None else max_new_tokens)
             temp = self.temperature if temperature is None else temperature
             p = self.top_p if top_p is None else top_p
             streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
@@ -624,7 +648,8 @@ class LocalResponder:
         built = [self._with_system(c) for c in conversations]
         rows = [prompt_ids(self.tokenizer, m) for m in built]
         model = chosen.model
-        gc = self._generation_config(model, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        gc = self._generation_config(model, self._room(max(map(len, rows)), self.max_new_tokens
+                                                       if max_new_tokens is None else max_new_tokens),
                                      temperature, top_p)
         seeds = [None if seed is None else seed + i for i in range(len(rows))]
         lps: list[list[float]] | None = [] if with_logprobs else None

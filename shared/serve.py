@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import scopes
 from .compute_thread import on_compute_thread_async
+from .errors import ContextTooLong
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
 from .webserver import listening, until_cancelled
 
@@ -85,12 +87,12 @@ class ChatRequest(BaseModel):
         return v
 
 
-def _error_body(message: str, kind: str) -> dict:
-    return {"error": {"message": message, "type": kind, "code": None}}
+def _error_body(message: str, kind: str, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(_error_body(message, kind), status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    return web.json_response(_error_body(message, kind, code), status=status)
 
 
 @web.middleware
@@ -253,6 +255,7 @@ class _Job:
     top_p: float | None
     done: asyncio.Future
     scope: str | None = None
+    gone: Callable[[], bool] = lambda: False  # the client hung up while it waited
 
     @property
     def settings(self) -> tuple:
@@ -273,9 +276,10 @@ class Batcher:
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
 
     async def answer(self, messages: list[dict], seed: int | None, max_new_tokens: int | None,
-                     temperature: float | None, top_p: float | None, scope: str | None = None) -> Any:
+                     temperature: float | None, top_p: float | None, scope: str | None = None,
+                     gone: Callable[[], bool] = lambda: False) -> Any:
         job = _Job(messages, seed, max_new_tokens, temperature, top_p, asyncio.get_running_loop().create_future(),
-                   scope)
+                   scope, gone)
         await self.queue.put(job)
         return await job.done
 
@@ -294,6 +298,12 @@ class Batcher:
                 await self._answer(group)
 
     async def _answer(self, group: list[_Job]) -> None:
+        for job in group:  # a client that left while it waited is answered by nobody: not drawn for
+            if job.gone() and not job.done.done():
+                job.done.cancel()
+        group = [job for job in group if not job.done.done()]
+        if not group:
+            return
         first = group[0]
         try:
             async with self.lock:
@@ -313,6 +323,11 @@ class Batcher:
         for job, answer in zip(group, answers, strict=True):
             if not job.done.done():  # a client that went away cancelled its wait
                 job.done.set_result(answer)
+
+
+def _hung_up(request: web.Request) -> bool:
+    """The client closed its connection (aiohttp does not cancel a handler for it)."""
+    return request.transport is None or request.transport.is_closing()
 
 
 def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application:
@@ -349,15 +364,26 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
             return _error(400, str(exc))
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         max_new_tokens = req.max_completion_tokens or req.max_tokens
+        try:  # before the request waits its turn: one too long for the model would hold every other one
+            await asyncio.to_thread(responder.check_fits, messages)
+        except ContextTooLong as exc:
+            return _error(400, str(exc), code="context_length_exceeded")
         if req.stream:
             def answer_with(on_text):
                 return responder.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p,
                                         on_text=on_text, scope=scope)
 
             async with lock:
+                if _hung_up(request):  # it left while others were answered: nobody to draw for
+                    return web.Response(status=499)
                 return await _stream(request, req, answer_with, model_name, responder.tokenizer)
         try:
-            answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p, scope)
+            answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p, scope,
+                                          gone=lambda: _hung_up(request))
+        except asyncio.CancelledError:
+            if not _hung_up(request):
+                raise
+            return web.Response(status=499)
         except Exception as exc:  # one line to the caller, the trace to our log
             log.exception("answer failed")
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")

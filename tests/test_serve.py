@@ -121,6 +121,63 @@ def test_bad_requests_get_openai_shaped_errors(served):
         assert exc.value.code == code and words in error["message"] and error["type"].endswith("_error"), error
 
 
+def test_a_conversation_longer_than_the_models_context_is_refused_at_once(served):
+    """Past its trained context a model answers nonsense, slowly, holding every other request: the
+    server refuses it before it waits, as OpenAI does (`context_length_exceeded`), streamed or not,
+    and answers the next request as usual."""
+    client, _, _ = served
+    long = " ".join(f"w{i}" for i in range(3000))  # the tiny model reads 1,024 tokens
+    for stream in (False, True):
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8, stream=stream,
+                                           messages=[{"role": "user", "content": long}])
+        assert exc.value.code == "context_length_exceeded" and "reads at most 1,024" in exc.value.message
+        assert time.monotonic() - t0 < 10
+    assert ask(client).choices[0].message.content is not None
+
+
+def test_an_answer_stops_where_the_context_ends(tiny_model_dir, tmp_path, single_thread):
+    from rlfleet.shared.errors import ContextTooLong
+    from rlfleet.shared.responder import LocalResponder
+
+    r = LocalResponder(resolve_model(str(tiny_model_dir)), tmp_path / "adapters", temperature=0, max_new_tokens=64)
+    def convo_of(words: int) -> list[dict]:
+        return [{"role": "user", "content": " ".join(["tok"] * words)}]
+
+    words = 100
+    while r.check_fits(convo_of(words + 1)) < 1000:
+        words += 1
+    convo = convo_of(words + 1)
+    one, (many,) = r.answer(convo), r.answer_many([convo])
+    for a in (one, many):
+        assert 1000 <= a.prompt_tokens and a.prompt_tokens + a.new_tokens <= r.context_tokens == 1024
+    with pytest.raises(ContextTooLong, match="start a new conversation"):
+        r.answer(convo_of(words * 2))
+
+
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(home, tiny_model_dir):
+    """A port in use, a port that is none, an address of another machine: `serve`, `web` and `bridge`
+    say so on one line (before `serve` and `web` load the model), not with a trace after it."""
+    env = {**os.environ, "RLFLEET_HOME": str(home), "RLFLEET_MODEL": str(tiny_model_dir)}
+    assert subprocess.run([sys.executable, "-m", "rlfleet.cli", "init", "--yes", "--no-check-model"], env=env,
+                          capture_output=True, timeout=60).returncode == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for args, words in [(["serve", "--port", port], f"port {port} on 127.0.0.1 is in use"),
+                            (["web", "--port", port, "--no-worker"], f"port {port} on 127.0.0.1 is in use"),
+                            (["bridge", "--port", port], f"port {port} on 127.0.0.1 is in use"),
+                            (["serve", "--port", "99999"], "99999 is not a port"),
+                            (["serve", "--host", "192.0.2.1", "--port", "0"], "is not an address of this machine")]:
+            res = subprocess.run([sys.executable, "-m", "rlfleet.cli", *args], env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert res.returncode != 0 and words in res.stderr, (args, res.stderr[-2000:])
+            assert "Traceback" not in res.stderr and "loading" not in res.stderr + res.stdout, args
+            assert "serving" not in res.stdout, args
+
+
 def test_a_streamed_answer_is_the_same_answer_piece_by_piece(served):
     client, port, _ = served
     whole = ask(client, max_tokens=24, seed=3)
@@ -222,6 +279,35 @@ def test_the_batcher_answers_waiting_requests_in_one_generate(tiny_model_dir, tm
     assert sum(batches[:2]) == 6 and max(batches) == 4  # six waiting, four at most at once
     assert [a.token_ids for a in same] == [r.answer(c).token_ids for c in convs]
     assert len(mixed[0].token_ids) <= 3 and mixed[1].token_ids == same[1].token_ids
+
+
+def test_the_batcher_draws_nothing_for_a_client_that_left_while_it_waited(tiny_model_dir, tmp_path, single_thread):
+    """aiohttp does not cancel a handler whose client hung up: the batcher asks each waiting request
+    whether its client is still there before it draws, so abandoned requests cost no answer."""
+    import asyncio
+
+    from rlfleet.shared.responder import LocalResponder
+    from rlfleet.shared.serve import Batcher
+
+    r = LocalResponder(resolve_model(str(tiny_model_dir)), tmp_path / "adapters", temperature=0, max_new_tokens=8)
+    drawn: list[str] = []
+    real, real_one = r.answer_many, r.answer
+    r.answer_many = lambda convs, *a, **kw: (drawn.extend(c[0]["content"] for c in convs), real(convs, *a, **kw))[1]
+    r.answer = lambda conv, *a, **kw: (drawn.append(conv[0]["content"]), real_one(conv, *a, **kw))[1]
+
+    async def go():
+        batcher = Batcher(r, asyncio.Lock(), max_batch=8)
+        task = asyncio.create_task(batcher.run())
+        try:
+            asks = [batcher.answer([{"role": "user", "content": f"Q{i}?"}], None, None, None, None,
+                                   gone=lambda i=i: i % 2 == 1) for i in range(4)]
+            return await asyncio.gather(*asks, return_exceptions=True)
+        finally:
+            task.cancel()
+
+    answers = asyncio.run(go())
+    assert sorted(drawn) == ["Q0?", "Q2?"]
+    assert [type(a).__name__ for a in answers] == ["Answer", "CancelledError", "Answer", "CancelledError"]
 
 
 def test_a_request_naming_a_scope_is_answered_by_that_scopes_adapter(served, tiny_model_dir):

@@ -16,6 +16,7 @@ from rlfleet.shared.errors import BadInput
 from rlfleet.shared.queue import queue_for
 from rlfleet.shared.status import status_dict
 from rlfleet.shared.status_view import render_status
+from rlfleet.shared.webserver import check_bindable
 
 from .app import app, command_config, dispatch, err, out
 from .fleet import BackgroundWorkers
@@ -85,6 +86,7 @@ def serve(
     port = port if port is not None else (url.port if local and url.port else 8000)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach it can use the model")
+    check_bindable(host, port)  # before the seconds of loading the model
     with err.status(f"loading {cfg.model}…"):
         responder = responder_for(cfg)
     out.print(f"serving {cfg.model} ({responder.active_version or 'base'}) on http://{host}:{port}/v1, tokens drawn "
@@ -203,6 +205,7 @@ def web(
     from rlfleet.bots.web.run import run_web
 
     cfg = command_config()
+    check_bindable(host or cfg.web.host, cfg.web.port if port is None else port)  # before the model loads
     workers = None if no_worker else BackgroundWorkers(cfg)
     with queue_for(cfg) as q:
         if workers:
