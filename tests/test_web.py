@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from rq import Queue, SimpleWorker
 from sqlalchemy import select
 
 from rlfleet.bots.web.app import WebApp, build_app
-from rlfleet.bots.web.login import COOKIE, ensure_token, session_cookie
+from rlfleet.bots.web.login import COOKIE, ensure_token, session_cookie, valid_bearer, valid_session
 from rlfleet.bots.web.run import local_responder
 from rlfleet.cli.app import dispatch
 from rlfleet.shared.config import load_config
@@ -61,6 +62,19 @@ def web_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     assert tok.decode([nul]) == "\x00"
     gc.suppress_tokens = [nul, *(i for i in tok.all_special_ids if i != tok.eos_token_id)]
     gc.begin_suppress_tokens = [tok.eos_token_id]
+    gc.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(web_model_dir, tmp_path_factory) -> Path:
+    """The web test model that never ends an answer by itself: it writes until max_new_tokens."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = tmp_path_factory.mktemp("endless-model") / "tiny"
+    shutil.copytree(web_model_dir, folder)
+    gc = GenerationConfig.from_pretrained(folder)
+    gc.suppress_tokens = [*gc.suppress_tokens, AutoTokenizer.from_pretrained(folder).eos_token_id]
     gc.save_pretrained(folder)
     return folder
 
@@ -110,7 +124,8 @@ def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_ho
             for headers, cookies in [({}, {}), ({"Authorization": "Bearer wrong"}, {}),
                                      ({"Authorization": f"Basic {state.token}"}, {}),
                                      ({}, {COOKIE: expired}), ({}, {COOKIE: forged}), ({}, {COOKIE: "9" * 40}),
-                                     ({}, {COOKIE: f"{int(time.time()) + 99}.{'0' * 64}"})]:
+                                     ({}, {COOKIE: f"{int(time.time()) + 99}.{'0' * 64}"}),
+                                     ({"Cookie": f"{COOKIE}={'²' * 10}.abc"}, {})]:
                 for method, path in ROUTES:
                     async with http.request(method, url + path, data=body, cookies=cookies,
                                             headers={"Content-Type": "application/json", **headers}) as r:
@@ -124,7 +139,78 @@ def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_ho
             # the real token as a bearer header: the API answers
             async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {state.token}"}) as r:
                 assert r.status == 200 and (await r.json())["model"] == str(web_model_dir)
+            async with http.get(url + "/api/about", headers={"Authorization": f"bearer {state.token}"}) as r:
+                assert r.status == 200  # the scheme's case does not matter (RFC 9110)
     asyncio.run(go())
+
+
+def test_a_cookie_counts_only_in_ascii_digits_and_the_bearer_scheme_in_any_case():
+    token, now = "the-token", time.time()
+    good = session_cookie(token, now, hours=1)
+    assert valid_session(token, good, now)
+    for digits in ("²" * 10, "٣" * 10, "①" * 10, "+" + good.split(".")[0][1:], " 1"):  # int() refuses or bends
+        assert not valid_session(token, f"{digits}.{good.split('.')[1]}", now), digits
+    for header in (f"Bearer {token}", f"bearer {token}", f"BEARER {token}", f"Bearer  {token} "):
+        assert valid_bearer(token, header), header
+    for header in (None, "", token, f"Basic {token}", f"Bearer{token}", "Bearer ", f"Bearer x{token}"):
+        assert not valid_bearer(token, header), header
+
+
+def test_numbers_no_database_column_holds_are_a_400_not_a_500(queued_home, web_model_dir, monkeypatch):
+    """Past SQLite's 64-bit INTEGER the driver cannot even send a number: refused as the request's error."""
+    async def go():
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+                aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
+            huge = 10 ** 23
+            async with http.get(url + "/api/ratings", params={"offset": str(huge)}) as r:
+                assert r.status == 400 and "offset" in (await r.json())["message"], await r.text()
+            async with http.get(url + "/api/ratings", params={"offset": str(2 ** 63 - 1)}) as r:
+                assert r.status == 200 and (await r.json())["ratings"] == []
+            for path, body in [("/api/ratings/undo", {"id": huge}),
+                               ("/api/ratings/comment", {"id": 2 ** 63, "comment": "x"})]:
+                async with http.post(url + path, json=body) as r:
+                    assert r.status == 400 and "id" in (await r.json())["message"], (path, await r.text())
+            async with http.post(url + "/api/ratings/comment", json={"id": 2 ** 63 - 1, "comment": "x"}) as r:
+                assert r.status == 404 and (await r.json())["ok"] is False
+    asyncio.run(go())
+
+
+def test_a_page_that_goes_away_mid_answer_stops_the_answer_quietly(queued_home, endless_model_dir, monkeypatch,
+                                                                   caplog):
+    """A reload mid-answer: the answer stops at its next token (no model time spent on what nobody
+    reads, the next question not kept waiting), nothing is captured, and no traceback is logged."""
+    async def go():
+        async with web_rig(queued_home, endless_model_dir, monkeypatch, max_new_tokens=900) as (state, url):
+            ends: list[tuple[str, int]] = []  # how each answer ended, and after how many pieces
+            real = state.responder.answer
+
+            def answer(messages, **kw):
+                pieces, on_text = [], kw["on_text"]
+                try:
+                    got = real(messages, **{**kw, "on_text": lambda t: (pieces.append(t), on_text(t))})
+                except BaseException as exc:
+                    ends.append((type(exc).__name__, len(pieces)))
+                    raise
+                ends.append(("done", len(pieces)))
+                return got
+            monkeypatch.setattr(state.responder, "answer", answer)
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {state.token}"}) as http:
+                async with http.post(url + "/api/chat", json={"conversation": "web-gone", "text": "go on"}) as r:
+                    assert json.loads(await r.content.readline())["type"] == "text"
+                    r.close()  # the page reloads: its connection goes
+            deadline = time.monotonic() + 60
+            while not ends:
+                assert time.monotonic() < deadline, "the answer never ended"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the route's last steps after the answer
+            (how, pieces), = ends
+            assert how != "done" and pieces < 300, ends  # stopped, not written to its 900 tokens
+            assert captures(state.cfg) == 0
+    with caplog.at_level(logging.INFO):
+        asyncio.run(go())
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert loud == [], [r.getMessage() for r in loud]
+    assert any("went away" in r.getMessage() for r in caplog.records)
 
 
 def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, web_model_dir, monkeypatch):
@@ -145,6 +231,9 @@ def test_an_answer_streams_in_pieces_and_bad_bodies_are_refused(queued_home, web
                                     ({"conversation": "c", "capture": "no-such", "value": 1}, 409)]:
                 async with http.post(url + "/api/rate", json=payload) as r:
                     assert r.status == status, (payload, await r.text())
+            long = " ".join(f"w{i}" for i in range(3000))  # past the test model's 1,024-token context
+            async with http.post(url + "/api/chat", json={"conversation": "web-t", "text": long}) as r:
+                assert r.status == 400 and "reads at most 1,024" in (await r.json())["message"]
             async with http.post(url + "/api/rate", data="value=1") as r:
                 assert r.status == 415
             async with http.post(url + "/api/rate", data="{nope", headers={"Content-Type": "application/json"}) as r:
@@ -528,4 +617,123 @@ def test_the_dashboard_lists_each_scopes_own_adapter_as_text(queued_home, web_mo
                 assert await page.evaluate("window.__pwned") is None
             finally:
                 await browser.close()
+    asyncio.run(go())
+
+
+
+@asynccontextmanager
+async def browsing(home, model_dir, monkeypatch, **page_args):
+    """The rig (answers of 8 tokens) and a Chromium page logged in to it, on the chat page."""
+    from playwright.async_api import async_playwright
+
+    async with web_rig(home, model_dir, monkeypatch, max_new_tokens=8) as (state, url), async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = await browser.new_page(**page_args)
+            await log_in(page, url, state.token)
+            yield state, url, page
+        finally:
+            await browser.close()
+
+
+def stored_turns(page) -> object:
+    return page.evaluate("(JSON.parse(localStorage.getItem('rlfleet.chat')) || {turns: []}).turns"
+                         ".map(t => [t.role, t.content.length > 20 ? t.content.length : t.content])")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_a_refused_message_leaves_the_conversation_as_it_was_and_offers_nothing_to_rate(queued_home, web_model_dir,
+                                                                                       monkeypatch):
+    from playwright.async_api import expect
+
+    async def go():
+        async with browsing(queued_home, web_model_dir, monkeypatch) as (state, url, page):
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            await expect(page.locator("#version")).to_have_text("base model")
+            await page.fill("#text", "x" * 200_001)  # one character more than a message may have
+            await page.press("#text", "Enter")
+            refused = page.locator("article.ai").nth(0)
+            await expect(refused.locator(".said")).to_contain_text("at most 200000 characters")
+            await expect(page.locator("#send")).to_be_enabled()
+            assert await refused.locator(".rate").is_hidden()  # no capture: no 👍/👎, stars or comment
+            assert await stored_turns(page) == []
+            # The next message is answered: the refused one is not sent along as history.
+            await page.fill("#text", "hello")
+            await page.press("#text", "Enter")
+            answer = page.locator("article.ai").nth(1)
+            await expect(answer.locator(".rate .good")).to_be_visible(timeout=60_000)
+            assert await stored_turns(page) == [["user", "hello"], ["assistant", await answer.locator(
+                ".text").text_content()]]
+            # A conversation an older page stored with an overlong turn in it is mended when loaded.
+            await page.evaluate("""() => { const s = JSON.parse(localStorage.getItem('rlfleet.chat'));
+                s.turns.push({role: 'user', content: 'y'.repeat(200001)});
+                localStorage.setItem('rlfleet.chat', JSON.stringify(s)); }""")
+            await page.reload()
+            await expect(page.locator("article")).to_have_count(2)
+            await page.fill("#text", "again")
+            await page.press("#text", "Enter")
+            await expect(page.locator("article.ai").nth(1).locator(".rate .good")).to_be_visible(timeout=60_000)
+            assert [role for role, _ in await stored_turns(page)] == ["user", "assistant"] * 2
+            assert errors == []
+    asyncio.run(go())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_enter_while_an_answer_streams_waits_for_it(queued_home, web_model_dir, monkeypatch):
+    """Only one answer streams at a time: Enter meanwhile sends nothing and leaves the message in the box,
+    so the stored conversation keeps its order (user, assistant, user, assistant)."""
+    from playwright.async_api import expect
+
+    async def go():
+        async with browsing(queued_home, web_model_dir, monkeypatch) as (state, url, page):
+            await expect(page.locator("#version")).to_have_text("base model")
+            answering = asyncio.Event()  # held until the test lets the first answer through
+
+            async def hold(route) -> None:
+                await answering.wait()
+                await route.continue_()
+            await page.route("**/api/chat", hold)
+            await page.fill("#text", "one")
+            await page.press("#text", "Enter")
+            await expect(page.locator("article.ai.streaming")).to_have_count(1)
+            await page.fill("#text", "two")
+            await page.press("#text", "Enter")
+            await page.wait_for_timeout(200)
+            assert await page.locator("article.you").count() == 1
+            assert await page.input_value("#text") == "two"
+            answering.set()
+            await expect(page.locator("article.ai").nth(0).locator(".rate .good")).to_be_visible(timeout=60_000)
+            await expect(page.locator("#send")).to_be_enabled()
+            await page.press("#text", "Enter")  # now it goes
+            await expect(page.locator("article.ai").nth(1).locator(".rate .good")).to_be_visible(timeout=60_000)
+            turns = await stored_turns(page)
+            assert [(role, text if role == "user" else "") for role, text in turns] == [
+                ("user", "one"), ("assistant", ""), ("user", "two"), ("assistant", "")]
+    asyncio.run(go())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium package is not installed")
+def test_on_a_phone_the_pages_fit_the_screen_and_wide_tables_scroll_in_their_own_box(queued_home, web_model_dir,
+                                                                                     monkeypatch):
+    from playwright.async_api import expect
+
+    async def go():
+        async with browsing(queued_home, web_model_dir, monkeypatch,
+                            viewport={"width": 375, "height": 800}) as (state, url, page):
+            await slack_rating(state, "a question " * 30, -1, comment="a comment " * 20)
+            await page.fill("#text", "hello")
+            await page.press("#text", "Enter")
+            await expect(page.locator("article.ai .rate .good")).to_be_visible(timeout=60_000)
+            for path, ready in [("/", "#version"), ("/dashboard", "#serving"), ("/ratings", "#count")]:
+                if path != "/":
+                    await page.goto(url + path)
+                await expect(page.locator(ready)).not_to_be_empty()
+                width = await page.evaluate("document.documentElement.scrollWidth")
+                assert width <= 375, (path, width)
+                out = await page.locator("header form button").bounding_box()
+                assert out and 0 <= out["x"] and out["x"] + out["width"] <= 375, (path, out)
+                wide = await page.evaluate("[...document.querySelectorAll('table')].filter(t => t.offsetParent)"
+                                           ".map(t => [t.id, t.scrollWidth, t.parentElement.clientWidth])")
+                assert all(w > box for _, w, box in wide)  # tables wider than the screen, scrolled in a box
     asyncio.run(go())

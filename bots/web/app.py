@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlfleet.shared.compute_thread import on_compute_thread_async
 from rlfleet.shared.config import Config
+from rlfleet.shared.errors import ContextTooLong
 from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_ID_CHARS, MAX_TEXT_CHARS, describe_validation_error
 from rlfleet.shared.ingress.grammar import thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 ME = Actor("web", LOCAL_ACTOR)  # the browser's user: whoever holds the data dir's login token
 HISTORY_TURNS = 4  # earlier turns sent with a question, as in the terminal chat
 MAX_BODY_BYTES = 1 << 20
+MAX_ROW = (1 << 63) - 1  # the largest integer SQLite's INTEGER (and PostgreSQL's BIGINT) holds
 STATIC = ("index.html", "common.js", "app.js", "style.css", "dashboard.html", "dashboard.js", "ratings.html",
           "ratings.js", "vendor/chart.umd.min.js")
 PAGES = {"/dashboard": "dashboard.html", "/ratings": "ratings.html"}
@@ -118,15 +121,21 @@ class Browse(BaseModel):
     version: str = Field("", max_length=64)
     state: Literal["active", "replaced", "undone", "all"] = "active"
     limit: int = Field(50, ge=1, le=200)
-    offset: int = Field(0, ge=0)
+    offset: int = Field(0, ge=0, le=MAX_ROW)
 
 
 class Amend(BaseModel):
     """``POST /api/ratings/undo`` and ``/api/ratings/comment``: one stored rating, by id."""
 
     model_config = ConfigDict(extra="forbid")
-    id: int = Field(ge=1)
+    id: int = Field(ge=1, le=MAX_ROW)
     comment: str | None = Field(None, min_length=1, max_length=MAX_COMMENT_CHARS)
+
+
+class _PageGone(BaseException):
+    """Raised in the generating thread once the page that asked has gone away: it stops ``generate()``
+    at its next token. A BaseException, so that the responder's ``except Exception`` (llama.cpp failing,
+    torch answering instead) lets it through."""
 
 
 class Undo(BaseModel):
@@ -264,35 +273,57 @@ def build_app(state: WebApp) -> web.Application:
 
     async def about(request: web.Request) -> web.Response:
         return web.json_response({"model": state.cfg.model, "version": state.responder.active_version,
-                                  "reasons": list(REASONS), "conversation": f"web-{uuid.uuid4().hex[:8]}"})
+                                  "reasons": list(REASONS), "conversation": f"web-{uuid.uuid4().hex[:8]}",
+                                  "max_text": MAX_TEXT_CHARS})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         ask = await _body(request, Ask)
         messages = [t.model_dump() for t in ask.history[-2 * HISTORY_TURNS:]] + \
             [{"role": "user", "content": ask.text}]
+        try:  # refused before the answer starts, as any bad request is: the page shows why, stores nothing
+            await asyncio.to_thread(state.responder.check_fits, messages)
+        except ContextTooLong as exc:
+            return _json_error(400, str(exc))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", **HEADERS})
         await response.prepare(request)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        gone = threading.Event()  # the page went away (a reload, a closed tab): stop generating
+
+        def on_text(text: str) -> None:  # on the generating thread, at each token
+            if gone.is_set():
+                raise _PageGone
+            loop.call_soon_threadsafe(pieces.put_nowait, text)
 
         def generate() -> Any:
             try:
-                return state.responder.answer(messages, on_text=lambda t: loop.call_soon_threadsafe(
-                    pieces.put_nowait, t), scope=state.cfg.scope_key_of(ME.source, ME.id, ask.conversation))
+                return state.responder.answer(messages, on_text=on_text,
+                                              scope=state.cfg.scope_key_of(ME.source, ME.id, ask.conversation))
             finally:
                 loop.call_soon_threadsafe(pieces.put_nowait, None)
 
         async def line(obj: dict) -> None:
-            await response.write((json.dumps(obj) + "\n").encode())
+            if gone.is_set():
+                return
+            try:
+                await response.write((json.dumps(obj) + "\n").encode())
+            except ConnectionError:  # aiohttp's ClientConnectionResetError: the page hung up
+                gone.set()
 
         job = asyncio.create_task(on_compute_thread_async(generate))  # (rlfleet.shared.compute_thread)
         while (piece := await pieces.get()) is not None:
             await line({"type": "text", "text": piece})
         try:
             answer = await job
+        except _PageGone:
+            log.info("web chat: the page went away mid-answer; its answer stopped there")
+            return response
         except Exception as exc:  # noqa: BLE001 - the model failed: said on the page, the app goes on
             log.exception("web chat: the model failed")
             await line({"type": "error", "message": f"the model failed: {exc.__class__.__name__}"})
+            return response
+        if gone.is_set():  # the page never saw it: nothing to capture or rate
+            log.info("web chat: the page went away before its answer was done")
             return response
         done: dict[str, Any] = {"type": "done", "text": answer.text, "version": answer.adapter_version,
                                 "capture": None}

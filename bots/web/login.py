@@ -45,13 +45,14 @@ def valid_session(token: str, cookie: str | None, now: float) -> bool:
     if not cookie or "." not in cookie:
         return False
     expires, _, sig = cookie.partition(".")
-    if not expires.isdigit() or len(expires) > 12:
+    if not (expires.isascii() and expires.isdigit()) or len(expires) > 12:  # not "²" or "٣": int() refuses those
         return False
     return int(expires) > now and hmac.compare_digest(sig, _sign(token, int(expires)))
 
 
 def valid_bearer(token: str, header: str | None) -> bool:
-    """True for ``Authorization: Bearer <the token>``."""
-    if not header or not header.startswith("Bearer "):
+    """True for ``Authorization: Bearer <the token>`` (the scheme in any case, as RFC 9110 has it)."""
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(header.removeprefix("Bearer ").strip().encode(), token.encode())
+    return hmac.compare_digest(given.strip().encode(), token.encode())

@@ -5,12 +5,18 @@
 const STORE = "rlfleet.chat";
 let state = { conversation: null, turns: [] };  // turns: {role, content, capture?, version?, rated?}
 let reasons = [];
+let busy = false;  // an answer is streaming: another message waits until it is done
 
 function save() { localStorage.setItem(STORE, JSON.stringify(state)); }
 
-function load(fresh) {
-  try { const s = JSON.parse(localStorage.getItem(STORE) || "null"); if (s && s.conversation) return s; }
-  catch (e) { /* a damaged copy: start over */ }
+function load(fresh, maxText) {
+  try {
+    const s = JSON.parse(localStorage.getItem(STORE) || "null");
+    if (s && s.conversation && Array.isArray(s.turns)) {  // a turn the server would refuse as history is dropped
+      s.turns = s.turns.filter((t) => typeof t.content === "string" && t.content.length <= maxText);
+      return s;
+    }
+  } catch (e) { /* a damaged copy: start over */ }
   return { conversation: fresh, turns: [] };
 }
 
@@ -93,20 +99,24 @@ function wire(el, turn) {
   });
 }
 
+// The question and its answer join the conversation kept in localStorage only once the answer is done:
+// a message the server refused, or an answer that failed, is shown with its error and never sent again
+// as history. Rating controls appear only on an answer with a capture to rate.
 async function ask(text) {
-  const history = state.turns.map((t) => ({ role: t.role, content: t.content })).slice(-8);
+  const convo = state;  // "New conversation" pressed meanwhile: the answer still belongs to this one
+  const history = convo.turns.map((t) => ({ role: t.role, content: t.content })).slice(-8);
   userTurn(text);
-  state.turns.push({ role: "user", content: text });
-  save();
   const turn = { role: "assistant", content: "" };
   const el = answerTurn(turn);
   el.classList.add("streaming");
+  busy = true;
   $("#send").disabled = true;
   try {
     const r = await fetch("/api/chat", { method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ conversation: state.conversation, text, history }), credentials: "same-origin" });
+      body: JSON.stringify({ conversation: convo.conversation, text, history }), credentials: "same-origin" });
     if (r.status === 401) { location.reload(); return; }
-    if (!r.ok) { const e = await r.json().catch(() => ({})); say(el, e.message || `HTTP ${r.status}`, false); $(".rate", el).hidden = false; return; }
+    if (!r.ok) { const e = await r.json().catch(() => ({})); say(el, e.message || `HTTP ${r.status}`, false); return; }
+    let finished = false;
     const reader = r.body.getReader();
     const decoder = new TextDecoder();
     let buffered = "";
@@ -128,16 +138,21 @@ async function ask(text) {
           $(".ver", el).textContent = `· ${msg.version || "base model"}`;
           $("#version").textContent = msg.version ? `adapter ${msg.version}` : "base model";
           if (msg.capture) wire(el, turn);
-          if (msg.note) { $(".rate", el).hidden = false; say(el, msg.note, false); }
+          if (msg.note) say(el, msg.note, false);
+          finished = true;
         } else if (msg.type === "error") {
-          $(".rate", el).hidden = false; say(el, msg.message, false);
+          say(el, msg.message, false);
         }
       }
     }
-    state.turns.push(turn);
-    save();
+    if (!finished) return;
+    convo.turns.push({ role: "user", content: text }, turn);
+    if (state === convo) save();
+  } catch (e) {
+    say(el, `the answer broke off: ${e.message || e}`, false);
   } finally {
     el.classList.remove("streaming");
+    busy = false;
     $("#send").disabled = false;
   }
 }
@@ -153,11 +168,12 @@ async function main() {
   reasons = about.reasons;
   showModel(about.model);
   $("#version").textContent = about.version ? `adapter ${about.version}` : "base model";
-  state = load(about.conversation);
+  state = load(about.conversation, about.max_text);
   for (const t of state.turns) t.role === "user" ? userTurn(t.content) : answerTurn(t);
   $("#new").addEventListener("click", () => startOver(`web-${crypto.randomUUID().slice(0, 8)}`));
   $("#ask").addEventListener("submit", (ev) => {
     ev.preventDefault();
+    if (busy) return;  // Enter while an answer streams: the message stays in the box until it is done
     const text = $("#text").value.trim();
     if (!text) return;
     $("#text").value = "";
