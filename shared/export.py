@@ -7,13 +7,17 @@ transformers folders.
   loadable by ``AutoModelForCausalLM.from_pretrained`` alone (a GGUF base is saved dequantised).
 
 Both write into a staging folder next to the destination and rename it at the end, so an interrupted
-export never leaves a half-written model where a complete one is expected.
+export never leaves a half-written model where a complete one is expected (:func:`staged`, which
+``rlfleet export ratings`` uses too); a destination that cannot be written is refused on one line first.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Literal
 
 from .config import Config
 from .errors import BadInput, NotFound
@@ -34,47 +38,99 @@ def pick_version(cfg: Config, version: str | None) -> tuple[ModelRef, AdapterReg
     return ref, registry, version
 
 
-def _staging(dest: Path) -> Path:
-    dest = dest.expanduser()
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise BadInput(f"{dest} exists and is not an empty folder; pick a new one")
-    staging = dest.with_name(f".{dest.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
+def check_target(dest: Path, kind: Literal["file", "folder"], force: bool = False) -> Path:
+    """``dest`` (``~`` expanded) if an export can go there, else a one-line BadInput; nothing is written.
 
-
-def _finish(staging: Path, dest: Path) -> Path:
+    A file is new, or an existing regular file with ``force``; a folder is new or empty (a folder is never
+    replaced: that would delete what is in it). Missing parent folders are fine (:func:`staged` makes
+    them); a path through a file is not."""
+    shown = str(dest)
     dest = dest.expanduser()
-    if dest.exists():
-        dest.rmdir()  # empty, checked in _staging
-    staging.rename(dest)
+    example = "ratings.jsonl" if kind == "file" else "my-export"
+    if dest.name in ("", ".", ".."):
+        raise BadInput(f"{shown!r} is not a {kind} name: give the path of a new {kind}, e.g. {example}")
+    try:
+        if dest.is_dir() and not dest.is_symlink():
+            if kind == "file":
+                raise BadInput(f"{shown} is a folder: give a file name to write, e.g. {shown}/{example}")
+            if any(dest.iterdir()):
+                raise BadInput(f"{shown} exists and is not an empty folder; pick a new one")
+        elif dest.exists() or dest.is_symlink():
+            if kind == "folder":
+                raise BadInput(f"{shown} exists and is not an empty folder; pick a new one")
+            if not dest.is_file():
+                raise BadInput(f"{shown} exists and is not a regular file; pick a new name")
+            if not force:
+                raise BadInput(f"{shown} exists: pass --force to overwrite it, or pick a new name")
+        for parent in dest.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise BadInput(f"{parent} is a file, not a folder, so {shown} cannot be written; "
+                                   "pick a path under a folder")
+                break
+    except OSError as exc:  # a name too long, a folder we may not list
+        raise BadInput(f"cannot write {shown}: {exc.strerror or exc}") from None
     return dest
+
+
+@contextmanager
+def staged(dest: Path, kind: Literal["file", "folder"], force: bool = False) -> Iterator[Path]:
+    """Write ``dest`` through a staging path beside it, so a failed or interrupted export never leaves a
+    half-written file or folder where a complete one is expected, nor anything else behind.
+
+    Yields the staging path (an empty folder, or a file name to create); when the block ends it takes
+    ``dest``'s place. When the block fails, the staging path and any parent folder made for it are
+    removed, and an OSError becomes a one-line BadInput."""
+    dest = check_target(dest, kind, force)
+    staging = dest.with_name(f".{dest.name}.partial")
+    missing = [p for p in dest.parents if not p.exists()]  # nearest first
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+        _remove(staging)  # left by an export that was killed
+        if kind == "folder":
+            staging.mkdir()
+        yield staging
+        if kind == "folder" and dest.is_dir():
+            dest.rmdir()  # empty, checked above
+        staging.replace(dest)
+    except BaseException as exc:
+        _remove(staging)
+        for folder in missing:
+            with suppress(OSError):
+                folder.rmdir()
+        if isinstance(exc, OSError):
+            raise BadInput(f"cannot write {dest} ({exc.strerror or exc}): pick a place you can write to") from None
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(OSError):
+            path.unlink()
 
 
 def export_adapter(cfg: Config, dest: Path, version: str | None = None) -> tuple[Path, str]:
     _, registry, version = pick_version(cfg, version)
-    staging = _staging(dest)
     src = registry.path(version)
-    for name in EXPORTED_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, staging / name)
-    return _finish(staging, dest), version
+    with staged(dest, "folder") as staging:
+        for name in EXPORTED_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, staging / name)
+    return dest.expanduser(), version
 
 
 def export_merged(cfg: Config, dest: Path, version: str | None = None) -> tuple[Path, str]:
-    import torch
-    from peft import PeftModel
-
     ref, registry, version = pick_version(cfg, version)
-    staging = _staging(dest)
-    try:
+    with staged(dest, "folder") as staging:  # a bad destination is refused before seconds of loading
+        import torch
+        from peft import PeftModel
+
         base = load_model(ref, dtype=torch.float32)
         with quiet_peft():
             merged = PeftModel.from_pretrained(base, str(registry.path(version))).merge_and_unload()
         merged.save_pretrained(staging, safe_serialization=True)
         load_tokenizer(ref).save_pretrained(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return _finish(staging, dest), version
+    return dest.expanduser(), version

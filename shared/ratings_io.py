@@ -29,6 +29,7 @@ from .events import (
     Message,
     describe_validation_error,
 )
+from .export import staged
 from .ingress.grammar import thumb_of
 
 FORMAT_VERSION: Final = 1
@@ -117,20 +118,20 @@ def to_example(rating, capture) -> RatedExample:
     )
 
 
-def write_jsonl(examples: Iterable[RatedExample], path: Path) -> int:
-    """Write atomically (a partial file never replaces a good one); the number of lines."""
-    tmp = path.with_name(path.name + ".tmp")
+def write_jsonl(examples: Iterable[RatedExample], path: Path, force: bool = False) -> int:
+    """Write atomically (a partial file never replaces a good one, and a failure leaves nothing behind);
+    an existing file only with ``force``. The number of lines."""
     n = 0
-    with tmp.open("w", encoding="utf-8") as fh:
+    with staged(path, "file", force) as tmp, tmp.open("w", encoding="utf-8") as fh:
         for ex in examples:
             fh.write(ex.model_dump_json(exclude_none=True) + "\n")
             n += 1
-    tmp.replace(path)
     return n
 
 
 def write_dataset(examples: list[RatedExample], folder: Path) -> int:
-    """A Hugging Face `datasets` folder (``load_from_disk``) with the same columns."""
+    """A Hugging Face `datasets` folder (``load_from_disk``) with the same columns: a new or empty folder,
+    written as atomically as :func:`write_jsonl`."""
     try:
         import datasets
     except ImportError:
@@ -138,7 +139,8 @@ def write_dataset(examples: list[RatedExample], folder: Path) -> int:
 
         raise ConfigError("--format datasets needs the `datasets` package: pip install datasets") from None
     rows = [json.loads(ex.model_dump_json()) for ex in examples]
-    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    with staged(folder, "folder") as tmp:
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
     return len(rows)
 
 

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from rlfleet.cli.app import app
 from rlfleet.shared.config import load_config
+from rlfleet.shared.errors import BadInput
 from rlfleet.shared.schema import CaptureRow, RatingRow
 from rlfleet.shared.store import Store
 
@@ -151,10 +152,28 @@ def test_a_new_home_is_made_by_commands_that_write_and_said_once(queued_home, tm
     new = tmp_path / "typo-home"
     res = rl_main("--home", str(new), "status")  # only reads: nothing to show, nothing made
     assert res.returncode == 2 and f"no data dir at {new}" in res.stderr and not new.exists()
-    res = rl_main("--home", str(new), "undo")
+    res = rl_main("--home", str(new), "good")
     assert f"new data dir created at {new}" in res.stderr and new.is_dir()
-    res = rl_main("--home", str(new), "undo")
+    res = rl_main("--home", str(new), "good")
     assert "new data dir" not in res.stderr
+
+
+@pytest.mark.parametrize("cmd", [["forget", "slack:U1", "--yes"], ["undo"], ["rollback"], ["promote", "v1"],
+                                 ["why", "too long"], ["reset", "--yes"]])
+def test_commands_that_change_what_is_there_refuse_a_missing_data_dir_and_make_none(queued_home, tmp_path,
+                                                                                      monkeypatch, cmd):
+    new = tmp_path / "typo-home"
+    monkeypatch.setenv("RLFLEET_HOME", str(new))
+    with pytest.raises(BadInput, match=f"no data dir at {new}"):
+        rl(*cmd)
+    assert not new.exists()
+
+
+def test_capture_takes_stdin_for_one_of_prompt_and_response_only(queued_home):
+    with pytest.raises(BadInput, match="only one of --prompt and --response can be -"):
+        rl("capture", "--prompt", "-", "--response", "-", input="x")
+    res = rl("capture", "--prompt", "-", "--response", "four", input="What is 2+2?")
+    assert res.exit_code == 0 and len(res.output.strip()) == 36, res.output
 
 
 def test_workers_that_died_without_tidying_up_do_not_count(queued_home, redis_url, rconn):

@@ -300,3 +300,77 @@ def test_export_refuses_what_it_cannot_do(served_adapter, tmp_path):
     served_adapter.set_current(None)
     with pytest.raises(NotFound, match="no adapter is being served"):
         rl("export", "adapter", tmp_path / "a")
+
+
+def _listing(root) -> set:
+    return {(str(p.relative_to(root)), p.is_dir() or p.read_bytes()) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("dest, extra, why", [
+    ("a-file/sub.jsonl", [], "a-file is a file, not a folder"),
+    ("", [], "the destination is empty"),
+    (".", [], "'.' is not a file name"),
+    ("a-folder", [], "a-folder is a folder: give a file name"),
+    ("a-file", [], "a-file exists: pass --force to overwrite it"),
+    ("a-file", ["--format", "datasets"], "exists and is not an empty folder"),
+    ("/dev/null", ["--force"], "/dev/null exists and is not a regular file"),
+])
+def test_export_ratings_refuses_a_place_it_cannot_write_on_one_line_and_writes_nothing(
+        home, tmp_path, monkeypatch, dest, extra, why):
+    _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a-file").write_text("mine")
+    (work / "a-folder").mkdir()
+    monkeypatch.chdir(work)
+    before = _listing(work)
+    with pytest.raises(BadInput, match=why):
+        rl("export", "ratings", dest, *extra)
+    assert _listing(work) == before  # no stray .tmp beside a folder, the file untouched
+
+
+def test_export_ratings_makes_missing_folders_and_overwrites_a_file_only_with_force(home, tmp_path, monkeypatch):
+    _rated_store(f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'source.db'}")
+    monkeypatch.setenv("RLFLEET_MODEL", "tiny")
+    out = tmp_path / "new" / "deeper" / "ratings.jsonl"
+    res = rl("export", "ratings", out)
+    assert res.exit_code == 0 and f"wrote 2 ratings to {out}" in res.output, res.output
+    out.write_text("old\n")
+    res = rl("export", "ratings", out, "--force")
+    assert res.exit_code == 0, res.output
+    assert len(out.read_text().splitlines()) == 2 and [p.name for p in out.parent.iterdir()] == ["ratings.jsonl"]
+
+
+def test_a_failed_ratings_write_leaves_nothing_behind(tmp_path):
+    from rlfleet.shared.ratings_io import write_jsonl
+
+    def examples():
+        raise OSError(28, "No space left on device")
+        yield
+
+    with pytest.raises(BadInput, match="cannot write .*No space left on device"):
+        write_jsonl(examples(), tmp_path / "new" / "ratings.jsonl")
+    assert list(tmp_path.iterdir()) == []  # neither the staging file nor the folder made for it
+
+
+def test_adapter_and_merged_exports_refuse_a_place_they_cannot_write_before_loading_anything(
+        served_adapter, tmp_path, monkeypatch):
+    import rlfleet.shared.export as export
+
+    def no_loading(*a, **k):
+        raise AssertionError("loaded the model before checking where it goes")
+
+    monkeypatch.setattr(export, "load_model", no_loading)
+    (tmp_path / "a-file").write_text("mine")
+    before = _listing(tmp_path)
+    for kind in ("adapter", "merged"):
+        with pytest.raises(BadInput, match="a-file is a file, not a folder"):
+            rl("export", kind, tmp_path / "a-file" / "sub")
+        with pytest.raises(BadInput, match="the destination is empty"):
+            rl("export", kind, "")
+    with pytest.raises(BadInput, match="cannot write /proc/x"):
+        rl("export", "adapter", "/proc/x")
+    assert _listing(tmp_path) == before

@@ -130,7 +130,7 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
     assert cli.invoke(app, ["export", "ratings", str(out)]).exit_code == 0  # a backup holds every scope
     assert sorted({json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()}) == ["alice", "bob"]
     assert len(out.read_text().splitlines()) == 32
-    assert cli.invoke(app, ["export", "ratings", str(out), "--scope", "person:cli:bob"]).exit_code == 0
+    assert cli.invoke(app, ["export", "ratings", str(out), "--scope", "person:cli:bob", "--force"]).exit_code == 0
     assert {json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()} == {"bob"}
     bad = cli.invoke(app, ["status", "--scope", "person:nowhere:x"])
     assert bad.exit_code != 0 and "is not a scope" in str(bad.exception)  # main() prints it as one line

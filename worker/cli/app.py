@@ -94,7 +94,10 @@ def rewrap_help(root: typer.Typer) -> None:
             rewrap_help(group.typer_instance)
 
 
-def command_config(read_only: bool = False, **overrides: Any) -> Config:
+def command_config(read_only: bool = False, must_exist: bool = False, **overrides: Any) -> Config:
+    """The config, on a data dir made now if missing; ``read_only`` commands (that only show what is there)
+    and ``must_exist`` ones (that change or delete what is there: undo, rollback, forget…) refuse a missing
+    one instead, so a misspelt --home is an error, not a new empty data dir."""
     # Flags travel as env vars so the workers this process starts (or runs inline) see the same values.
     if overrides.get("threshold") is not None:
         os.environ["RLFLEET_THRESHOLD"] = str(overrides["threshold"])
@@ -103,7 +106,7 @@ def command_config(read_only: bool = False, **overrides: Any) -> Config:
     if overrides.get("preset"):
         os.environ["RLFLEET_PRESET"] = str(overrides["preset"])
     path = data_dir()
-    if open_home(path, read_only):
+    if open_home(path, read_only or must_exist):
         err.print(f"new data dir created at {escape(str(path))}")
     return load_config()
 

@@ -40,39 +40,44 @@ VersionOpt = Annotated[str | None, typer.Option("--version", help="Adapter versi
 
 
 @export_app.command("adapter")
-def export_adapter_cmd(dest: Annotated[Path, typer.Argument(help="New folder to write.")],
+def export_adapter_cmd(dest: Annotated[str, typer.Argument(help="New (or empty) folder to write.")],
                        version: VersionOpt = None, as_json: JsonOpt = False) -> None:
     """A plain peft folder (adapter_config.json + adapter_model.safetensors) for PeftModel.from_pretrained."""
-    from rlfleet.shared.export import export_adapter
+    from rlfleet.shared.export import check_target, export_adapter
 
-    path, v = export_adapter(command_config(read_only=True), dest, version)
+    target = check_target(_dest_path(dest), "folder")
+    path, v = export_adapter(command_config(read_only=True), target, version)
     emit({"ok": True, "message": f"wrote adapter {v} to {path}", "path": str(path), "version": v}, as_json)
 
 
 @export_app.command("merged")
-def export_merged_cmd(dest: Annotated[Path, typer.Argument(help="New folder to write.")],
+def export_merged_cmd(dest: Annotated[str, typer.Argument(help="New (or empty) folder to write.")],
                       version: VersionOpt = None, as_json: JsonOpt = False) -> None:
     """The base model with the adapter merged in (safetensors + tokenizer), for transformers and friends."""
-    from rlfleet.shared.export import export_merged
+    from rlfleet.shared.export import check_target, export_merged
 
+    target = check_target(_dest_path(dest), "folder")  # before the seconds the model takes to load
     cfg = command_config(read_only=True)
     with err.status(f"merging {version or 'the served adapter'} into {cfg.model}…"):
-        path, v = export_merged(cfg, dest, version)
+        path, v = export_merged(cfg, target, version)
     emit({"ok": True, "message": f"wrote {cfg.model} + {v} merged to {path}", "path": str(path), "version": v},
           as_json)
 
 
 @export_app.command("ratings")
 def export_ratings_cmd(
-    dest: Annotated[Path, typer.Argument(help="JSONL file to write (a folder with --format datasets).")],
+    dest: Annotated[str, typer.Argument(help="JSONL file to write (a new or empty folder with --format datasets).")],
     all_states: Annotated[bool, typer.Option("--all", help="Also undone and replaced ratings.")] = False,
     fmt: Annotated[str, typer.Option("--format", help="jsonl | datasets (Hugging Face, save_to_disk)")] = "jsonl",
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file (a folder is never "
+                                        "replaced: --format datasets writes a new or empty one).")] = False,
     scope: ScopeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every rating with its prompt and answer: TRL KTO's prompt / completion / label shape, plus the
     comment and provenance (every scope's: --scope for one). Nothing is sent anywhere; the file is yours."""
     from rlfleet.shared import scopes
+    from rlfleet.shared.export import check_target
     from rlfleet.shared.models import model_slug
     from rlfleet.shared.ratings_io import to_example, write_dataset, write_jsonl
     from rlfleet.shared.store import Store
@@ -80,13 +85,21 @@ def export_ratings_cmd(
     if fmt not in ("jsonl", "datasets"):
         raise BadInput(f"unknown --format {fmt!r}: use jsonl or datasets")
     key = scope_arg(scope)
+    target = check_target(_dest_path(dest), "file" if fmt == "jsonl" else "folder", force)
     cfg = command_config(read_only=True)
     slug = model_slug(cfg.model)
     pairs = Store(cfg.db_url).rated_pairs(scopes.lineage(slug, key or scopes.SHARED), all_states=all_states,
                                           with_scopes=key is None)
     examples = [to_example(r, c) for r, c in pairs]
-    n = write_jsonl(examples, dest) if fmt == "jsonl" else write_dataset(examples, dest)
-    emit({"ok": True, "message": f"wrote {n} ratings to {dest}", "path": str(dest), "count": n}, as_json)
+    n = write_jsonl(examples, target, force) if fmt == "jsonl" else write_dataset(examples, target)
+    emit({"ok": True, "message": f"wrote {n} ratings to {target}", "path": str(target), "count": n}, as_json)
+
+
+def _dest_path(text: str) -> Path:
+    """An export's destination as typed (a str: typer makes an empty Path argument ".", the current folder)."""
+    if not text.strip():
+        raise BadInput("the destination is empty: give the path of the file or folder to write")
+    return Path(text)
 
 
 @import_app.command("ratings")
@@ -196,7 +209,7 @@ def reset(
         what = "the base model, and DELETE all ratings" if purge_ratings else "the base model (ratings are kept)"
         if not typer.confirm(f"Reset to {what}?"):
             raise typer.Exit(1)
-    cfg = command_config()
+    cfg = command_config(must_exist=True)
     with queue_for(cfg) as q:
         args = {"purge_ratings": purge_ratings, **({"scope": key} if key else {})}
         emit(dispatch(q, cfg, Command(name="reset", args=args)), as_json)
@@ -227,7 +240,7 @@ def forget(
             raise BadInput("forget needs --yes when not run interactively")
         if not typer.confirm(f"DELETE every rating, answer and adapter of {source}:{actor}?"):
             raise typer.Exit(1)
-    cfg = command_config()
+    cfg = command_config(must_exist=True)  # a misspelt --home has no one to forget
     try:
         done = forget_person(Store(cfg.db_url), cfg.adapters_root, model_slug(cfg.model), source, actor)
     except Busy as exc:

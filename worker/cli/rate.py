@@ -56,7 +56,8 @@ def capture(
     as_json: JsonOpt = False,
 ) -> None:
     """Record an answer produced elsewhere so it can be rated; prints the capture id."""
-    cfg = command_config()
+    if prompt == "-" and response == "-":
+        raise BadInput("only one of --prompt and --response can be - (stdin): give the other as text or @file")
     try:
         ended = None if finish_reason is None else FINISH_WORDS[known_finish_word(finish_reason)]
         ev = Capture(
@@ -66,6 +67,7 @@ def capture(
         )
     except Exception as exc:
         raise BadInput(_validation_line(exc)) from None
+    cfg = command_config()  # after the checks: bad input makes no data dir
     with queue_for(cfg) as q:
         result = dispatch(q, cfg, ev)
     if as_json:
@@ -132,7 +134,7 @@ def why(
     as_json: JsonOpt = False,
 ) -> None:
     """Say (or change) why you rated an answer as you did: the rating keeps its value and takes the reason."""
-    cfg = command_config()
+    cfg = command_config(must_exist=True)
     try:
         ev = Rating(target=target, value=None, comment=_read_text(reason), conversation=conversation)
     except Exception as exc:
@@ -144,7 +146,7 @@ def why(
 @app.command()
 def undo(as_json: JsonOpt = False) -> None:
     """Take back your most recent rating."""
-    cfg = command_config()
+    cfg = command_config(must_exist=True)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Undo()), as_json)
 

@@ -149,7 +149,7 @@ def rollback(
 ) -> None:
     """Serve an earlier adapter version (instant)."""
     args = _args(scope, version=version)
-    cfg = command_config()
+    cfg = command_config(must_exist=True)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="rollback", args=args)), as_json)
 
@@ -182,7 +182,7 @@ def promote(
 ) -> None:
     """Serve a version; one the evaluation gate rejected only with --force."""
     args = _args(scope, version=version, force=force)
-    cfg = command_config()
+    cfg = command_config(must_exist=True)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="promote", args=args)), as_json)
 
