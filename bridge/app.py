@@ -139,7 +139,7 @@ class Bridge:
         who = Actor(body.source, acting_as(key, body.actor))
         try:
             if isinstance(body, CaptureIn):
-                return self._capture(body, who, acting_as(key, body.owner) if body.owner else who.id)
+                return self._capture(body, who, acting_as(key, body.owner or body.actor))
             if isinstance(body, RatingIn) and body.value is None and body.stars is None:
                 out = self.cases.why(who, body.conversation, body.comment, target=body.target, event_id=body.event_id)
                 if isinstance(out, Reply):
