@@ -23,20 +23,22 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import scopes
 from .compute_thread import on_compute_thread_async
 from .errors import ContextTooLong
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
+from .stop_strings import MAX_STOP_CHARS, MAX_STOPS, StopFilter, cut_answer
 from .webserver import listening, until_cancelled
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 2 * MAX_PROMPT_CHARS
+# JSON may write each character of a prompt as a \uXXXX escape: a prompt within MAX_PROMPT_CHARS fits.
+MAX_BODY_BYTES = 6 * MAX_PROMPT_CHARS + (1 << 16)
 # Whose adapter answers (shared/scopes.py): this header, or the model name `<served model>@<scope key>`.
 SCOPE_HEADER = "X-Rlfleet-Scope"
 
@@ -49,6 +51,15 @@ class _Part(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: str | list[_Part]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("role") == "developer":  # OpenAI's newer name for the system prompt
+            return {**v, "role": "system"}
+        if isinstance(v, dict) and (v.get("role") in ("tool", "function") or v.get("tool_calls")):
+            raise ValueError("tool calls and their results are not supported: this server answers in text only")
+        return v
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -67,13 +78,35 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=8192)
     max_completion_tokens: int | None = Field(None, ge=1, le=8192)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = None
     logprobs: bool = False
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_STOPS)
+    # Asked for, these would silently not be honoured: refused instead (_unsupported)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatRequest:
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tools (function calling) are not supported: this server answers in text only")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported: only text")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported: logprobs=true gives each drawn token's own")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -228,10 +261,14 @@ async def _stream(request: web.Request, req: ChatRequest, answer_with, model_nam
     task = asyncio.ensure_future(on_compute_thread_async(functools.partial(
         answer_with, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text))))
     task.add_done_callback(lambda _t: pieces.put_nowait(None))
+    stops = StopFilter(req.stop or [])
     while (piece := await pieces.get()) is not None:
-        await send(chunks.delta({"content": piece}))
+        if text := stops.feed(piece):
+            await send(chunks.delta({"content": text}))
+    if text := stops.flush():
+        await send(chunks.delta({"content": text}))
     try:
-        answer = task.result()
+        answer = cut_answer(task.result(), req.stop or [], tokenizer)
     except Exception as exc:  # headers are sent: the error goes as an event, the trace to our log
         log.exception("answer failed")
         error = _error_body(f"the model failed to answer: {exc.__class__.__name__}", "server_error")
@@ -343,9 +380,21 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "rlfleet"}
+
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "rlfleet"}]})
+        return web.json_response({"object": "list", "data": [model_card(model_name)]})
+
+    async def one_model(request: web.Request) -> web.Response:  # the openai client's models.retrieve
+        name = request.match_info["name"]
+        try:
+            request_scope(name, None, model_name)
+        except LookupError as exc:
+            return _error(404, str(exc.args[0]), "not_found_error")
+        except ValueError as exc:
+            return _error(404, str(exc), "not_found_error")
+        return web.json_response(model_card(name))
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "model": model_name, "adapter_version": responder.current_version(),
@@ -387,11 +436,13 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
         except Exception as exc:  # one line to the caller, the trace to our log
             log.exception("answer failed")
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
+        answer = cut_answer(answer, req.stop or [], responder.tokenizer)
         return web.json_response(completion_body(req, answer, model_name, responder.tokenizer))
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
     app.cleanup_ctx.append(batching)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", one_model)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     return app

@@ -60,7 +60,7 @@ def served(home, tiny_model_dir):
 def ask(client, **kw):
     return client.chat.completions.create(
         model=kw.pop("model", client.models.list().data[0].id),
-        messages=[{"role": "user", "content": "Say something about tests."}],
+        messages=kw.pop("messages", [{"role": "user", "content": "Say something about tests."}]),
         temperature=0, max_tokens=kw.pop("max_tokens", 12), logprobs=True, **kw)
 
 
@@ -91,17 +91,31 @@ def test_answers_switch_when_a_new_adapter_is_promoted(served, tiny_model_dir):
 
 
 def test_bad_requests_get_openai_shaped_errors(served):
+    import urllib.error
+    import urllib.request
+
     client, port, _ = served
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         ask(client, model="gpt-4o")
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name and client.models.retrieve(f"{name}@person:slack:U1").id
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("gpt-4o")
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}'  # (the client cannot send it)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as nan:
+        urllib.request.urlopen(req, timeout=10)
+    assert nan.value.code == 400 and b"less than or equal" not in nan.value.read()
+    # A prompt within the character cap is not refused for its bytes, however JSON escapes it.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "\u2603" * 399_000}])
+    assert exc.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="no non-empty user message"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": " "}])
     with pytest.raises(openai.BadRequestError, match="prefill the answer continues"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"},
                                                             {"role": "assistant", "content": ""}])
-    import urllib.error
-    import urllib.request
-
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{oops", method="POST",
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as exc:
@@ -176,6 +190,38 @@ def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(home,
             assert res.returncode != 0 and words in res.stderr, (args, res.stderr[-2000:])
             assert "Traceback" not in res.stderr and "loading" not in res.stderr + res.stdout, args
             assert "serving" not in res.stdout, args
+
+
+def test_stop_strings_end_the_answer_whole_or_streamed_and_what_is_not_served_is_refused(served):
+    client, _, _ = served
+    name = client.models.list().data[0].id
+
+    def sampled(seed: int, **kw):
+        return client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say more."}],
+                                              max_tokens=24, temperature=1.0, seed=seed, **kw)
+
+    seed = next(s for s in range(20) if len(sampled(s).choices[0].message.content.strip()) > 8)
+    full = sampled(seed)
+    text, ids = full.choices[0].message.content, full.model_extra["rlfleet"]["token_ids"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    at = text.find(stop)
+    cut = sampled(seed, stop=[stop, "never in it \u2603"])
+    assert cut.choices[0].message.content == text[:at] and cut.choices[0].finish_reason == "stop"
+    kept = cut.model_extra["rlfleet"]["token_ids"]
+    assert kept == ids[:len(kept)] and len(kept) < len(ids) and cut.usage.completion_tokens == len(kept)
+    chunks = list(sampled(seed, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == text[:at].strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert ask(client, messages=[{"role": "developer", "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"}]).choices[0].message.content is not None
+    for extra, words in [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"top_logprobs": 3}, "top_logprobs"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+                         ({"messages": [{"role": "user", "content": "Hi"},
+                                        {"role": "tool", "content": "42", "tool_call_id": "x"}]}, "tool calls")]:
+        with pytest.raises(openai.BadRequestError) as exc:
+            ask(client, **extra)
+        assert words in exc.value.message, (extra, exc.value.message)
 
 
 def test_a_streamed_answer_is_the_same_answer_piece_by_piece(served):

@@ -1,0 +1,82 @@
+"""OpenAI's ``stop``: an answer ends before the first of a few strings, whole or streamed.
+
+The model draws on to its own end and the answer is cut where a stop string begins: the text, and the
+tokens and log-probs whose text lies before it (what a capture of the cut answer trains on). While an
+answer streams, text that may be the start of a stop string is held back until the next piece says
+whether it is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+MAX_STOPS = 4  # as OpenAI allows
+MAX_STOP_CHARS = 256
+
+
+def earliest_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first stop string in ``text`` begins; None: there is none."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many of ``text``'s last characters may begin a stop string the next piece completes."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+def cut_answer(answer: Any, stops: Sequence[str], tokenizer: Any) -> Any:
+    """``answer`` (shared.responder.Answer) ending before its first stop string, ``finish_reason``
+    ``stop``; unchanged when it holds none. Its tokens are those whose text lies before the cut."""
+    at = earliest_stop(answer.text, stops) if stops else None
+    if at is None:
+        return answer
+    text = answer.text[:at]
+    kept = 0
+    for k in range(1, len(answer.token_ids) + 1):
+        if not text.startswith(tokenizer.decode(answer.token_ids[:k], skip_special_tokens=True).strip()):
+            break
+        kept = k
+    return dataclasses.replace(answer, text=text, token_ids=answer.token_ids[:kept],
+                               logprobs=answer.logprobs[:kept], new_tokens=kept, finish_reason="stop")
+
+
+class StopFilter:
+    """The pieces of a streamed answer as they may be sent: up to the first stop string, each piece's
+    text held back while it may be the start of one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.sent = ""
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """What of the answer so far can be sent now ("" for nothing yet, or after a stop)."""
+        if self.stopped:
+            return ""
+        self.pending += piece
+        at = earliest_stop(self.sent + self.pending, self.stops)
+        if at is not None:
+            self.stopped = True
+            out, self.pending = (self.sent + self.pending)[len(self.sent):at], ""
+            self.sent += out
+            return out
+        keep = held_back(self.pending, self.stops)
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        self.sent += out
+        return out
+
+    def flush(self) -> str:
+        """The held-back rest, once the answer has ended without completing a stop string."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out

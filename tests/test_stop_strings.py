@@ -1,0 +1,41 @@
+"""OpenAI's ``stop`` (shared/stop_strings.py): a streamed answer sends exactly what the whole one says,
+however its pieces fall, and a cut answer keeps the tokens whose text lies before the stop."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.shared.responder import Answer
+from rlfleet.shared.stop_strings import StopFilter, cut_answer, earliest_stop
+
+TEXT = st.text(alphabet="ab \n.", max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT, stops=st.lists(st.text(alphabet="ab \n.", min_size=1, max_size=3), min_size=1, max_size=4),
+       cuts=st.lists(st.integers(1, 5), max_size=40))
+def test_the_stream_sends_exactly_the_text_before_the_first_stop(text, stops, cuts):
+    f, sent, i = StopFilter(stops), [], 0
+    for n in cuts + [len(text)]:
+        sent.append(f.feed(text[i:i + n]))
+        i += n
+    sent.append(f.flush())
+    at = earliest_stop(text, stops)
+    assert "".join(sent) == (text if at is None else text[:at])
+    assert f.stopped == (at is not None)
+
+
+def test_a_cut_answer_keeps_the_tokens_before_the_stop(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok.encode("one two three. four five", add_special_tokens=False) + [tok.eos_token_id]
+    answer = Answer(text=tok.decode(ids, skip_special_tokens=True).strip(), token_ids=ids,
+                    logprobs=[-0.5] * len(ids), adapter_version=None, model="m", seconds=0.0, new_tokens=len(ids),
+                    prompt_tokens=3)
+    cut = cut_answer(answer, [". four", "zzz"], tok)
+    assert cut.text == "one two three" and cut.finish_reason == "stop"
+    assert tok.decode(cut.token_ids).strip() == "one two three" and ids[:len(cut.token_ids)] == cut.token_ids
+    assert cut.new_tokens == len(cut.token_ids) == len(cut.logprobs) < len(ids)
+    assert cut_answer(answer, ["zzz"], tok) is answer and cut_answer(answer, [], tok) is answer
