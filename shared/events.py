@@ -124,6 +124,13 @@ class Capture(_Event):
     behaviour_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROBS)
     finish_reason: FinishReason | None = None  # None: not known (an older capture, an agent's hook)
 
+    @field_validator("capture_id", "message_ref")
+    @classmethod
+    def _not_last(cls, v: str | None) -> str | None:
+        if v == "last":  # a rating's target "last" means the latest answer: one of this name could not be rated
+            raise ValueError("'last' is reserved (a rating's target `last` is the latest answer): pick another id")
+        return v
+
     @field_validator("response")
     @classmethod
     def _response(cls, v: str) -> str:

@@ -126,6 +126,8 @@ class AdapterRegistry:
         return f"v{(max(taken) + 1 if taken else 1):04d}"
 
     def path(self, version: str) -> Path:
+        if not version.strip():
+            raise NotFound("which version? give one (v0003, v3 or 3; `rlfleet history` lists them)")
         if not _VERSION.match(version):
             raise NotFound(f"{version!r} is not a version name (expected v0001, v0002, … or 1, 2, …)")
         return self.dir / version

@@ -228,6 +228,8 @@ def test_rollback_with_no_versions_says_so(queued_home):
     assert res.exit_code == 2 and "no adapter version v0042" in res.output
     res = rl("rollback", "latest")
     assert res.exit_code == 2 and "'latest' is not a version name" in res.output
+    res = rl("promote", " ")
+    assert res.exit_code != 0 and "which version? give one" in res.output
 
 
 def test_train_with_nothing_pending_says_so(queued_home):

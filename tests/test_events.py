@@ -38,6 +38,9 @@ def test_rating_value_must_be_plus_or_minus_one():
         (_capture(response="\ud800"), "UTF-8"),  # a lone surrogate from a bad decode
         (json.dumps(_capture(response="\ud800")).encode(), "invalid"),
         (json.dumps({"type": "command", "name": "format-disk"}).encode(), "name"),
+        # a rating's target `last` is the latest answer: an answer of that id or ref could never be rated
+        (json.dumps(_capture(capture_id="last")).encode(), "'last' is reserved"),
+        (json.dumps(_capture(message_ref="last")).encode(), "'last' is reserved"),
         # a made-up field name is shown escaped and cut short (the nightly fuzz sent {"\n": null})
         (json.dumps({"type": "undo", "\n": None}).encode(), "'\\n': extra inputs"),
         (json.dumps({"type": "undo", "x" * 5000: None}).encode(), "'" + "x" * 40 + "'…: extra inputs"),
