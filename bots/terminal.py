@@ -192,6 +192,7 @@ def _converse(cfg: Config, handle: QueueHandle, responder, state: ChatState) -> 
         messages = state.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
         try:
             with console.status("thinking…"):
+                messages = responder.fit_history(messages)
                 answer = responder.answer(messages, scope=cfg.scope_key_of(ME.source, ME.id, state.conversation))
         except ContextTooLong as exc:  # the message is not kept: the next one would be refused too
             console.print(f"[red]{escape(str(exc))}[/]")

@@ -441,12 +441,29 @@ class LocalResponder:
         """The most tokens the model reads at once, prompt and answer together (its trained context)."""
         return int(getattr(self._base.config, "max_position_embeddings", None) or 1 << 30)
 
-    def check_fits(self, messages: list[dict]) -> int:
-        """The prompt's token count when ``messages`` leave the model room to answer; else
+    def check_fits(self, messages: list[dict], room: int = 1) -> int:
+        """The prompt's token count when ``messages`` leave the model ``room`` tokens to answer in; else
         :class:`ContextTooLong`, without drawing (a server refuses such a request before it waits)."""
         n = len(prompt_ids(self.tokenizer, self._with_system(messages)))
-        self._room(n, 1)
+        self._room(n + room - 1, 1)
         return n
+
+    def fit_history(self, messages: list[dict]) -> list[dict]:
+        """A chat's ``messages`` without as many of their earliest turns as it takes to leave room for a
+        whole answer (or a quarter of the context): a long conversation goes on with less of its past
+        rather than being refused. :class:`ContextTooLong` when the last message alone leaves none."""
+        msgs, room = list(messages), min(self.max_new_tokens, self.context_tokens // 4)
+        while True:
+            try:
+                self.check_fits(msgs, room)
+                return msgs
+            except ContextTooLong:
+                first = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
+                if first is None:
+                    raise
+                del msgs[first]  # a turn goes whole: the question and the answers after it
+                while first < len(msgs) - 1 and msgs[first]["role"] == "assistant":
+                    del msgs[first]
 
     def _room(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """``max_new_tokens`` cut to what the context leaves after the prompt (the answer then ends

@@ -168,6 +168,20 @@ def test_an_answer_stops_where_the_context_ends(tiny_model_dir, tmp_path, single
         assert 1000 <= a.prompt_tokens and a.prompt_tokens + a.new_tokens <= r.context_tokens == 1024
     with pytest.raises(ContextTooLong, match="start a new conversation"):
         r.answer(convo_of(words * 2))
+    # A chat's long past gives way, a turn at a time from the earliest, to a whole answer's room.
+    turn = " ".join(["tok"] * (words // 4))
+    chat = [{"role": "system", "content": "Be brief."}]
+    for i in range(8):
+        chat += [{"role": "user", "content": f"q{i} {turn}"}, {"role": "assistant", "content": f"a{i} {turn}"}]
+    chat.append({"role": "user", "content": "last"})
+    fitted = r.fit_history(chat)
+    assert fitted[0] == chat[0] and fitted[-1] == chat[-1] and fitted == chat[:1] + chat[len(chat) - len(fitted) + 1:]
+    assert fitted[1]["role"] == "user" and len(fitted) < len(chat)
+    assert r.check_fits(fitted) + r.max_new_tokens <= r.context_tokens
+    with pytest.raises(ContextTooLong):
+        r.check_fits(chat)
+    with pytest.raises(ContextTooLong):
+        r.fit_history(chat[:-1] + convo_of(words * 2))
 
 
 def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(home, tiny_model_dir):

@@ -281,7 +281,7 @@ def build_app(state: WebApp) -> web.Application:
         messages = [t.model_dump() for t in ask.history[-2 * HISTORY_TURNS:]] + \
             [{"role": "user", "content": ask.text}]
         try:  # refused before the answer starts, as any bad request is: the page shows why, stores nothing
-            await asyncio.to_thread(state.responder.check_fits, messages)
+            messages = await asyncio.to_thread(state.responder.fit_history, messages)
         except ContextTooLong as exc:
             return _json_error(400, str(exc))
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", **HEADERS})
