@@ -390,10 +390,8 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
         name = request.match_info["name"]
         try:
             request_scope(name, None, model_name)
-        except LookupError as exc:
+        except (LookupError, ValueError) as exc:  # not this model, or a scope that is none
             return _error(404, str(exc.args[0]), "not_found_error")
-        except ValueError as exc:
-            return _error(404, str(exc), "not_found_error")
         return web.json_response(model_card(name))
 
     async def health(request: web.Request) -> web.Response:

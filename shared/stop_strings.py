@@ -55,7 +55,8 @@ class StopFilter:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = list(stops)
-        self.sent = ""
+        # What is not sent yet: text sent never ends in the start of a stop string (that much is held
+        # back), so a stop string can only begin in here.
         self.pending = ""
         self.stopped = False
 
@@ -64,16 +65,13 @@ class StopFilter:
         if self.stopped:
             return ""
         self.pending += piece
-        at = earliest_stop(self.sent + self.pending, self.stops)
+        at = earliest_stop(self.pending, self.stops)
         if at is not None:
             self.stopped = True
-            out, self.pending = (self.sent + self.pending)[len(self.sent):at], ""
-            self.sent += out
+            out, self.pending = self.pending[:at], ""
             return out
-        keep = held_back(self.pending, self.stops)
-        out = self.pending[:len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
-        self.sent += out
+        cut = len(self.pending) - held_back(self.pending, self.stops)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
 
     def flush(self) -> str:

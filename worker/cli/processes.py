@@ -80,10 +80,9 @@ def serve(
 
     _log_to_stderr()
     cfg = command_config()
-    url = urlparse(cfg.responder.url)
-    local = url.hostname in ("127.0.0.1", "localhost", "::1")
+    url_port = urlparse(cfg.responder.url).port
     host = host or "127.0.0.1"
-    port = port if port is not None else (url.port if local and url.port else 8000)
+    port = port if port is not None else (url_port if _serves_locally(cfg) and url_port else 8000)
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach it can use the model")
     check_bindable(host, port)  # before the seconds of loading the model
@@ -205,7 +204,8 @@ def web(
     from rlfleet.bots.web.run import run_web
 
     cfg = command_config()
-    check_bindable(host or cfg.web.host, cfg.web.port if port is None else port)  # before the model loads
+    host, port = host or cfg.web.host, cfg.web.port if port is None else port
+    check_bindable(host, port)  # before the model loads
     workers = None if no_worker else BackgroundWorkers(cfg)
     with queue_for(cfg) as q:
         if workers:
