@@ -445,7 +445,7 @@ class LocalResponder:
         """The prompt's token count when ``messages`` leave the model ``room`` tokens to answer in; else
         :class:`ContextTooLong`, without drawing (a server refuses such a request before it waits)."""
         n = len(prompt_ids(self.tokenizer, self._with_system(messages)))
-        self._room(n + room - 1, 1)
+        self._refuse_past_context(n, room)
         return n
 
     def fit_history(self, messages: list[dict]) -> list[dict]:
@@ -454,11 +454,11 @@ class LocalResponder:
         rather than being refused. :class:`ContextTooLong` when the last message alone leaves none."""
         msgs, room = list(messages), min(self.max_new_tokens, self.context_tokens // 4)
         while True:
+            first = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
             try:
-                self.check_fits(msgs, room)
+                self.check_fits(msgs, room if first is not None else 1)  # nothing left to drop: any room
                 return msgs
             except ContextTooLong:
-                first = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
                 if first is None:
                     raise
                 del msgs[first]  # a turn goes whole: the question and the answers after it
@@ -468,12 +468,14 @@ class LocalResponder:
     def _room(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """``max_new_tokens`` cut to what the context leaves after the prompt (the answer then ends
         ``length``); a prompt that leaves no room is refused."""
-        room = self.context_tokens - prompt_tokens
-        if room < 1:
+        self._refuse_past_context(prompt_tokens)
+        return min(max_new_tokens, self.context_tokens - prompt_tokens)
+
+    def _refuse_past_context(self, prompt_tokens: int, room: int = 1) -> None:
+        if prompt_tokens + room > self.context_tokens:
             raise ContextTooLong(f"the conversation is {prompt_tokens:,} tokens and the model reads at most "
                                  f"{self.context_tokens:,} at once, its answer included: shorten it or start "
                                  "a new conversation")
-        return min(max_new_tokens, room)
 
 
     def answer(

@@ -182,6 +182,12 @@ def test_an_answer_stops_where_the_context_ends(tiny_model_dir, tmp_path, single
         r.check_fits(chat)
     with pytest.raises(ContextTooLong):
         r.fit_history(chat[:-1] + convo_of(words * 2))
+    # A last message that leaves less than a whole answer's room, but some, is answered (shorter);
+    # a refusal counts the conversation's own tokens.
+    assert r.fit_history(chat[:1] + convo) == chat[:1] + convo
+    n = r.check_fits(convo)
+    with pytest.raises(ContextTooLong, match=f"the conversation is {n:,} tokens"):
+        r.check_fits(convo, room=r.max_new_tokens)
 
 
 def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(home, tiny_model_dir):
