@@ -42,9 +42,12 @@ def cut_answer(answer: Any, stops: Sequence[str], tokenizer: Any) -> Any:
     text = answer.text[:at]
     kept = 0
     for k in range(1, len(answer.token_ids) + 1):
-        if not text.startswith(tokenizer.decode(answer.token_ids[:k], skip_special_tokens=True).strip()):
+        piece = tokenizer.decode(answer.token_ids[:k], skip_special_tokens=True).strip()
+        if len(piece) > len(text):
             break
-        kept = k
+        # (a character drawn in several tokens decodes to "\ufffd" until its last one: not an end)
+        if text.startswith(piece):
+            kept = k
     return dataclasses.replace(answer, text=text, token_ids=answer.token_ids[:kept],
                                logprobs=answer.logprobs[:kept], new_tokens=kept, finish_reason="stop")
 

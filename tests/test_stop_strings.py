@@ -39,3 +39,9 @@ def test_a_cut_answer_keeps_the_tokens_before_the_stop(tiny_model_dir):
     assert tok.decode(cut.token_ids).strip() == "one two three" and ids[:len(cut.token_ids)] == cut.token_ids
     assert cut.new_tokens == len(cut.token_ids) == len(cut.logprobs) < len(ids)
     assert cut_answer(answer, ["zzz"], tok) is answer and cut_answer(answer, [], tok) is answer
+    # A character the byte-level tokens spell in several pieces is kept whole with what follows it.
+    ids = tok.encode("one \U0001f389 two. three", add_special_tokens=False)
+    emoji = Answer(text=tok.decode(ids).strip(), token_ids=ids, logprobs=[0.0] * len(ids), adapter_version=None,
+                   model="m", seconds=0.0, new_tokens=len(ids), prompt_tokens=3)
+    cut = cut_answer(emoji, [". three"], tok)
+    assert cut.text == "one \U0001f389 two" and tok.decode(cut.token_ids).strip() == "one \U0001f389 two"
