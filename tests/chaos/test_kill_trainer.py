@@ -25,6 +25,7 @@ from rlfleet.shared.store import Store
 
 KILLS, THRESHOLD, STEPS = 4, 6, 24
 RESUME_S = 40  # a restarted worker imports torch and loads the model before it trains (about 8 s here)
+PATIENCE = 4  # a wait that sees training move on extends, up to this many times its bound: a loaded runner is slow
 
 
 class CurrentWatch(threading.Thread):
@@ -80,12 +81,18 @@ def test_killed_training_worker_resumes_and_never_serves_a_partial_adapter(chaos
             sent.append(ev)
 
     def wait(what: str, cond, timeout: float):
-        deadline = time.monotonic() + timeout
+        """``cond()`` once it is truthy; fails after ``timeout`` s in which training made no progress, or
+        after PATIENCE × ``timeout`` in all (slow is not stuck: only a worker that stopped moving fails)."""
+        now = time.monotonic()
+        deadline, cap, seen = now + timeout, now + PATIENCE * timeout, progress()
         while True:
             got = cond()
             if got:
                 return got
-            assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{diagnose()}\n{tail(log)}"
+            now, moved = time.monotonic(), progress()
+            if moved != seen:
+                deadline, seen = min(now + timeout, cap), moved
+            assert now < deadline, f"{what}: not within {timeout} s of progress\n{diagnose()}\n{tail(log)}"
             assert events.poll() is None, f"the events worker died\n{tail(log)}"
             time.sleep(0.02)
 
