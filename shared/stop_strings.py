@@ -17,9 +17,11 @@ MAX_STOP_CHARS = 256
 
 
 def earliest_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first stop string in ``text`` begins; None: there is none."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+    """Where the answer ends: the start of the stop string completed first, as an engine that stops on
+    one draws no further (of those completed by one character, the one begun first); None: there is none.
+    A longer stop string begun earlier but completed later never counts: the answer had stopped."""
+    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -3,7 +3,7 @@ however its pieces fall, and a cut answer keeps the tokens whose text lies befor
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rlfleet.shared.responder import Answer
@@ -12,18 +12,32 @@ from rlfleet.shared.stop_strings import StopFilter, cut_answer, earliest_stop
 TEXT = st.text(alphabet="ab \n.", max_size=40)
 
 
+def drawn_until_a_stop(text: str, stops: list[str]) -> str | None:
+    """What an engine that checks for a stop string after every character it draws answers (None: it
+    drew ``text`` to its end): the text before the stop string the last character completed."""
+    for k in range(1, len(text) + 1):
+        begun = [k - len(s) for s in stops if text[:k].endswith(s)]
+        if begun:
+            return text[:min(begun)]
+    return None
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=TEXT, stops=st.lists(st.text(alphabet="ab \n.", min_size=1, max_size=3), min_size=1, max_size=4),
        cuts=st.lists(st.integers(1, 5), max_size=40))
+@example(text="a\na", stops=["\n", "a\na"], cuts=[1, 1])  # the longer one begins first but completes later
+@example(text="ab", stops=["b", "ab"], cuts=[1])  # both complete at the "b": the answer ends before the "a"
 def test_the_stream_sends_exactly_the_text_before_the_first_stop(text, stops, cuts):
     f, sent, i = StopFilter(stops), [], 0
     for n in cuts + [len(text)]:
         sent.append(f.feed(text[i:i + n]))
         i += n
     sent.append(f.flush())
-    at = earliest_stop(text, stops)
-    assert "".join(sent) == (text if at is None else text[:at])
-    assert f.stopped == (at is not None)
+    drawn = drawn_until_a_stop(text, stops)
+    assert "".join(sent) == (text if drawn is None else drawn)
+    at = earliest_stop(text, stops)  # what a whole answer is cut to
+    assert (text if at is None else text[:at]) == "".join(sent)
+    assert f.stopped == (drawn is not None)
 
 
 def test_a_cut_answer_keeps_the_tokens_before_the_stop(tiny_model_dir):
