@@ -84,21 +84,34 @@ def stop_with_parent(poll: float = 2.0, resend: float = 10.0) -> None:
 
     While our own handler (:func:`interrupt_on_stop_signals`) still answers SIGTERM, the signal is
     sent again every ``resend`` seconds until the process is gone: its KeyboardInterrupt can land in
-    a ``__del__`` or a callback that swallows it, and the process would then run on, orphaned. An RQ
-    worker's own handler gets it once (a second SIGTERM is RQ's cold shutdown: it would kill the job
-    in hand)."""
+    a ``__del__`` or an import's callback that swallows it, and the process would then run on,
+    orphaned. Each handler of someone else's that takes over SIGTERM meanwhile (an RQ worker started
+    after the stop was swallowed) gets it once: a second SIGTERM to the same RQ worker is its cold
+    shutdown, which would kill the job in hand."""
     parent = os.environ.get(PARENT_ENV)
     if not parent or not parent.isdigit():
         return
 
+    def owner(handler: object) -> object:
+        # RQ swaps its warm-stop handler for its cold-stop one: both are methods of one worker
+        return getattr(handler, "__self__", handler)
+
     def watch() -> None:
         while os.getppid() == int(parent):
             time.sleep(poll)
+        told: list[object] = []  # the handlers of someone else's that had their SIGTERM
+        sent = float("-inf")
         while True:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(resend)
-            if signal.getsignal(signal.SIGTERM) not in (_interrupt, _exit):
-                return
+            handler = signal.getsignal(signal.SIGTERM)
+            now = time.monotonic()
+            if handler in (_interrupt, _exit):
+                if now - sent >= resend:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    sent = now
+            elif callable(handler) and not any(owner(handler) is t for t in told):
+                told.append(owner(handler))
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(min(poll, resend))
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 

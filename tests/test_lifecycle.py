@@ -70,18 +70,27 @@ def test_another_threads_block_holds_nothing(stop_signals):
 SWALLOWED = r"""
 import signal, sys, time
 from rlfleet.shared import lifecycle
-if sys.argv[1] == "ours":
+class Worker:  # RQ's: the first SIGTERM asks for a warm stop and makes a second one its cold stop
+    got = []
+    def request_stop(self, *_):
+        self.got.append("warm")
+        signal.signal(signal.SIGTERM, self.request_force_stop)
+    def request_force_stop(self, *_):
+        self.got.append("cold")
+if sys.argv[1] in ("ours", "swap"):
     lifecycle.interrupt_on_stop_signals()
 else:  # a handler of someone else's (an RQ worker's warm shutdown): counts and carries on
-    got = []
-    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+    signal.signal(signal.SIGTERM, Worker().request_stop)
 try:
     lifecycle.stop_with_parent(poll=0.05, resend=0.5)
     time.sleep(30 if sys.argv[1] == "ours" else 5)
 except KeyboardInterrupt:
     print("swallowed", flush=True)
+if sys.argv[1] == "swap":  # still importing when the stop came: RQ's worker starts after it was swallowed
+    signal.signal(signal.SIGTERM, Worker().request_stop)
+    time.sleep(5)
 if sys.argv[1] != "ours":
-    print(f"signals {len(got)}", flush=True)
+    print(f"signals {Worker.got}", flush=True)
     sys.exit(0)
 try:
     time.sleep(30)
@@ -104,7 +113,14 @@ def test_an_orphan_whose_first_stop_was_swallowed_is_stopped_again():
 
 def test_someone_elses_handler_gets_the_stop_once():
     said = _orphan("rq", 30)  # its handler does not raise: the 5 s sleep runs out, ten resends' worth
-    assert "signals 1" in said, said
+    assert "signals ['warm']" in said, said
+
+
+def test_a_worker_started_after_the_stop_was_swallowed_gets_it_once():
+    """The stop reached our handler while the worker still imported and was swallowed there; RQ's
+    worker then took over SIGTERM: it must get its warm stop (else it runs on, orphaned), and only one."""
+    said = _orphan("swap", 30)
+    assert "swallowed" in said and "signals ['warm']" in said, said
 
 
 # A script that uses rlfleet as a library: it may have chosen a SIGTERM handler of its own, or not.
