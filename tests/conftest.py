@@ -34,6 +34,37 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
+# What each heavier file costs, in seconds of test time in one suite run (three workers on a 2-core VM;
+# refresh from `--junitxml`): xdist hands out whole files (pyproject's `--dist loadfile`) in collection
+# order, so the long ones start first and the short ones fill the end. xdist's own order, by number of
+# tests, started a one-test chaos file and the type check last, and the run waited on them alone.
+FILE_COST = {
+    "test_bench_systems.py": 143, "test_spine.py": 122, "test_cli.py": 102, "test_mlx_trainer.py": 88,
+    "test_llamacpp_engine.py": 86, "test_web.py": 77, "test_bench_learning.py": 70, "test_gym.py": 66,
+    "test_bot_permissions.py": 67, "test_default_model.py": 60, "test_gate_runs.py": 59,
+    "test_bot_outages.py": 58, "chaos/test_kill_trainer.py": 54, "test_serve.py": 52,
+    "fuzz/test_hostile_cli.py": 45, "test_idle_work.py": 43, "test_bot_slack.py": 41, "test_scopes.py": 40,
+    "test_types.py": 37, "test_chat.py": 37, "fuzz/test_hostile_input.py": 34, "test_serving_gguf.py": 22,
+    "chaos/test_supervised.py": 22, "test_replay.py": 21, "test_inbox.py": 21, "test_bot_telegram.py": 21,
+    "test_export.py": 20, "test_bot_teams.py": 19, "test_bot_discord.py": 19, "test_hooks.py": 19,
+    "chaos/test_restart_redis.py": 16, "fuzz/test_hostile_teams.py": 16, "chaos/test_kill_bridge.py": 16,
+    "test_bench_ingest.py": 15, "test_bridge.py": 13, "test_trainer.py": 13, "chaos/test_kill_workers.py": 10,
+}
+_TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The heaviest files first (stable: a file's tests keep their order, the rest theirs)."""
+    def cost(item: pytest.Item) -> int:
+        try:
+            name = item.path.relative_to(_TESTS).as_posix()
+        except ValueError:
+            return 0
+        return FILE_COST.get(name, 0)
+
+    items.sort(key=lambda item: -cost(item))
+
+
 def _redis_up(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
