@@ -324,12 +324,14 @@ class LlamaCppEngine:
         adapter: Path | None = None,
         on_token: Callable[[int, int], None] | None = None,
         logprobs: list[list[float]] | None = None,
+        stop: Callable[[int, list[int]], bool] | None = None,
     ) -> list[list[int]]:
         """The new token ids of each prompt, up to and including its end token (at most
         ``max_new_tokens``), with the adapter folder ``adapter`` applied (None: the base model).
         ``on_token(row, token)`` is called as each token is drawn. Raises :class:`EngineCannot` when
         the batch does not fit this context or the adapter cannot be applied. ``logprobs``: a list
-        that gets each row's raw log p(token) under llama.cpp's own logits (temperature 1, no top-p)."""
+        that gets each row's raw log p(token) under llama.cpp's own logits (temperature 1, no top-p).
+        ``stop(row, new_ids)``: True ends the row at that token, as its end token would."""
         if not prompts:
             return []
         if len(prompts) > self.max_batch:
@@ -368,7 +370,7 @@ class LlamaCppEngine:
             outs[row].append(tok)
             if on_token is not None:
                 on_token(row, tok)
-            if tok not in ends and len(outs[row]) < max_new_tokens:
+            if tok not in ends and len(outs[row]) < max_new_tokens and not (stop is not None and stop(row, outs[row])):
                 live.append(row)
 
         try:

@@ -42,6 +42,7 @@ from .models import (
     tuner_layers,
 )
 from .registry import ADAPTER_CONFIG, CURRENT_FILE, WEIGHT_FILES, read_pointer, weights_identity
+from .stop_strings import StopCheck, cut_answer
 
 log = logging.getLogger(__name__)
 
@@ -488,6 +489,7 @@ class LocalResponder:
         on_text: Callable[[str], None] | None = None,
         cache: TurnCache | None = None,
         scope: str | None = None,
+        stop: Sequence[str] | None = None,
     ) -> Answer:
         """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) with the current version;
         the sampling settings default to the responder's own. ``on_text`` is called, from this thread,
@@ -497,7 +499,9 @@ class LocalResponder:
         pass over the answer's tokens on the prompt's keys and values, not over the whole conversation.
         Where llama.cpp draws (``chat.engine``), the log-probs are those of the logits it drew from, torch
         runs nothing, and llama.cpp keeps its own prefix instead of ``cache``.
-        ``scope``: a scope key (shared/scopes.py) whose own adapter answers; None: ``CURRENT``'s."""
+        ``scope``: a scope key (shared/scopes.py) whose own adapter answers; None: ``CURRENT``'s.
+        ``stop``: OpenAI's stop strings: drawing ends at the token that completes one, and the answer
+        is cut where it begins (shared/stop_strings.py); ``on_text`` has had the drawn text."""
         import torch
         from transformers import DynamicCache
 
@@ -510,8 +514,9 @@ class LocalResponder:
             temp = self.temperature if temperature is None else temperature
             p = self.top_p if top_p is None else top_p
             streamer = _TextPieces(self.tokenizer, on_text) if on_text is not None else None
+            check = StopCheck(self.tokenizer, [stop or []])
             drawn_lps: list[list[float]] = []
-            drawn = self._engine_draw(chosen, [ids], new_cap, temp, p, [seed], streamer, drawn_lps)
+            drawn = self._engine_draw(chosen, [ids], new_cap, temp, p, [seed], streamer, drawn_lps, check)
             if drawn is not None:  # llama.cpp drew it and gave its log-probs: torch has nothing to do
                 got, logprobs = drawn[0], drawn_lps[0]
             else:
@@ -525,16 +530,17 @@ class LocalResponder:
                 with torch.inference_mode(), seeded_rng(seed, self.device), chosen.context:
                     gc = self._generation_config(model, new_cap, temp, p)
                     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gc,
-                                         streamer=streamer, **{self._cache_arg: cache.past})
+                                         streamer=streamer, stopping_criteria=_stopping(check, len(ids)),
+                                         **{self._cache_arg: cache.past})
                     new = self._cut_at_end(out[0, len(ids):])
                     logprobs = self._cached_logprobs(model, ids, new, cache, len(ids) - 1)
                 got = new.tolist()
-            return Answer(
+            return cut_answer(Answer(
                 text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got, logprobs=logprobs,
                 adapter_version=chosen.version, model=self.ref.spec, seconds=time.perf_counter() - t0,
                 new_tokens=len(got), prompt_tokens=len(ids), messages=msgs,
                 finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
-            )
+            ), stop or [], self.tokenizer)
 
     def _cached_logprobs(self, model: Any, ids: list[int], new: Any, cache: TurnCache, start: int) -> list[float]:
         """The answer's raw log-probs: the prompt from its token ``start`` on and the answer but its
@@ -556,10 +562,12 @@ class LocalResponder:
 
     def _engine_draw(self, chosen: _Selected, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                      top_p: float, seeds: list[int | None], streamer: _TextPieces | None = None,
-                     logprobs: list[list[float]] | None = None) -> list[list[int]] | None:
+                     logprobs: list[list[float]] | None = None,
+                     stop: StopCheck | None = None) -> list[list[int]] | None:
         """The new ids of each prompt drawn by llama.cpp with ``chosen``'s adapter, in batches of what
         its context holds; None: torch draws them (no llama.cpp, or it cannot take this request:
-        said once per reason). ``logprobs`` gets each row's raw log-probs under llama.cpp's logits."""
+        said once per reason). ``logprobs`` gets each row's raw log-probs under llama.cpp's logits;
+        ``stop`` ends a row at the token that completes one of its stop strings."""
         if self._engine is None:
             return None
         if streamer is not None:
@@ -571,8 +579,9 @@ class LocalResponder:
             lps: list[list[float]] = []
             for i in range(0, len(prompts), step):
                 part: list[list[float]] | None = [] if logprobs is not None else None
+                ends = (lambda row, ids, first=i: stop(first + row, ids)) if stop else None
                 out += self._engine.generate(prompts[i:i + step], max_new_tokens, temperature, top_p, self._eos_ids,
-                                             seeds[i:i + step], chosen.folder, on_token, part)
+                                             seeds[i:i + step], chosen.folder, on_token, part, ends)
                 lps += part or []
         except Exception as exc:  # llama.cpp failing must not take the chat down: torch answers
             reason = f"{type(exc).__name__}: {exc}"
@@ -596,13 +605,15 @@ class LocalResponder:
         temperature: float | None = None,
         top_p: float | None = None,
         scope: str | None = None,
+        stops: Sequence[Sequence[str]] | None = None,
     ) -> list[Answer]:
         """:meth:`answer` for many conversations at once: one batched ``generate`` and one batched
         log-prob pass (left-padded rows, positions counted from each row's first real token), so on a
         CPU, where a token's cost is mostly fixed overhead, N answers cost far less than N. Each answer
         is the one :meth:`answer` gives, with its raw log-probs; ``seed`` seeds the batch's one random
         stream, so a seeded request repeats its answer only when it is asked alone. ``scope``: as in
-        :meth:`answer`, one for the whole batch."""
+        :meth:`answer`, one for the whole batch; ``stops``: each conversation's stop strings, as
+        :meth:`answer`'s ``stop`` (a row that completes one stops drawing while the others go on)."""
         import torch
 
         if not conversations:
@@ -610,24 +621,27 @@ class LocalResponder:
         with self._lock:
             t0 = time.perf_counter()
             chosen = self._select(scope)
+            rows_stops = [list(x) for x in stops] if stops is not None else [[] for _ in conversations]
             with chosen.context:
                 batch = self._generate_batch(
                     chosen, conversations, seed, max_new_tokens,
                     self.temperature if temperature is None else temperature,
                     self.top_p if top_p is None else top_p, with_logprobs=True,
+                    stop=StopCheck(self.tokenizer, rows_stops),
                 )
                 logprobs = batch.logprobs if batch.logprobs is not None else batch_token_logprobs(
                     chosen.model, [torch.tensor(r, device=self.device) for r in batch.rows], batch.news, batch.pad_id)
             seconds = time.perf_counter() - t0
             answers = []
-            for new, lps, msgs, row in zip(batch.news, logprobs, batch.built, batch.rows, strict=True):
+            for new, lps, msgs, row, row_stops in zip(batch.news, logprobs, batch.built, batch.rows, rows_stops,
+                                                      strict=True):
                 got = new.tolist()
-                answers.append(Answer(
+                answers.append(cut_answer(Answer(
                     text=self.tokenizer.decode(got, skip_special_tokens=True).strip(), token_ids=got,
                     logprobs=lps, adapter_version=chosen.version, model=self.ref.spec, seconds=seconds,
                     new_tokens=len(got), prompt_tokens=len(row), messages=msgs,
                     finish_reason="stop" if got and got[-1] in self._eos_ids else "length",
-                ))
+                ), row_stops, self.tokenizer))
             return answers
 
     def sample(
@@ -657,7 +671,7 @@ class LocalResponder:
 
     def _generate_batch(self, chosen: _Selected, conversations: Sequence[list[dict]], seed: int | None,
                         max_new_tokens: int | None, temperature: float, top_p: float,
-                        with_logprobs: bool = False) -> _Batch:
+                        with_logprobs: bool = False, stop: StopCheck | None = None) -> _Batch:
         """One left-padded ``generate`` over the conversations with ``chosen`` (the caller holds the lock
         and :meth:`_select`-ed it), or llama.cpp's batch: the conversations as built, their prompt ids,
         and each row's new ids cut at its end token (``with_logprobs``: llama.cpp's batch brings its
@@ -672,14 +686,16 @@ class LocalResponder:
                                      temperature, top_p)
         seeds = [None if seed is None else seed + i for i in range(len(rows))]
         lps: list[list[float]] | None = [] if with_logprobs else None
-        drawn = self._engine_draw(chosen, rows, int(gc.max_new_tokens), temperature, top_p, seeds, logprobs=lps)
+        drawn = self._engine_draw(chosen, rows, int(gc.max_new_tokens), temperature, top_p, seeds, logprobs=lps,
+                                  stop=stop)
         if drawn is not None:
             return _Batch(built, rows, [torch.tensor(d, dtype=torch.long, device=self.device) for d in drawn],
                           int(gc.pad_token_id), lps)
         ids, mask = left_padded(rows, gc.pad_token_id, self.device)
         width = ids.shape[1]
         with torch.inference_mode(), seeded_rng(seed, self.device):
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                 stopping_criteria=_stopping(stop, width))
         return _Batch(built, rows, [self._cut_at_end(row) for row in out[:, width:]], int(gc.pad_token_id))
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
@@ -714,6 +730,24 @@ class LocalResponder:
             first = int(is_end.nonzero()[0, 0])
             return new[: first + 1]  # keep the end token: it carries the length signal
         return new
+
+
+def _stopping(check: StopCheck | None, width: int) -> Any:
+    """``generate()``'s stopping criteria for ``check`` on rows whose new tokens begin at ``width``
+    (None: none, and generate checks nothing more per token)."""
+    if check is None or not check:
+        return None
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ask: StopCheck = check
+
+    class _Stops(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            done = [ask(row, ids[width:]) for row, ids in enumerate(input_ids.tolist())]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Stops()])
 
 
 class _TextPieces:

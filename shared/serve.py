@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args
 
 from aiohttp import web
@@ -32,7 +32,7 @@ from . import scopes
 from .compute_thread import on_compute_thread_async
 from .errors import ContextTooLong
 from .events import MAX_MESSAGES, MAX_PROMPT_CHARS, Source, describe_validation_error
-from .stop_strings import MAX_STOP_CHARS, MAX_STOPS, StopFilter, cut_answer
+from .stop_strings import MAX_STOP_CHARS, MAX_STOPS, StopFilter
 from .webserver import listening, until_cancelled
 
 log = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ async def _stream(request: web.Request, req: ChatRequest, answer_with, model_nam
     if text := stops.flush():
         await send(chunks.delta({"content": text}))
     try:
-        answer = cut_answer(task.result(), req.stop or [], tokenizer)
+        answer = task.result()
     except Exception as exc:  # headers are sent: the error goes as an event, the trace to our log
         log.exception("answer failed")
         error = _error_body(f"the model failed to answer: {exc.__class__.__name__}", "server_error")
@@ -293,6 +293,7 @@ class _Job:
     done: asyncio.Future
     scope: str | None = None
     gone: Callable[[], bool] = lambda: False  # the client hung up while it waited
+    stop: list[str] = field(default_factory=list)  # each row of a batch stops on its own strings
 
     @property
     def settings(self) -> tuple:
@@ -314,9 +315,9 @@ class Batcher:
 
     async def answer(self, messages: list[dict], seed: int | None, max_new_tokens: int | None,
                      temperature: float | None, top_p: float | None, scope: str | None = None,
-                     gone: Callable[[], bool] = lambda: False) -> Any:
+                     gone: Callable[[], bool] = lambda: False, stop: list[str] | None = None) -> Any:
         job = _Job(messages, seed, max_new_tokens, temperature, top_p, asyncio.get_running_loop().create_future(),
-                   scope, gone)
+                   scope, gone, list(stop or []))
         await self.queue.put(job)
         return await job.done
 
@@ -347,11 +348,12 @@ class Batcher:
                 if len(group) == 1:
                     answers = [await on_compute_thread_async(functools.partial(
                         self.responder.answer, first.messages, first.seed, first.max_new_tokens,
-                        first.temperature, first.top_p, scope=first.scope))]
+                        first.temperature, first.top_p, scope=first.scope, stop=first.stop))]
                 else:
                     answers = await on_compute_thread_async(functools.partial(
                         self.responder.answer_many, [j.messages for j in group], first.seed,
-                        first.max_new_tokens, first.temperature, first.top_p, scope=first.scope))
+                        first.max_new_tokens, first.temperature, first.top_p, scope=first.scope,
+                        stops=[j.stop for j in group]))
         except Exception as exc:
             for job in group:
                 if not job.done.done():
@@ -418,7 +420,7 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
         if req.stream:
             def answer_with(on_text):
                 return responder.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p,
-                                        on_text=on_text, scope=scope)
+                                        on_text=on_text, scope=scope, stop=req.stop)
 
             async with lock:
                 if _hung_up(request):  # it left while others were answered: nobody to draw for
@@ -426,7 +428,7 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
                 return await _stream(request, req, answer_with, model_name, responder.tokenizer)
         try:
             answer = await batcher.answer(messages, req.seed, max_new_tokens, req.temperature, req.top_p, scope,
-                                          gone=lambda: _hung_up(request))
+                                          gone=lambda: _hung_up(request), stop=req.stop)
         except asyncio.CancelledError:
             if not _hung_up(request):
                 raise
@@ -434,7 +436,6 @@ def make_app(responder, model_name: str, max_batch: int = 16) -> web.Application
         except Exception as exc:  # one line to the caller, the trace to our log
             log.exception("answer failed")
             return _error(500, f"the model failed to answer: {exc.__class__.__name__}", "server_error")
-        answer = cut_answer(answer, req.stop or [], responder.tokenizer)
         return web.json_response(completion_body(req, answer, model_name, responder.tokenizer))
 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])

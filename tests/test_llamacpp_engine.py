@@ -229,6 +229,20 @@ def test_sampling_follows_the_seed_and_the_temperature(responder, adapters):
     assert len(alone) == 3 and len({tuple(a.token_ids) for a in batch}) == 4
 
 
+def test_a_stop_string_ends_llama_cpps_drawing_alone_and_in_a_batch(responder, adapters):
+    from test_stop_strings import early_stops
+
+    from rlfleet.shared.chat_prompt import prompt_ids
+
+    _pointing(adapters, "v0001")
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS[2:]]
+    stop, k, ids = early_stops(responder, convs, temperature=0)
+    rows = [prompt_ids(responder.tokenizer, responder._with_system(c)) for c in convs]
+    drawn = responder._engine.generate(rows, 24, 0.0, 1.0, responder._eos_ids, None, adapters / "v0001",
+                                       stop=lambda row, new: row == 0 and stop in responder.tokenizer.decode(new))
+    assert drawn[0] == ids[:k] and len(drawn[1]) > k  # the row without a stop string drew on
+
+
 def test_an_adapter_llama_cpp_cannot_take_is_answered_by_torch_and_said_once(responder, adapters, caplog,
                                                                              monkeypatch):
     import shutil
