@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
-from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_MESSAGES, Ident, Message, known_finish_word
+from rlfleet.shared.events import (
+    MAX_COMMENT_CHARS,
+    MAX_MESSAGES,
+    Ident,
+    Message,
+    check_command_args,
+    known_finish_word,
+)
 
 AgentSource = Literal["bridge", "claude-code", "codex"]
 
@@ -58,7 +65,14 @@ class UndoIn(_Body):
 
 class CommandIn(_Body):
     name: Literal["train", "rollback", "promote", "reset", "pause", "resume"]
-    args: dict[str, str | int | bool | None] = Field(default_factory=dict, max_length=16)
+    args: dict[str, str | int | bool | None] = Field(
+        default_factory=dict, max_length=16,
+        description="rollback: version, promote: version and force, reset: purge_ratings; any: scope")
+
+    @model_validator(mode="after")
+    def _known_args(self) -> CommandIn:
+        check_command_args(self.name, self.args)
+        return self
 
 
 class Accepted(BaseModel):

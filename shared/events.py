@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timezone
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
@@ -208,10 +208,39 @@ class Undo(_Event):
 CommandName = Literal["status", "train", "rollback", "promote", "reset", "pause", "resume"]
 
 
+# What each command reads from its ``args`` and of which type (an argument it does not read is refused:
+# a typo'd `force` must not quietly promote without it).
+COMMAND_ARGS: dict[str, dict[str, tuple[type, ...]]] = {
+    "status": {"scope": (str,)}, "train": {"scope": (str,)}, "pause": {"scope": (str,)},
+    "resume": {"scope": (str,)}, "rollback": {"scope": (str,), "version": (str, int)},
+    "promote": {"scope": (str,), "version": (str, int), "force": (bool,)},
+    "reset": {"scope": (str,), "purge_ratings": (bool,)},
+}
+
+
+def check_command_args(name: str, args: dict[str, Any]) -> None:
+    """ValueError with one line when ``args`` holds what command ``name`` does not read, or a value of
+    the wrong type (None stands for left out)."""
+    takes = COMMAND_ARGS.get(name, {})
+    for key, value in args.items():
+        if key not in takes:
+            known = ", ".join(takes) or "none"
+            raise ValueError(f"{name} takes no argument {_field_name(key)} (it takes: {known})")
+        if value is not None and (not isinstance(value, takes[key]) or isinstance(value, bool) != (bool in takes[key])):
+            kinds = " or ".join({"str": "a string", "int": "a number", "bool": "true or false"}[t.__name__]
+                                for t in takes[key])
+            raise ValueError(f"{name}'s {key} must be {kinds}")
+
+
 class Command(_Event):
     type: Literal["command"] = "command"
     name: CommandName
     args: dict[str, str | int | bool | None] = Field(default_factory=dict, max_length=16)
+
+    @model_validator(mode="after")
+    def _known_args(self) -> Command:
+        check_command_args(self.name, self.args)
+        return self
 
 
 Event = Annotated[Capture | Rating | Undo | Command, Field(discriminator="type")]

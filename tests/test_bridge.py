@@ -310,6 +310,13 @@ def test_an_admin_key_pauses_and_resumes_training_and_no_other_key_or_name_does(
     with pytest.raises(BridgeError) as exc:
         BridgeClient(url, SECRET).command("hold")  # not a command: refused at the edge
     assert exc.value.status == 422 and handle.waiting_events() == 0
+    for name, args, words in [("pause", {"for": "1h"}, "pause takes no argument for (it takes: scope)"),
+                              ("rollback", {"verison": "v1"}, "rollback takes no argument verison"),
+                              ("promote", {"version": "v1", "force": "yes"}, "promote's force must be true or false"),
+                              ("reset", {"purge_ratings": 1}, "reset's purge_ratings must be true or false")]:
+        with pytest.raises(BridgeError) as exc:  # an argument it would not read: refused, nothing queued
+            BridgeClient(url, SECRET).command(name, **args)
+        assert exc.value.status == 422 and words in exc.value.message and handle.waiting_events() == 0, name
     assert store.training_paused(slug) is False
     answer = while_working(cfg, handle, lambda: BridgeClient(url, SECRET).command("pause", wait=5))
     assert answer["result"]["message"].startswith("automatic training paused") and answer["result"]["paused"]

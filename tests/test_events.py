@@ -38,6 +38,15 @@ def test_rating_value_must_be_plus_or_minus_one():
         (_capture(response="\ud800"), "UTF-8"),  # a lone surrogate from a bad decode
         (json.dumps(_capture(response="\ud800")).encode(), "invalid"),
         (json.dumps({"type": "command", "name": "format-disk"}).encode(), "name"),
+        # an argument the command does not read (a typo'd `force`), or of the wrong type
+        (json.dumps({"type": "command", "name": "promote", "args": {"version": "v2", "froce": True}}).encode(),
+         "promote takes no argument froce (it takes: scope, version, force)"),
+        (json.dumps({"type": "command", "name": "reset", "args": {"purge_ratings": "no"}}).encode(),
+         "reset's purge_ratings must be true or false"),
+        (json.dumps({"type": "command", "name": "rollback", "args": {"version": True}}).encode(),
+         "rollback's version must be a string or a number"),
+        (json.dumps({"type": "command", "name": "train", "args": {"\n" * 80: 1}}).encode(),
+         "train takes no argument '\\n"),
         # a rating's target `last` is the latest answer: an answer of that id or ref could never be rated
         (json.dumps(_capture(capture_id="last")).encode(), "'last' is reserved"),
         (json.dumps(_capture(message_ref="last")).encode(), "'last' is reserved"),
