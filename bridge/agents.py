@@ -68,9 +68,19 @@ def _load(path: Path) -> tuple[bytes | None, dict]:
         data = json.loads(raw or b"{}")
     except ValueError:
         raise BadInput(f"{path} is not valid JSON; fix it first (nothing was changed)") from None
-    if not isinstance(data, dict) or not isinstance(data.get("hooks", {}), dict):
-        raise BadInput(f"{path} does not look like a settings file with a hooks object; nothing was changed")
+    if not isinstance(data, dict) or not isinstance(data.get("hooks", {}), dict) \
+            or not all(isinstance(groups, list) for groups in data.get("hooks", {}).values()):
+        raise BadInput(f"{path} does not look like a settings file with a hooks object of lists; nothing was "
+                       "changed")
     return raw, data
+
+
+def check(name: str) -> Agent:
+    """The agent ``name`` if its settings file can take our hooks; BadInput, changing nothing, if not
+    (asked before a command writes anything of its own)."""
+    a = agent(name)
+    _load(a.path)
+    return a
 
 
 def _write(path: Path, raw: bytes) -> None:

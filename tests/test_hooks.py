@@ -264,6 +264,25 @@ def test_init_and_uninstall_from_the_cli(home, tmp_path, monkeypatch):
     assert res.exit_code == 0 and not (tmp_path / "codex" / "hooks.json").exists()
 
 
+@pytest.mark.parametrize("settings", ["{not json", '{"hooks": {"Stop": "echo hi"}}', "[1, 2]"])
+def test_init_with_an_agent_settings_file_it_cannot_edit_writes_nothing(home, tmp_path, monkeypatch, settings):
+    from typer.testing import CliRunner
+
+    from rlfleet.cli.app import app
+    from rlfleet.shared.errors import BadInput
+
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude"))
+    (tmp_path / "claude").mkdir()
+    (tmp_path / "claude" / "settings.json").write_text(settings)
+    before = sorted(p.relative_to(home) for p in home.rglob("*"))
+    res = CliRunner().invoke(app, ["init", "--yes", "--no-check-model", "--threshold", "7", "--agent", "claude-code"])
+    assert isinstance(res.exception, BadInput) and "settings.json" in str(res.exception)  # the CLI's one line
+    assert "nothing was changed" in str(res.exception)
+    assert sorted(p.relative_to(home) for p in home.rglob("*")) == before  # no config.toml, no secret
+    assert (tmp_path / "claude" / "settings.json").read_text() == settings
+    assert list((tmp_path / "claude").iterdir()) == [tmp_path / "claude" / "settings.json"]  # no backup either
+
+
 def test_a_redis_that_is_down_spools_too_and_it_flushes_once_it_is_back(bridge_home, tmp_path):
     import redis
 

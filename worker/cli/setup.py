@@ -51,10 +51,10 @@ def init(
     """Write config.toml and the secret file in the data dir, and check the model loads."""
     cfg = command_config()
     if agent:
-        from rlfleet.bridge.agents import agent as known_agent
+        from rlfleet.bridge.agents import check
 
-        for name in agent:  # before anything is written: an unknown agent used to fail after config.toml was saved
-            known_agent(name)
+        for name in agent:  # before anything is written: an unknown agent, or a settings file we cannot edit
+            check(name)
     interactive = _stdin_is_tty() and not yes
     if interactive:
         model = model or typer.prompt("Base model (smollm2-135m, a local folder, or org/name)", default=cfg.model)
