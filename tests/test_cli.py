@@ -222,6 +222,8 @@ def test_bad_preset_is_refused(home):
 def test_rollback_with_no_versions_says_so(queued_home):
     res = rl("rollback")
     assert res.exit_code == 2 and "nothing to roll back" in res.output
+    res = rl("rollback", "base")  # where it is already: said, not "rolled back"
+    assert res.exit_code == 0 and "already on the base model" in res.output and "rolled back" not in res.output
     res = rl("rollback", "v0042")
     assert res.exit_code == 2 and "no adapter version v0042" in res.output
     res = rl("rollback", "42")

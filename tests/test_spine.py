@@ -135,6 +135,8 @@ def test_threshold_triggers_one_run_that_promotes_a_loadable_version(tiny_home):
         # a version as people type it
         assert rl("rollback", "1").exit_code == 0
         assert reg.current() == "v0001"
+        res = rl("rollback", "v1")  # where it is already
+        assert res.exit_code == 0 and "already serving v0001" in res.output and reg.current() == "v0001"
         assert rl("promote", "v2").exit_code == 0
         assert reg.current() == "v0002"
 

@@ -95,6 +95,8 @@ def rollback(ctx: Context, conn: redis.Redis, target: object) -> JobResult:
         target = ctx.registry.meta(current).get("parent") or "base"
     target = str(target)
     if target == "base":
+        if current is None:
+            return JobResult.done("already on the base model", version=None)
         ctx.registry.set_current(None)
         ctx.store.set_active(ctx.slug, None)
         schedule_push(ctx, conn)
@@ -103,6 +105,8 @@ def rollback(ctx: Context, conn: redis.Redis, target: object) -> JobResult:
     refusal = _unservable(ctx, version)
     if refusal:
         return JobResult.failed(refusal)
+    if version == current:
+        return JobResult.done(f"already serving {version}", version=version)
     ctx.registry.set_current(version)
     ctx.store.set_active(ctx.slug, version)
     schedule_push(ctx, conn)
