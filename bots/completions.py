@@ -9,16 +9,39 @@ computes, so they are dropped and the trainer uses the policy at the start of th
 
 from __future__ import annotations
 
+import json
 import os
 
 import aiohttp
 
 from rlfleet.shared import scopes
 from rlfleet.shared.config import ChatSettings, ResponderSettings
-from rlfleet.shared.errors import ModelUnavailable
+from rlfleet.shared.errors import ContextTooLong, ModelUnavailable
 from rlfleet.shared.events import finish_reason
 from rlfleet.shared.ingress.usecases import Completion
 from rlfleet.shared.serve import SCOPE_HEADER
+
+# How servers say a conversation is longer than their model reads: OpenAI's and `rlfleet serve`'s code,
+# vLLM's and llama.cpp server's words.
+_TOO_LONG_WORDS = ("maximum context length", "exceeds the available context size", "exceed_context_size")
+
+
+def context_refusal(status: int, body: str) -> str | None:
+    """The server's message when its answer ``status``/``body`` refuses a conversation for its length;
+    None for any other answer."""
+    if status != 400:
+        return None
+    try:
+        data = json.loads(body)
+        error = data.get("error", data)  # (older vLLM puts the error's fields at the top)
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        message = str(error.get("message") or "")
+        if error.get("code") == "context_length_exceeded" or any(
+                w in f"{message} {error.get('type', '')}".lower() for w in _TOO_LONG_WORDS):
+            return message[:300] or "the conversation is longer than the model reads at once"
+    return None
 
 
 class ChatCompletions:
@@ -36,8 +59,10 @@ class ChatCompletions:
             async with session.request(method, self.base + path, json=body,
                                        headers={**self._headers, **(headers or {})}) as resp:
                 if resp.status >= 400:
-                    detail = (await resp.text())[:200]
-                    raise ModelUnavailable(f"the responder at {self.base} answered {resp.status}: {detail}")
+                    text = await resp.text()
+                    if (too_long := context_refusal(resp.status, text)) is not None:
+                        raise ContextTooLong(too_long)
+                    raise ModelUnavailable(f"the responder at {self.base} answered {resp.status}: {text[:200]}")
                 return await resp.json(content_type=None)
         except aiohttp.ClientError as exc:
             raise ModelUnavailable(

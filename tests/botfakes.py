@@ -172,6 +172,7 @@ class FakeOpenAI(FakeServer):
     ours: bool = True
     answer: Callable[[list[dict]], str] = lambda msgs: f"answer to: {msgs[-1]['content']}"
     finish_reason: str | None = "stop"
+    context_chars: int | None = None  # a conversation longer than this is refused, as OpenAI does
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -183,6 +184,11 @@ class FakeOpenAI(FakeServer):
     async def complete(self, request: web.Request) -> web.Response:
         body = await self.record(request)
         self.scopes.append(request.headers.get("X-Rlfleet-Scope"))
+        if self.context_chars is not None and sum(len(m["content"]) for m in body["messages"]) > self.context_chars:
+            return web.json_response({"error": {
+                "message": f"This model's maximum context length is {self.context_chars} characters.",
+                "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
+                status=400)
         text = self.answer(body["messages"])
         data: dict[str, Any] = {
             "id": "chatcmpl-1", "object": "chat.completion", "model": body.get("model", "tiny"),

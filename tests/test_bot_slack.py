@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 import aiohttp
+import pytest
 from botfakes import FakeSlack
 from botrig import ADMIN, OWNER, RATER, STRANGER, BotRig, bot_rig, run
 from slack_bolt.request.async_request import AsyncBoltRequest
@@ -499,6 +500,60 @@ def test_a_reply_in_its_thread_is_answered_with_the_thread_as_context(queued_hom
             await asyncio.sleep(0.2)
             assert len(r.slack.of("chat.postMessage")) == before + 1
     run(go())
+
+
+def test_a_thread_longer_than_the_model_reads_is_answered_on_its_latest_turns(queued_home):
+    """The responder refuses a conversation past its context (400 context_length_exceeded, as OpenAI and
+    `rlfleet serve` do): the earliest turns go until it fits, and that is the prompt captured; a message
+    too long alone gets one line saying so, and nothing is captured."""
+    async def go():
+        async with rig(queued_home) as r:
+            await r.mention(OWNER, "start")
+            thread = r.slack.of("chat.postMessage")[-1]["thread_ts"]
+            r.slack.thread = [{"ts": thread, "user": OWNER, "text": "<@UBOT> " + "old words " * 30},
+                              {"ts": "1700000000.000001", "user": "UBOT", "bot_id": "BBOT", "text": "x" * 200},
+                              {"ts": "1700000000.000002", "user": OWNER, "text": "the recent question"},
+                              {"ts": "1700000000.000003", "user": "UBOT", "bot_id": "BBOT", "text": "recent answer"}]
+            r.llm.context_chars = 120
+            before, asked = len(r.slack.of("chat.postMessage")), len(r.llm.of("/chat/completions"))
+            await r.event({"type": "message", "channel_type": "channel", "user": OWNER, "channel": CHANNEL,
+                           "text": "and now?", "ts": "1700000005.000000", "thread_ts": thread})
+            posts = await r.slack.wait_for("chat.postMessage", before + 1)
+            assert posts[-1]["text"] == "answer to: and now?"
+            fitted = [{"role": "user", "content": "the recent question"},
+                      {"role": "assistant", "content": "recent answer"}, {"role": "user", "content": "and now?"}]
+            tried = [c["messages"] for c in r.llm.of("/chat/completions")[asked:]]
+            # the whole thread, then without its first turn and the answer that would open it: it fits
+            assert len(tried) == 2 and len(tried[0]) == 5 and tried[1] == fitted
+            await r.base.until(lambda: any(c.prompt[-1]["content"] == "and now?" for c in r.base.captures()), "capture")
+            capture = next(c for c in r.base.captures() if c.prompt[-1]["content"] == "and now?")
+            assert [m["content"] for m in capture.prompt] == [m["content"] for m in fitted]  # what it answered on
+            n = len(r.base.captures())
+            await r.event({"type": "message", "channel_type": "channel", "user": OWNER, "channel": CHANNEL,
+                           "text": "y" * 500, "ts": "1700000006.000000", "thread_ts": thread})
+            posts = await r.slack.wait_for("chat.postMessage", before + 2)
+            assert posts[-1]["text"].startswith("(no answer: the message is longer than the model reads at once")
+            await r.drain()
+            assert len(r.base.captures()) == n
+    run(go())
+
+
+@pytest.mark.parametrize("status, body, refused", [
+    (400, {"error": {"message": "This model's maximum context length is 8192 tokens.", "type":
+                     "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}, True),  # OpenAI
+    (400, {"object": "error", "message": "This model's maximum context length is 2048 tokens. However, you "
+           "requested 3000 tokens", "type": "BadRequestError", "param": None, "code": 400}, True),  # vLLM
+    (400, {"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it",
+                     "type": "exceed_context_size_error", "n_prompt_tokens": 5000, "n_ctx": 4096}}, True),  # llama.cpp
+    (400, {"error": {"message": "temperature must be at most 2", "type": "invalid_request_error"}}, False),
+    (500, {"error": {"message": "maximum context length", "code": "context_length_exceeded"}}, False),
+    (400, "not json", False),
+])
+def test_each_servers_refusal_of_a_long_conversation_is_told_apart(status, body, refused):
+    from rlfleet.bots.completions import context_refusal
+
+    said = context_refusal(status, body if isinstance(body, str) else json.dumps(body))
+    assert (said is not None) == refused and (said is None or "context" in said)
 
 
 def test_socket_mode_acks_envelopes_and_works_after_the_ack(queued_home):

@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 import redis
 
 from .. import scopes
-from ..errors import RlfleetError
+from ..errors import ContextTooLong, RlfleetError
 from ..events import Capture, Command, FinishReason, Message, Rating, Source, Undo, well_formed
 from ..inbox import Ticket
 from ..models import model_slug
@@ -183,13 +183,22 @@ class UseCases:
 
     async def answer_and_capture(self, turn: Turn, post: PostAnswer, fail: SayFailure) -> Capture | None:
         """Answer ``turn`` with the responder, ``post`` the answer, and capture it under the message ref
-        the post returns. A responder that fails gets ``(no answer: why)`` said instead."""
+        the post returns. A responder that fails gets ``(no answer: why)`` said instead. A thread longer
+        than the model reads at once is answered on its latest turns: the earliest go until it fits."""
         if self.answerer is None:
             raise RuntimeError("this front end has no responder")
         messages = self.prompt(turn.context, turn.text)
         try:
             scope = self.scope_of(turn.who, turn.conversation) if self.scope_of is not None else None
-            completion = await self.answerer(messages, scope)
+            while True:
+                try:
+                    completion = await self.answerer(messages, scope)
+                    break
+                except ContextTooLong:
+                    if len(messages) == 1:
+                        raise ContextTooLong("the message is longer than the model reads at once: shorten it "
+                                             "or split it") from None
+                    messages = _without_earliest_turn(messages)
         except RlfleetError as exc:
             log.warning("no answer: %s", exc)
             await fail(f"(no answer: {exc})")
@@ -385,3 +394,12 @@ class UseCases:
 def _event_id(event_id: str | None) -> dict[str, str]:
     """The event id a sender chose (idempotency across its retries), else a new one."""
     return {"event_id": event_id} if event_id else {}
+
+
+def _without_earliest_turn(messages: list[dict]) -> list[dict]:
+    """``messages`` less its first one, and the answers that then open it (a conversation begins with
+    what someone said)."""
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0]["role"] == "assistant":
+        rest = rest[1:]
+    return rest
