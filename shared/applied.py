@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from .events import Capture, Rating
 
@@ -64,3 +65,12 @@ def reasoned(value: int, reason: str | None) -> str:
 def preview(text: str, n: int = 60) -> str:
     one = " ".join(text.split())
     return one if len(one) <= n else one[: n - 1] + "…"
+
+
+def kept_words(current: Any, value: int, comment: str | None, stars: int | None) -> tuple[str | None, int | None]:
+    """The comment and stars of a rating ``value`` that replaces ``current`` (a row with ``value``,
+    ``comment`` and ``stars``, or None): a second 👎 with no words (a button clicked again, a reaction
+    after `/rl bad why`) keeps the words and stars the first one had; a change of thumb drops them."""
+    if current is None or current.value != value:
+        return comment, stars
+    return (comment if comment is not None else current.comment), (stars if stars is not None else current.stars)

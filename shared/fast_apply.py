@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection, bindparam, insert, select, update
 
-from .applied import Applied, TrainModel, capture_values, lineage_of, rated
+from .applied import Applied, TrainModel, capture_values, kept_words, lineage_of, rated
 from .events import Capture, Rating, Undo
 from .schema import CaptureRow, ProcessedEvent, RatingRow, table_of
 
@@ -125,8 +125,9 @@ def _rate(b: _Batch, ev: Rating, train_model: TrainModel) -> None:
     b.claims.append({"event_id": ev.event_id, "kind": "rating"})
     now = datetime.now(timezone.utc)
     current = b.active.get(ev.target)
-    if (current is not None and current.value == ev.value and current.comment == ev.comment
-            and current.stars == ev.stars):
+    comment, stars = kept_words(current, ev.value, ev.comment, ev.stars)
+    if (current is not None and current.value == ev.value and current.comment == comment
+            and current.stars == stars):
         if current.new is not None:  # inserted by this batch: its id comes with the INSERT
             current.waiting = (current.waiting or []) + [len(b.out)]
         b.out.append(Applied(True, "already rated that way", capture_id=ev.target, rating_id=current.id,
@@ -139,14 +140,14 @@ def _rate(b: _Batch, ev: Rating, train_model: TrainModel) -> None:
             assert current.id is not None  # a stored row: read with its id
             b.replaced.append((current.id, now))
     lineage = lineage_of(train_model, ev, conversation)
-    row = _Active(None, ev.value, ev.comment, ev.stars, lineage, new={
+    row = _Active(None, ev.value, comment, stars, lineage, new={
         "event_id": ev.event_id, "capture_id": ev.target, "train_model": lineage, "actor": ev.actor,
-        "source": ev.source, "value": ev.value, "comment": ev.comment, "stars": ev.stars, "state": "active",
+        "source": ev.source, "value": ev.value, "comment": comment, "stars": stars, "state": "active",
         "adapter_version": version, "created": now, "changed": now,
     }, waiting=[len(b.out)])
     b.active[ev.target] = row
     b.new_ratings.append(row)
-    b.out.append(Applied(True, rated(ev.value, current is not None, response, ev.stars), capture_id=ev.target,
+    b.out.append(Applied(True, rated(ev.value, current is not None, response, stars), capture_id=ev.target,
                          value=ev.value, train_model=lineage))
 
 

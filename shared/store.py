@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from . import dbsync
-from .applied import Applied, TrainModel, as_utc, capture_values, lineage_of, rated, reasoned
+from .applied import Applied, TrainModel, as_utc, capture_values, kept_words, lineage_of, rated, reasoned
 from .config import redact_url
 from .engines import _MIGRATED, engine_for, migrate
 from .engines import forget as forget  # a dropped database's engines: tests and benchmarks close them
@@ -192,9 +192,10 @@ class Store(RunLedger):
         # A reason said afterwards keeps the rating's stars, as it keeps its thumb.
         stars = ev.stars if ev.value is not None else (current.stars if current is not None else None)
         reward = ev.reward if ev.value is not None else (current.reward if current is not None else None)
+        comment, stars = kept_words(current, value, ev.comment, stars)
         self._claim(s, ev.event_id, "rating", b)
         now = datetime.now(timezone.utc)
-        if (current is not None and current.value == value and current.comment == ev.comment
+        if (current is not None and current.value == value and current.comment == comment
                 and current.stars == stars and current.reward == reward):
             if current.id is None:  # added earlier in this batch: its id comes with the flush
                 b.fresh = current
@@ -210,7 +211,7 @@ class Store(RunLedger):
             actor=ev.actor,
             source=ev.source,
             value=value,
-            comment=ev.comment,
+            comment=comment,
             stars=stars,
             reward=reward,
             state="active",

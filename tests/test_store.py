@@ -75,6 +75,31 @@ def test_rerating_replaces_and_undo_removes(store):
         store.apply_undo(Undo())
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_same_thumb_again_without_words_keeps_the_words_and_stars_a_change_of_thumb_drops_them(store, batched):
+    """A 👎 button clicked after `/rl 2 too long` (or a 👎 reaction after it) says nothing new: the
+    comment and the stars stay; a 👍 then is another opinion, and the 👎's words go with it."""
+    def rate(**kw):
+        ev = Rating(target=c.capture_id, **kw)
+        return store.apply_many([ev], MODEL)[0] if batched else store.apply_rating(ev, MODEL)
+
+    def active():
+        return [(r.value, r.comment, r.stars) for r, _ in store.rated_pairs(MODEL)]
+
+    c = cap()
+    store.apply_capture(c)
+    rate(value=-1, comment="too long", stars=2)
+    again = rate(value=-1)
+    assert active() == [(-1, "too long", 2)] and again.message == "already rated that way"
+    rate(value=-1, comment="and wrong")  # new words replace the old ones; the stars stay
+    assert active() == [(-1, "and wrong", 2)]
+    rate(value=1)
+    assert active() == [(1, None, None)]
+    rate(value=1, stars=5)
+    rate(value=1)
+    assert active() == [(1, None, 5)]
+
+
 def test_unrated_prompts_are_the_newest_answers_without_an_active_rating(store):
     import time
 
