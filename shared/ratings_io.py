@@ -144,27 +144,73 @@ def write_dataset(examples: list[RatedExample], folder: Path) -> int:
     return len(rows)
 
 
+def _problem(ex: RatedExample) -> str | None:
+    """Why a well-formed example still cannot be a rating here (None: it can)."""
+    if len(ex.response) > MAX_TEXT_CHARS or not ex.response.strip():
+        return "completion is empty or too long"
+    if ex.label != (ex.rlfleet.value > 0):
+        return "label and rlfleet.value disagree"
+    return None
+
+
+def _skip(report: ImportReport, where: str, why: str, max_errors: int) -> None:
+    report.skipped["invalid"] += 1
+    if len(report.errors) < max_errors:
+        report.errors.append(f"{where}: {why}")
+
+
 def read_jsonl(path: Path, report: ImportReport, max_errors: int = 20) -> Iterator[RatedExample]:
     """The valid lines of ``path``; each bad one is counted in ``report`` with its line number."""
     with path.open("rb") as fh:
         for n, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
-            why = None
             if len(raw) > MAX_LINE_BYTES:
-                why = f"line is {len(raw):,} bytes"
-            else:
-                try:
-                    ex = RatedExample.model_validate_json(raw)
-                    if len(ex.response) > MAX_TEXT_CHARS or not ex.response.strip():
-                        why = "completion is empty or too long"
-                    elif ex.label != (ex.rlfleet.value > 0):
-                        why = "label and rlfleet.value disagree"
-                except ValidationError as exc:
-                    why = describe_validation_error(exc, "invalid line")
-            if why is not None:
-                report.skipped["invalid"] += 1
-                if len(report.errors) < max_errors:
-                    report.errors.append(f"line {n}: {why}")
+                _skip(report, f"line {n}", f"line is {len(raw):,} bytes", max_errors)
+                continue
+            try:
+                ex = RatedExample.model_validate_json(raw)
+            except ValidationError as exc:
+                _skip(report, f"line {n}", describe_validation_error(exc, "invalid line"), max_errors)
+                continue
+            if (why := _problem(ex)) is not None:
+                _skip(report, f"line {n}", why, max_errors)
                 continue
             yield ex
+
+
+def read_dataset(folder: Path, report: ImportReport, max_errors: int = 20) -> Iterator[RatedExample]:
+    """The valid rows of a folder :func:`write_dataset` wrote (``load_from_disk``); each bad one is
+    counted in ``report`` with its row number. Arrow gives every row every column, so a field a row
+    left out comes back as None: those are dropped before the row is checked, as the JSONL leaves them out."""
+    from .errors import BadInput, ConfigError
+
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("reading a datasets folder needs the `datasets` package: pip install datasets") from None
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise BadInput(f"{folder} is not a folder `rlfleet export ratings --format datasets` wrote "
+                       f"({type(exc).__name__})") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise BadInput(f"{folder} holds several splits ({', '.join(ds)}): give the folder of one")
+    for n, row in enumerate(ds, 1):
+        try:
+            ex = RatedExample.model_validate(_without_nones(row))
+        except ValidationError as exc:
+            _skip(report, f"row {n}", describe_validation_error(exc, "invalid row"), max_errors)
+            continue
+        if (why := _problem(ex)) is not None:
+            _skip(report, f"row {n}", why, max_errors)
+            continue
+        yield ex
+
+
+def _without_nones(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
+    return value

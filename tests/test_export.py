@@ -100,7 +100,7 @@ def test_import_counts_bad_lines_and_changes_nothing_for_them(home, tmp_path, mo
     assert report["skipped"] == {"invalid": 3, "that answer already has an active rating here": 1}
     assert [e.split(":")[0] for e in report["errors"]] == ["line 2", "line 3", "line 4"]
     assert len(Store(f"sqlite:///{home / 'rlfleet.db'}").rated_pairs(all_states=True)) == 2
-    with pytest.raises(BadInput, match="no file"):
+    with pytest.raises(BadInput, match="no file or folder"):
         rl("import", "ratings", tmp_path / "nope.jsonl")
 
 
@@ -231,6 +231,18 @@ def test_ratings_as_a_datasets_folder(home, tmp_path, monkeypatch):
     from trl.data_utils import is_conversational
 
     assert is_conversational(ds[0])
+    # the folder comes back in as the JSONL does: every field, and a second import adds nothing
+    res = rl("export", "ratings", tmp_path / "all", "--format", "datasets", "--all")
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'restored.db'}")
+    assert _import(tmp_path / "all")["imported"] == 4
+    assert _norm(_rows(Store(f"sqlite:///{tmp_path / 'restored.db'}"))) == \
+        _norm(_rows(Store(f"sqlite:///{tmp_path / 'source.db'}")))
+    assert _import(tmp_path / "all")["skipped"] == {"already imported": 4}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a dataset")
+    with pytest.raises(BadInput, match="is not a folder `rlfleet export ratings --format datasets` wrote"):
+        rl("import", "ratings", tmp_path / "other")
 
 
 @pytest.fixture

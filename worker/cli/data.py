@@ -103,22 +103,22 @@ def _dest_path(text: str) -> Path:
 
 
 @import_app.command("ratings")
-def import_ratings_cmd(src: Annotated[Path, typer.Argument(help="A JSONL file from `rlfleet export ratings`.")],
-                       as_json: JsonOpt = False) -> None:
+def import_ratings_cmd(src: Annotated[Path, typer.Argument(
+        help="A JSONL file, or a datasets folder, from `rlfleet export ratings`.")], as_json: JsonOpt = False) -> None:
     """Add the ratings in SRC; lines already here, or invalid, are skipped and counted with the reason."""
-    from rlfleet.shared.ratings_io import ImportReport, read_jsonl
+    from rlfleet.shared.ratings_io import ImportReport, read_dataset, read_jsonl
     from rlfleet.shared.store import Store
 
     try:
-        is_file = src.is_file()
+        is_file, is_dir = src.is_file(), src.is_dir()
     except OSError as exc:  # a name too long for the file system: is_file() raises instead of saying no
         raise BadInput(f"cannot read {src}: {exc.strerror}") from None
-    if not is_file:
-        raise BadInput(f"no file {src}")
+    if not (is_file or is_dir):
+        raise BadInput(f"no file or folder {src}")
     cfg = command_config()
     store = Store(cfg.db_url)
     report = ImportReport()
-    for ex in read_jsonl(src, report):
+    for ex in (read_jsonl if is_file else read_dataset)(src, report):
         why = store.import_example(ex)
         if why is None:
             report.imported += 1
