@@ -390,6 +390,13 @@ class Config(BaseModel):
     def config_path(self) -> Path:
         return self.home / "config.toml"
 
+    def _on_disk(self) -> dict:
+        """What config.toml holds now ({} when there is none or it does not parse)."""
+        try:
+            return tomllib.loads(self.config_path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+            return {}
+
     @property
     def secret_path(self) -> Path:
         return self.home / "secret"
@@ -413,11 +420,25 @@ class Config(BaseModel):
     def save(self) -> Path:
         self.home.mkdir(parents=True, exist_ok=True)
         data = self.model_dump(mode="json", exclude_none=True, exclude={"home"})
-        # Connection URLs may embed passwords; keep them in env, not on disk, unless the user wrote them.
+        # Connection URLs may embed passwords: one that came from the environment stays there (the file
+        # keeps what it had), so only a URL the user wrote in the file is ever on disk.
+        on_disk = self._on_disk()
+        for env, key in URL_ENV.items():
+            if os.environ.get(env) and data.get(key) == os.environ[env]:
+                if key in on_disk:
+                    data[key] = on_disk[key]
+                else:
+                    data.pop(key, None)
         tmp = self.config_path.with_suffix(".toml.tmp")
-        tmp.write_text(tomli_w.dumps(data), encoding="utf-8")
+        tmp.unlink(missing_ok=True)
+        # 0600 as the secret file: a URL written in it may hold a password
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
+            fh.write(tomli_w.dumps(data))
         os.replace(tmp, self.config_path)
         return self.config_path
+
+
+URL_ENV = {"REDIS_URL": "redis_url", "DATABASE_URL": "database_url"}  # env vars that override a setting
 
 
 def load_config(home: Path | None = None, **overrides: object) -> Config:
@@ -430,8 +451,7 @@ def load_config(home: Path | None = None, **overrides: object) -> Config:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path} is not valid TOML ({exc}); fix it or delete it and run `rlfleet init`") from None
-    env_map = {"REDIS_URL": "redis_url", "DATABASE_URL": "database_url", "RLFLEET_MODEL": "model"}
-    for env, key in env_map.items():
+    for env, key in {**URL_ENV, "RLFLEET_MODEL": "model"}.items():
         if os.environ.get(env):
             raw[key] = os.environ[env]
     train = dict(raw.get("train", {}))

@@ -46,3 +46,25 @@ def test_log_lines_lose_the_secret_whoever_logs_them(caplog):
     with caplog.at_level(logging.INFO, logger="httpx"):
         logging.getLogger("httpx").info("POST %s", "https://api.telegram.org/bot123456:AAH-bot-token/getMe")
     assert caplog.messages == ["POST https://api.telegram.org/bot***/getMe"]
+
+
+def test_a_url_from_the_environment_is_never_written_to_the_config_file(home, monkeypatch):
+    """`DATABASE_URL=postgresql://u:pw@… rlfleet init` (or any save) leaves the password in the environment:
+    the file keeps the URL it had, or none; a URL the user wrote there stays, in a file only they read."""
+    import stat
+
+    from rlfleet.shared.config import load_config
+
+    monkeypatch.setenv("DATABASE_URL", "postgresql+psycopg://u:hunter2@127.0.0.1:5432/test")
+    monkeypatch.setenv("REDIS_URL", "redis://:hunter3@127.0.0.1:6379/0")
+    cfg = load_config()
+    assert cfg.database_url.endswith("@127.0.0.1:5432/test")  # the process uses it
+    path = cfg.save()
+    assert "hunter" not in path.read_text() and "database_url" not in path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_text('database_url = "sqlite:////tmp/mine.db"\n')  # the user's own
+    load_config().save()
+    assert 'database_url = "sqlite:////tmp/mine.db"' in path.read_text() and "hunter" not in path.read_text()
+    monkeypatch.delenv("DATABASE_URL")
+    monkeypatch.delenv("REDIS_URL")
+    assert load_config().database_url == "sqlite:////tmp/mine.db" and load_config().redis_url is None
