@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Final, Literal
 
@@ -159,6 +160,20 @@ def _skip(report: ImportReport, where: str, why: str, max_errors: int) -> None:
         report.errors.append(f"{where}: {why}")
 
 
+def _valid(report: ImportReport, where: str, parse: Callable[[], RatedExample],
+           max_errors: int) -> RatedExample | None:
+    """The example ``parse()`` makes of the line or row ``where``, or None, counted in ``report``."""
+    try:
+        ex = parse()
+    except ValidationError as exc:
+        _skip(report, where, describe_validation_error(exc, f"invalid {where.split()[0]}"), max_errors)
+        return None
+    if (why := _problem(ex)) is not None:
+        _skip(report, where, why, max_errors)
+        return None
+    return ex
+
+
 def read_jsonl(path: Path, report: ImportReport, max_errors: int = 20) -> Iterator[RatedExample]:
     """The valid lines of ``path``; each bad one is counted in ``report`` with its line number."""
     with path.open("rb") as fh:
@@ -168,15 +183,9 @@ def read_jsonl(path: Path, report: ImportReport, max_errors: int = 20) -> Iterat
             if len(raw) > MAX_LINE_BYTES:
                 _skip(report, f"line {n}", f"line is {len(raw):,} bytes", max_errors)
                 continue
-            try:
-                ex = RatedExample.model_validate_json(raw)
-            except ValidationError as exc:
-                _skip(report, f"line {n}", describe_validation_error(exc, "invalid line"), max_errors)
-                continue
-            if (why := _problem(ex)) is not None:
-                _skip(report, f"line {n}", why, max_errors)
-                continue
-            yield ex
+            ex = _valid(report, f"line {n}", partial(RatedExample.model_validate_json, raw), max_errors)
+            if ex is not None:
+                yield ex
 
 
 def read_dataset(folder: Path, report: ImportReport, max_errors: int = 20) -> Iterator[RatedExample]:
@@ -197,15 +206,9 @@ def read_dataset(folder: Path, report: ImportReport, max_errors: int = 20) -> It
     if not isinstance(ds, datasets.Dataset):
         raise BadInput(f"{folder} holds several splits ({', '.join(ds)}): give the folder of one")
     for n, row in enumerate(ds, 1):
-        try:
-            ex = RatedExample.model_validate(_without_nones(row))
-        except ValidationError as exc:
-            _skip(report, f"row {n}", describe_validation_error(exc, "invalid row"), max_errors)
-            continue
-        if (why := _problem(ex)) is not None:
-            _skip(report, f"row {n}", why, max_errors)
-            continue
-        yield ex
+        ex = _valid(report, f"row {n}", partial(RatedExample.model_validate, _without_nones(row)), max_errors)
+        if ex is not None:
+            yield ex
 
 
 def _without_nones(value: object) -> object:
