@@ -18,6 +18,7 @@ from rlfleet.cli.app import app
 from rlfleet.gym import Agent, GymError
 from rlfleet.gym.agent import Episode, discounted_returns, step_baselines
 from rlfleet.gym.heldout import judge_returns, play_lockstep
+from rlfleet.shared.models import model_slug
 from rlfleet.shared.schema import CaptureRow
 from rlfleet.shared.store import Store
 
@@ -270,6 +271,9 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
         agent.assign_reward(2.0)  # the step was kept: it takes its reward
         with pytest.raises(GymError, match="a reward must be finite"):
             agent.assign_reward(float("nan"))
+        for bad in ("1.5", True, None, [1]):  # a number, as the docs say: no coercion of text or flags
+            with pytest.raises(GymError, match="a reward is a number"):
+                agent.assign_reward(bad)
         assert agent.terminate_episode() is None
         with pytest.raises(GymError, match="no act"):
             agent.terminate_episode()  # closed already: a second close is refused, the first is kept
@@ -277,6 +281,16 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
         agent.close()
     with pytest.raises(GymError, match="engine 'vllm' is not one of auto, torch, llama.cpp"):
         Crashing(model=str(tiny_model_dir), home=queued_home, engine="vllm")
+    for kw, words in [({"episodes_per_update": "4"}, "episodes_per_update is a whole number of at least 1, not '4'"),
+                      ({"gamma": "0.9"}, "gamma is a number in [0, 1], not '0.9'"),
+                      ({"episodes_per_update": 1}, "with one episode per update the batch baseline"),
+                      ({"stepz": 1}, "bad training setting: stepz: extra inputs"),
+                      ({"lr": 5}, "bad training setting: lr"),
+                      ({"home": ""}, "home is empty"),
+                      ({"home": str(queued_home / "config.toml" / "x")}, "is a file, not a folder")]:
+        with pytest.raises(GymError) as exc:  # one line, before anything is loaded or written
+            Crashing(**{"model": str(tiny_model_dir), "home": queued_home, **kw})
+        assert words.lower() in str(exc.value).lower() and "\n" not in str(exc.value), (kw, str(exc.value))
     with pytest.raises(GymError, match="answer_prefix is text, not 5"):
         Crashing(model=str(tiny_model_dir), home=queued_home, answer_prefix=5)
 
@@ -295,6 +309,24 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
     blank = not pairs  # the tiny model's answer may be blank: the step then trains unstored
     assert blank or (len(pairs) == 1 and pairs[0][0].value == 1 and "reward 2, return 2" in pairs[0][0].comment
                      and "extract_action failed: ValueError: no move in that" in pairs[0][0].comment)
+
+
+def test_rewards_that_would_add_up_past_a_float_are_refused_and_the_episode_still_closes(queued_home,
+                                                                                       tiny_model_dir):
+    agent = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=2,
+                 device="cpu", env="overflow", gamma=1.0)
+    try:
+        agent.act(0)
+        agent.assign_reward(1e308)
+        agent.act(1)
+        with pytest.raises(GymError, match="add up past a float"):  # each finite; the return would not be
+            agent.assign_reward(1e308)
+        assert [s.reward for s in agent._episode.steps] == [1e308, 0.0]  # nothing was recorded
+        agent.assign_reward(1.0)
+        assert agent.terminate_episode() is None  # stored: its returns are finite
+        assert agent._batch[-1].returns == [1e308 + 1.0, 1.0]
+    finally:
+        agent.close()
 
 
 def test_discounted_returns_and_the_batch_baseline_per_step():
@@ -455,6 +487,12 @@ def test_in_the_background_the_loop_keeps_acting_while_a_run_trains_and_a_failed
             agent.terminate_episode()
         with pytest.raises(GymError, match=r"background training run failed \(RuntimeError: out of memory\)"):
             agent.wait()
+        for episode in range(2):  # again, and close() is the next call: it raises it, after closing
+            agent.act(episode)
+            agent.assign_reward(1.0)
+            agent.terminate_episode()
+        with pytest.raises(GymError, match=r"background training run failed \(RuntimeError: out of memory\)"):
+            agent.close()
     finally:
         agent.close()
     runs = handed_out + rest
@@ -554,7 +592,7 @@ import sys, time
 sys.path.insert(0, sys.argv[3])
 from test_gym import Pick
 agent = Pick(model=sys.argv[1], home=sys.argv[2], episodes_per_update=2, max_new_tokens=4, device="cpu",
-             env="pick-killed", background=True, steps=2)
+             env="pick-killed", background=True, steps=int(sys.argv[4]))
 for episode in range(4):
     agent.act(episode)
     agent.assign_reward(1.0)
@@ -567,27 +605,34 @@ time.sleep(120)
 
 def test_a_killed_script_leaves_no_redis_or_worker_running_and_keeps_its_episodes(home, tiny_model_dir,
                                                                                  tmp_path):
-    """SIGTERM to a script that never said what a kill does: it exits (status 143), its training
-    worker and the embedded Redis it started stop with it, and the episodes it ended are stored."""
+    """SIGTERM to a script that never said what a kill does, while its worker trains: it exits (status
+    143), its training worker stops with it there and then (the run in hand could not be concluded
+    without the script, which plays the gate), the embedded Redis too, and the episodes it ended are
+    stored."""
     from rlfleet.shared.embedded_redis import EmbeddedRedis, pid_alive
 
     data = tmp_path / "agent-home"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(tiny_model_dir), str(data),
-                             os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             os.path.dirname(__file__), "5000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
     worker = server = None
+    store = Store(f"sqlite:///{data / 'rlfleet.db'}")
     try:
         line = proc.stdout.readline()
         assert line.startswith("worker "), line + proc.stderr.read()
         worker = int(line.split()[1])
         server = EmbeddedRedis(data)._server_pid()
         assert server and pid_alive(server) and pid_alive(worker)
+        deadline = time.monotonic() + 90
+        while not ((run := store.latest_run(model_slug(str(tiny_model_dir)))) and run.state == "running"):
+            assert time.monotonic() < deadline and proc.poll() is None, "no run started"
+            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 3  # (a worker left to its parent watch would train on for minutes)
         while (pid_alive(server) or pid_alive(worker)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert not pid_alive(worker), "the training worker outlived the script"
         assert not pid_alive(server) and not EmbeddedRedis.running(data), "the embedded Redis outlived the script"
     finally:  # a failure leaves nothing running either
@@ -596,7 +641,6 @@ def test_a_killed_script_leaves_no_redis_or_worker_running_and_keeps_its_episode
         for pid in (worker, server):
             if pid and pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    store = Store(f"sqlite:///{data / 'rlfleet.db'}")
     with store.session() as s:
         assert s.query(CaptureRow).filter(CaptureRow.source == "gym").count() == 4  # the four ended episodes
     store.close()

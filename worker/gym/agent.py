@@ -34,7 +34,9 @@ finished run's statistics, one per call, and ``wait()`` the rest.
 
 from __future__ import annotations
 
+import atexit
 import math
+import numbers
 import threading
 import time
 import uuid
@@ -47,8 +49,9 @@ from pydantic import ValidationError
 from rq import Queue, Worker
 
 from rlfleet.shared.config import Config, TrainSettings, data_dir, load_config
-from rlfleet.shared.errors import RlfleetError
-from rlfleet.shared.events import Capture, Message, Rating, well_formed
+from rlfleet.shared.errors import BadInput, RlfleetError
+from rlfleet.shared.events import Capture, Message, Rating, describe_validation_error, well_formed
+from rlfleet.shared.home import check_home
 from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
 from rlfleet.shared.lifecycle import exit_on_stop_signals_by_default
 from rlfleet.shared.llamacpp_engine import ENGINES
@@ -169,12 +172,16 @@ class Agent:
                  heldout_env: Any = None, heldout_episodes: int = 32, heldout_seed: int = 1_000_000,
                  heldout_max_steps: int = 64, heldout_batch: int = 16, background: bool = False,
                  engine: str = "auto", answer_prefix: str = "", **settings: Any) -> None:
-        if episodes_per_update < 1:
-            raise GymError("episodes_per_update must be at least 1")
-        if not 0.0 <= gamma <= 1.0:
-            raise GymError("gamma must be in [0, 1]")
+        if isinstance(episodes_per_update, bool) or not isinstance(episodes_per_update, int) \
+                or episodes_per_update < 1:
+            raise GymError(f"episodes_per_update is a whole number of at least 1, not {episodes_per_update!r}")
+        if not _is_number(gamma) or not 0.0 <= gamma <= 1.0:
+            raise GymError(f"gamma is a number in [0, 1], not {gamma!r}")
         if baseline not in ("batch", "ema"):
             raise GymError(f"baseline {baseline!r} is not 'batch' or 'ema'")
+        if baseline == "batch" and episodes_per_update == 1:
+            raise GymError("with one episode per update the batch baseline is that episode's own return, so "
+                           "nothing ever beats it: use episodes_per_update of 2 or more, or baseline='ema'")
         if engine not in ENGINES:
             raise GymError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
         if not isinstance(answer_prefix, str):
@@ -203,7 +210,13 @@ class Agent:
         # must still reach the server's release.
         exit_on_stop_signals_by_default()
         ref = resolve_model(model)  # an unknown model is refused before a data dir is made
-        self.home = Path(home) if home is not None else _fresh_home(type(self).__name__)
+        if home is not None and not str(home).strip():
+            raise GymError("home is empty: give the data dir's path, or leave it out for a fresh one")
+        self.home = Path(home).expanduser() if home is not None else _fresh_home(type(self).__name__)
+        try:
+            check_home(self.home)
+        except BadInput as exc:
+            raise GymError(str(exc)) from None
         self.cfg = _config(self.home, model, settings)
         self.slug = model_slug(self.cfg.model)
         self.store = Store(self.cfg.db_url)
@@ -302,12 +315,16 @@ class Agent:
         if not self._episode.steps:
             raise GymError(f"assign_reward({reward!r}) before any act() in this episode: nothing to reward "
                            "yet (call act(observation) first); nothing was recorded")
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            raise GymError(f"a reward is a number, not {reward!r}; nothing was recorded") from None
+        if not _is_number(reward):
+            raise GymError(f"a reward is a number, not {reward!r}; nothing was recorded")
+        value = float(reward)
         if not math.isfinite(value):
             raise GymError(f"a reward must be finite, not {value}; nothing was recorded")
+        # Every return of the episode is at most the sum of its rewards' sizes (gamma <= 1): finite
+        # while that is, so terminate_episode() can always store it.
+        if not math.isfinite(sum(abs(s.reward) for s in self._episode.steps) + abs(value)):
+            raise GymError(f"this episode's rewards would add up past a float with {value}: scale them down; "
+                           "nothing was recorded")
         self._episode.steps[-1].reward += value
 
     def terminate_episode(self) -> dict | None:
@@ -475,6 +492,9 @@ class Agent:
         if any(TRAIN_QUEUE in w.queue_names() for w in Worker.all(connection=conn)):
             return
         self._workers = ChildWorker(self.home)
+        # A script that ends without close() (a kill, Ctrl-C, an exception) takes its worker with it at
+        # once: the run in hand could not be concluded without this process, which plays the gate.
+        atexit.register(self._workers.stop, now=True)
 
     # ------------------------------------------------------------------ the environment's gate
 
@@ -521,17 +541,21 @@ class Agent:
         return self._heldout_pool
 
     def close(self) -> None:
-        """Wait for a background run, then let go of the Redis connection (and the embedded server it may
-        have started) and the database's pooled connections."""
+        """Wait for a background run, then let go of the training worker it started, the Redis connection
+        (and the embedded server it may have started) and the database's pooled connections. A
+        background run that failed and was not raised yet is raised here, after all that (as
+        :class:`GymError`; its episodes are stored and train with the next agent's first batch)."""
         if self._runner is not None:
             self._runner.join()
         if self._workers is not None:
             self._workers.stop()
+            atexit.unregister(self._workers.stop)
             self._workers = None
         if self._queue is not None:
             self._queue.close()
             self._queue = None
         self.store.close()
+        self._raise_failure()
 
     # ------------------------------------------------------------------ helpers
 
@@ -614,6 +638,11 @@ def storable(text: str) -> str:
     return well_formed(text.replace("\x00", "\ufffd"))
 
 
+def _is_number(value: object) -> bool:
+    """A real number a user meant as one (not a flag, not text that reads as one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _fresh_home(name: str) -> Path:
     return data_dir() / "gym" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
@@ -621,9 +650,15 @@ def _fresh_home(name: str) -> Path:
 def _config(home: Path, model: str, settings: dict[str, Any]) -> Config:
     """The data dir's config: written on first use with the model and the training settings (the gym
     defaults under them); ``settings`` given again later apply to this process only."""
-    train = TrainSettings(**{**GYM_TRAIN_DEFAULTS, **settings})
+    try:
+        train = TrainSettings(**{**GYM_TRAIN_DEFAULTS, **settings})
+    except ValidationError as exc:
+        raise GymError(describe_validation_error(exc, "bad training setting")) from None
     chosen = {k: v for k, v in train.model_dump().items() if k in GYM_TRAIN_DEFAULTS or k in settings}
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GymError(f"cannot make the data dir {home}: {exc.strerror}") from None
     if not (home / "config.toml").exists():
         Config(home=home, model=model, train=train).save()
     cfg = load_config(home)

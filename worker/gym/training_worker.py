@@ -56,12 +56,18 @@ class ChildWorker:
             self.proc, self._due = self._start(), None
             self.restarts += 1
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 10.0, now: bool = False) -> None:
         """SIGTERM (RQ finishes a job in hand, none is left when the agent closes), then SIGKILL after
-        ``grace`` seconds."""
+        ``grace`` seconds. ``now``: a second SIGTERM right after the first, RQ's stop that ends the
+        job in hand too (the run is then failed as interrupted, its episodes kept)."""
         if self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
+        if now:
+            try:
+                self.proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
