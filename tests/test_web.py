@@ -89,7 +89,7 @@ async def web_rig(home, model_dir, monkeypatch, max_new_tokens: int = 24, thresh
     cfg.save()  # the worker reads its own config
     token, _ = ensure_token(cfg.web_token_path)
     handle = open_queue(cfg)
-    state = WebApp(cfg, handle, local_responder(cfg), dispatch, token)
+    state = WebApp(cfg, handle, local_responder(cfg), dispatch, token, token_path=cfg.web_token_path)
     try:
         async with listening(build_app(state), "127.0.0.1", 0) as port:
             yield state, f"http://127.0.0.1:{port}"
@@ -141,6 +141,43 @@ def test_every_route_refuses_without_a_valid_login_and_changes_nothing(queued_ho
                 assert r.status == 200 and (await r.json())["model"] == str(web_model_dir)
             async with http.get(url + "/api/about", headers={"Authorization": f"bearer {state.token}"}) as r:
                 assert r.status == 200  # the scheme's case does not matter (RFC 9110)
+    asyncio.run(go())
+
+
+def test_a_new_token_in_the_file_revokes_the_old_one_at_once_and_the_page_names_the_served_version(
+        queued_home, web_model_dir, monkeypatch):
+    """A leaked token is replaced by writing the file: the old one and its cookies stop working at the
+    next request, no restart; a file gone or unsafe lets nobody in. /api/about names what CURRENT
+    serves now, not what the last answer used."""
+    async def go():
+        async with web_rig(queued_home, web_model_dir, monkeypatch, max_new_tokens=8) as (state, url), \
+                aiohttp.ClientSession() as http:
+            old, path = state.token, state.cfg.web_token_path
+
+            async def status(token: str | None = None, cookie: str | None = None) -> int:
+                async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {token}"} if token else {},
+                                    cookies={COOKIE: cookie} if cookie else {}) as r:
+                    return r.status
+
+            async with http.post(url + "/login", data={"token": old}, allow_redirects=False) as r:
+                cookie = r.cookies[COOKIE].value
+            assert await status(old) == 200 and await status(cookie=cookie) == 200
+            path.write_text("a-fresh-token-nobody-has-seen\n")
+            assert await status(old) == 401 and await status(cookie=cookie) == 401
+            assert await status("a-fresh-token-nobody-has-seen") == 200
+            path.chmod(0o644)  # unsafe: nobody
+            assert await status("a-fresh-token-nobody-has-seen") == 401
+            path.unlink()  # gone: nobody, and no 500
+            assert await status("a-fresh-token-nobody-has-seen") == 401 and await status(old) == 401
+            path.write_text(old + "\n")
+            path.chmod(0o600)
+            async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {old}"}) as r:
+                assert (await r.json())["version"] is None
+            adapters = state.responder.adapters_dir
+            (adapters / "v0001").mkdir(parents=True)
+            (adapters / "CURRENT").write_text("v0001\n")  # promoted by the worker: no answer since
+            async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {old}"}) as r:
+                assert (await r.json())["version"] == "v0001"
     asyncio.run(go())
 
 
@@ -369,6 +406,11 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 if os.environ.get("RLFLEET_WEB_DASHBOARD_SCREENSHOT"):  # docs/img/web-dashboard.png
                     await page.screenshot(path=os.environ["RLFLEET_WEB_DASHBOARD_SCREENSHOT"], full_page=True)
                 assert await page.evaluate("window.__pwned") is None
+                # The server gone: the page says it is not live any more, throws nothing, and comes back
+                await page.route("**/api/dashboard", lambda route: route.abort())
+                await expect(page.locator("#serving")).to_contain_text("not connected")
+                await page.unroute("**/api/dashboard")
+                await expect(page.locator("#serving")).to_have_text("adapter v0001")
                 assert errors == []
             finally:
                 await browser.close()
@@ -475,6 +517,9 @@ def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_re
                 await expect(first.locator(".reasons")).to_be_hidden()  # the words are the reason
                 await first.locator(".stars button[data-stars='4']").click()
                 await expect(first.locator(".said")).to_contain_text("re-rated good (4★)")
+                await first.locator(".good").click()  # the same thumb: the server keeps the stars, so does the page
+                await expect(first.locator(".said")).to_contain_text("already rated that way")
+                await expect(first.locator(".stars button.on")).to_have_count(4)
 
                 # A second answer, 👎 without words: the reasons are offered; a chip gives one.
                 await page.fill("#text", "and another")
@@ -488,9 +533,16 @@ def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_re
 
                 if os.environ.get("RLFLEET_WEB_SCREENSHOT"):  # the README's picture: docs/img/web-chat.png
                     await page.screenshot(path=os.environ["RLFLEET_WEB_SCREENSHOT"])
-                # History is kept across a reload; /new starts over.
+                # History is kept across a reload (the stars too); /new starts over.
                 await page.reload()
                 await expect(page.locator("article.ai")).to_have_count(2)
+                await expect(page.locator("article.ai").nth(0).locator(".stars button.on")).to_have_count(4)
+                # The server gone: the click says so where it was made, and nothing is thrown.
+                await page.route("**/api/rate", lambda route: route.abort())
+                await page.locator("article.ai").nth(1).locator(".good").click()
+                await expect(page.locator("article.ai").nth(1).locator(".said.err")).to_contain_text(
+                    "the server did not answer")
+                await page.unroute("**/api/rate")
                 await page.fill("#text", "/new")
                 await page.press("#text", "Enter")
                 await expect(page.locator("article")).to_have_count(0)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from html import escape
 from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlfleet.shared.compute_thread import on_compute_thread_async
 from rlfleet.shared.config import Config
-from rlfleet.shared.errors import ContextTooLong
+from rlfleet.shared.errors import ConfigError, ContextTooLong
 from rlfleet.shared.events import MAX_COMMENT_CHARS, MAX_ID_CHARS, MAX_TEXT_CHARS, describe_validation_error
 from rlfleet.shared.ingress.grammar import thumb_of
 from rlfleet.shared.ingress.reasons import REASONS
@@ -34,6 +35,7 @@ from rlfleet.shared.models import model_slug
 from rlfleet.shared.permissions import LOCAL_ACTOR, Action, Actor, PermissionTable
 from rlfleet.shared.queue import EVENTS_QUEUE, QueueHandle
 from rlfleet.shared.ratings_io import to_example
+from rlfleet.shared.secrets_file import read_secret_file
 from rlfleet.shared.status import build_status
 from rlfleet.shared.store import RatingFilter, Store
 from rlfleet.shared.workers import serving
@@ -150,16 +152,36 @@ class WebApp:
 
     cfg: Config
     handle: QueueHandle
-    responder: Any  # shared.responder.LocalResponder, or anything with its answer() and active_version
+    responder: Any  # shared.responder.LocalResponder, or anything with its answer() and current_version()
     dispatch: Dispatch
     token: str
     clock: Callable[[], float] = time.time
+    # The token file: a token written there replaces the one above at the next request (a leaked
+    # token is revoked without a restart, every browser logged out); one gone or unsafe lets nobody in.
+    token_path: Path | None = None
     cases: UseCases = field(init=False)
     store: Store = field(init=False)
+    _token_seen: tuple | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.cases = UseCases(PermissionTable.for_config(self.cfg), self.cfg.model, self.handle)
         self.store = Store(self.cfg.db_url)
+        if self.token_path is not None:
+            self._token_seen = _file_identity(self.token_path)
+
+    def current_token(self) -> str | None:
+        """The login token now (None: the token file is gone or unsafe, and no login is valid)."""
+        if self.token_path is None:
+            return self.token
+        seen = _file_identity(self.token_path)
+        if seen != self._token_seen:
+            self._token_seen = seen
+            try:
+                self.token = read_secret_file(self.token_path, "the web login token")
+            except (ConfigError, OSError, UnicodeDecodeError) as exc:
+                log.warning("no login is valid until the token file is fixed: %s", exc)
+                self.token = ""
+        return self.token or None
 
     def status(self) -> dict:
         return build_status(self.cfg, self.store, self.handle.redis, model_slug(self.cfg.model))
@@ -167,8 +189,9 @@ class WebApp:
     # ---- who is asking -------------------------------------------------------------------------------
 
     def authenticated(self, request: web.Request) -> bool:
-        return valid_bearer(self.token, request.headers.get("Authorization")) or \
-            valid_session(self.token, request.cookies.get(COOKIE), self.clock())
+        token = self.current_token()
+        return token is not None and (valid_bearer(token, request.headers.get("Authorization"))
+                                      or valid_session(token, request.cookies.get(COOKIE), self.clock()))
 
     # ---- events --------------------------------------------------------------------------------------
 
@@ -211,6 +234,15 @@ LOGIN_CSS = b"""body.login{font:16px system-ui,sans-serif;max-width:28rem;margin
 body.login input{width:100%;padding:.5rem;margin:.5rem 0}.error{color:#b00}"""
 
 
+def _file_identity(path: Path) -> tuple | None:
+    """What changes when a file is written again, replaced or chmod-ed (None: there is none)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_mode
+
+
 def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"ok": False, "message": message}, status=status, headers=HEADERS)
 
@@ -246,12 +278,13 @@ def build_app(state: WebApp) -> web.Application:
     async def login(request: web.Request) -> web.Response:
         form = await request.post()
         given = str(form.get("token") or "")
-        if not valid_bearer(state.token, f"Bearer {given}"):
+        token = state.current_token()
+        if token is None or not valid_bearer(token, f"Bearer {given}"):
             await asyncio.sleep(0.5)  # a guesser gets two tries a second, not thousands
             return web.Response(status=401, text=_login_page("That is not the login token."),
                                 content_type="text/html", headers=HEADERS)
         response = web.Response(status=303, headers={"Location": "/"})
-        response.set_cookie(COOKIE, session_cookie(state.token, state.clock(), state.cfg.web.session_hours),
+        response.set_cookie(COOKIE, session_cookie(token, state.clock(), state.cfg.web.session_hours),
                             httponly=True, samesite="Strict", path="/",
                             secure=request.secure, max_age=int(state.cfg.web.session_hours * 3600))
         return response
@@ -272,7 +305,7 @@ def build_app(state: WebApp) -> web.Application:
         return web.Response(body=LOGIN_CSS, content_type="text/css", headers=HEADERS)
 
     async def about(request: web.Request) -> web.Response:
-        return web.json_response({"model": state.cfg.model, "version": state.responder.active_version,
+        return web.json_response({"model": state.cfg.model, "version": state.responder.current_version(),
                                   "reasons": list(REASONS), "conversation": f"web-{uuid.uuid4().hex[:8]}",
                                   "max_text": MAX_TEXT_CHARS})
 

@@ -42,7 +42,7 @@ def announce(cfg: Config, host: str, port: int, made: bool) -> None:
 
 async def serve(cfg: Config, handle: QueueHandle, responder: Any, dispatch: Dispatch, host: str, port: int) -> None:
     token, made = ensure_token(cfg.web_token_path)
-    app = build_app(WebApp(cfg, handle, responder, dispatch, token))
+    app = build_app(WebApp(cfg, handle, responder, dispatch, token, token_path=cfg.web_token_path))
     async with listening(app, host, port) as bound:
         announce(cfg, host, bound, made)
         await until_cancelled()

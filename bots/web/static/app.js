@@ -68,8 +68,10 @@ async function rate(el, turn, body) {
   say(el, r.ok && r.training ? `${r.message} · ${r.training}` : r.message, r.ok);
   if (!r.ok) return;
   $(".comment-text", el).value = "";
-  turn.rated = body.value !== undefined ? body.value : (body.stars >= 4 ? 1 : -1);
-  turn.stars = body.stars;
+  const rated = body.value !== undefined ? body.value : (body.stars >= 4 ? 1 : -1);
+  // the same thumb with no stars keeps the rating's stars, as the server does; the other thumb drops them
+  turn.stars = body.stars !== undefined ? body.stars : (rated === turn.rated ? turn.stars : undefined);
+  turn.rated = rated;
   save();
   mark(el, turn);
   if (turn.rated < 0 && !comment) showReasons(el, turn);

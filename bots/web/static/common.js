@@ -3,9 +3,16 @@
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
+const UNREACHABLE = "the server did not answer: is `rlfleet web` still running? (nothing was recorded)";
+
 async function post(path, body) {
-  const r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                                body: JSON.stringify(body), credentials: "same-origin" });
+  let r;
+  try {
+    r = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
+                            body: JSON.stringify(body), credentials: "same-origin" });
+  } catch (err) {  // the server is down or the network gone: said where the action was, not thrown
+    return { ok: false, message: UNREACHABLE };
+  }
   if (r.status === 401) { location.reload(); return { ok: false, message: "logged out" }; }
   return r.json().catch(() => ({ ok: false, message: `HTTP ${r.status}` }));
 }

@@ -161,8 +161,16 @@ function draw(d) {
 }
 
 async function refresh() {
-  const r = await fetch("/api/dashboard", { credentials: "same-origin" });
+  let r;
+  try {
+    r = await fetch("/api/dashboard", { credentials: "same-origin" });
+  } catch (err) {  // what the page shows is no longer live: say so, and keep trying
+    document.body.classList.add("offline");
+    text("#serving", "not connected: is `rlfleet web` still running?");
+    return;
+  }
   if (r.status === 401) { location.reload(); return; }
+  document.body.classList.remove("offline");
   const d = await r.json();
   const st = d.status;
   showModel(st.model);
