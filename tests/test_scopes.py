@@ -134,6 +134,15 @@ def test_two_people_with_opposite_tastes_each_train_their_own_adapter(queued_hom
     assert {json.loads(line)["rlfleet"]["actor"] for line in out.read_text().splitlines()} == {"bob"}
     bad = cli.invoke(app, ["status", "--scope", "person:nowhere:x"])
     assert bad.exit_code != 0 and "is not a scope" in str(bad.exception)  # main() prints it as one line
+    paused_before = store.training_paused(scopes.lineage(slug, "person:cli:alice"))
+    for argv in (["status"], ["history"], ["pause"], ["resume"], ["rollback", "base"], ["train"],
+                 ["reset", "--yes"], ["export", "ratings", str(tmp_path / "typo.jsonl")]):
+        typo = cli.invoke(app, [*argv, "--scope", "person:cli:alcie"])  # well formed, but nobody's
+        assert typo.exit_code != 0 and "no scope person:cli:alcie in this data dir (scopes here: " \
+            "person:cli:alice, person:cli:bob)" in str(typo.exception), (argv, typo.output, typo.exception)
+    assert not (tmp_path / "typo.jsonl").exists() and store.training_paused(
+        scopes.lineage(slug, "person:cli:alcie")) is False and regs["alice"].current() == "v0001"
+    assert store.training_paused(scopes.lineage(slug, "person:cli:alice")) == paused_before
 
     # forgetting alice deletes her ratings, the answers given to her and her adapter; bob keeps his
     assert "needs --yes" in str(cli.invoke(app, ["forget", "cli:alice"]).exception)  # not a terminal: no prompt

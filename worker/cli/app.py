@@ -61,6 +61,32 @@ def scope_arg(scope: str | None) -> str | None:
         raise BadInput(f"--scope: {exc}") from None
 
 
+def known_scope(cfg: Config, scope: str | None) -> str | None:
+    """``--scope`` checked, and held by this data dir (its ratings, runs, a pause or adapter versions):
+    a scope misspelt is refused with the ones here, not answered as an empty one (or acted on)."""
+    from rlfleet.shared import scopes
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.registry import AdapterRegistry
+    from rlfleet.shared.store import Store
+
+    key = scope_arg(scope)
+    if key is None or key == scopes.SHARED:
+        return key
+    slug = model_slug(cfg.model)
+    name = scopes.lineage(slug, key)
+    store = Store(cfg.db_url)
+    try:
+        held = store.scope_lineages(slug)
+        if name in held or store.training_paused(name) or AdapterRegistry(cfg.adapters_root, name).versions():
+            return key
+    finally:
+        store.close()
+    here = ", ".join(scopes.split(n)[1] for n in held[:10]) + (" …" if len(held) > 10 else "")
+    raise BadInput(f"--scope: no scope {key} in this data dir " + (
+        f"(scopes here: {here})" if held else
+        "(none yet: a person's or a channel's adapter starts with their first rating)"))
+
+
 @app.callback()
 def _root(
     home: Annotated[

@@ -26,6 +26,7 @@ from .app import (
     dispatch,
     emit,
     err,
+    known_scope,
     one_line,
     out,
     scope_arg,
@@ -84,9 +85,10 @@ def export_ratings_cmd(
 
     if fmt not in ("jsonl", "datasets"):
         raise BadInput(f"unknown --format {fmt!r}: use jsonl or datasets")
-    key = scope_arg(scope)
+    scope_arg(scope)  # the syntax first, before anything is read
     target = check_target(_dest_path(dest), "file" if fmt == "jsonl" else "folder", force)
     cfg = command_config(read_only=True)
+    key = known_scope(cfg, scope)
     slug = model_slug(cfg.model)
     pairs = Store(cfg.db_url).rated_pairs(scopes.lineage(slug, key or scopes.SHARED), all_states=all_states,
                                           with_scopes=key is None)
@@ -184,7 +186,7 @@ def history(as_json: JsonOpt = False, scope: ScopeOpt = None) -> None:
     """Every adapter version: ratings used (+ replayed), held-out margin before/after, KL, accepted tokens, verdict."""
     cfg = command_config(read_only=True)
     with queue_for(cfg) as q:
-        st = status_dict(cfg, q, scope_arg(scope))
+        st = status_dict(cfg, q, known_scope(cfg, scope))
     versions = st["adapter"]["versions"]
     if as_json:
         out.print_json(json.dumps(history_rows(versions), default=str))
@@ -202,14 +204,15 @@ def reset(
     as_json: JsonOpt = False,
 ) -> None:
     """Go back to the base model and start a fresh adapter lineage (ratings stay unless purged)."""
-    key = scope_arg(scope)
+    scope_arg(scope)
+    cfg = command_config(must_exist=True)
+    key = known_scope(cfg, scope)
     if not yes:
         if not sys.stdin.isatty():
             raise BadInput("reset needs --yes when not run interactively")
         what = "the base model, and DELETE all ratings" if purge_ratings else "the base model (ratings are kept)"
         if not typer.confirm(f"Reset to {what}?"):
             raise typer.Exit(1)
-    cfg = command_config(must_exist=True)
     with queue_for(cfg) as q:
         args = {"purge_ratings": purge_ratings, **({"scope": key} if key else {})}
         emit(dispatch(q, cfg, Command(name="reset", args=args)), as_json)

@@ -8,7 +8,7 @@ from rlfleet.shared.queue import queue_for
 from rlfleet.shared.status import status_dict
 from rlfleet.shared.status_view import render_status
 
-from .app import JsonOpt, ScopeOpt, app, command_config, out, scope_arg
+from .app import JsonOpt, ScopeOpt, app, command_config, known_scope, out
 
 
 @app.command()
@@ -17,7 +17,7 @@ def status(as_json: JsonOpt = False, scope: ScopeOpt = None) -> None:
     adapter: --scope for one scope's whole status)."""
     cfg = command_config(read_only=True)
     with queue_for(cfg) as q:
-        st = status_dict(cfg, q, scope_arg(scope))
+        st = status_dict(cfg, q, known_scope(cfg, scope))
     if as_json:
         out.print_json(json.dumps(st, default=str))
     else:

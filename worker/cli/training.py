@@ -15,12 +15,13 @@ from rlfleet.shared.errors import BadInput
 from rlfleet.shared.events import Command
 from rlfleet.shared.queue import QueueHandle, queue_for
 
-from .app import JsonOpt, ScopeOpt, app, command_config, dispatch, emit, err, out, scope_arg
+from .app import JsonOpt, ScopeOpt, app, command_config, dispatch, emit, err, known_scope, out, scope_arg
 
 
-def _args(scope: str | None, **args: object) -> dict:
-    """A command's arguments, with the scope whose adapter it acts on (docs/scopes.md) when given."""
-    key = scope_arg(scope)
+def _args(cfg: Config, scope: str | None, **args: object) -> dict:
+    """A command's arguments, with the scope whose adapter it acts on (docs/scopes.md) when given: one
+    this data dir holds."""
+    key = known_scope(cfg, scope)
     return {**args, **({"scope": key} if key is not None else {})}
 
 
@@ -32,8 +33,9 @@ def train(
     as_json: JsonOpt = False,
 ) -> None:
     """Start a training run now on the pending ratings (below the threshold too)."""
-    args = _args(scope)
+    scope_arg(scope)  # its syntax before the data dir is opened
     cfg = command_config()
+    args = _args(cfg, scope)
     with queue_for(cfg) as q:
         result = dispatch(q, cfg, Command(name="train", args=args))
         if not (wait and result.get("ok")):
@@ -148,8 +150,9 @@ def rollback(
     as_json: JsonOpt = False,
 ) -> None:
     """Serve an earlier adapter version (instant)."""
-    args = _args(scope, version=version)
+    scope_arg(scope)  # its syntax before the data dir is opened
     cfg = command_config(must_exist=True)
+    args = _args(cfg, scope, version=version)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="rollback", args=args)), as_json)
 
@@ -158,8 +161,9 @@ def rollback(
 def pause(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
     """Pause automatic training: ratings are still recorded, but no run starts by itself when they reach
     the threshold (`rlfleet train` still starts one). Lasts across restarts, until `rlfleet resume`."""
-    args = _args(scope)
+    scope_arg(scope)  # its syntax before the data dir is opened
     cfg = command_config()
+    args = _args(cfg, scope)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="pause", args=args)), as_json)
 
@@ -167,8 +171,9 @@ def pause(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
 @app.command()
 def resume(scope: ScopeOpt = None, as_json: JsonOpt = False) -> None:
     """Resume automatic training; a run starts at once if the pending ratings already reach the threshold."""
-    args = _args(scope)
+    scope_arg(scope)  # its syntax before the data dir is opened
     cfg = command_config()
+    args = _args(cfg, scope)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="resume", args=args)), as_json)
 
@@ -181,8 +186,9 @@ def promote(
     as_json: JsonOpt = False,
 ) -> None:
     """Serve a version; one the evaluation gate rejected only with --force."""
-    args = _args(scope, version=version, force=force)
+    scope_arg(scope)  # its syntax before the data dir is opened
     cfg = command_config(must_exist=True)
+    args = _args(cfg, scope, version=version, force=force)
     with queue_for(cfg) as q:
         emit(dispatch(q, cfg, Command(name="promote", args=args)), as_json)
 
