@@ -96,6 +96,7 @@ def test_import_counts_bad_lines_and_changes_nothing_for_them(home, tmp_path, mo
                               good[1], json.dumps(clash), ""]) + "\n")
     res = rl("import", "ratings", bad, "--json")
     report = json.loads(res.output[res.output.index("{"):])
+    assert res.exit_code == 1  # some lines were refused: a script can tell
     assert report["imported"] == 2
     assert report["skipped"] == {"invalid": 3, "that answer already has an active rating here": 1}
     assert [e.split(":")[0] for e in report["errors"]] == ["line 2", "line 3", "line 4"]

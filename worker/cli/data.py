@@ -132,6 +132,8 @@ def import_ratings_cmd(src: Annotated[Path, typer.Argument(
         for line in report.errors:
             err.print(f"[yellow]{escape(line)}[/]")
     emit(result, as_json)
+    if report.skipped.get("invalid"):  # the valid ones are in; a script still learns that some were not
+        raise typer.Exit(1)
 
 
 @app.command()
