@@ -42,7 +42,7 @@ HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</scrip
 ROUTES = [("GET", "/"), ("GET", "/static/common.js"), ("GET", "/static/app.js"), ("GET", "/static/index.html"),
           ("GET", "/api/about"),
           ("POST", "/api/chat"), ("POST", "/api/rate"), ("POST", "/api/why"), ("POST", "/api/undo"),
-          ("POST", "/logout"), ("GET", "/dashboard"), ("GET", "/static/dashboard.js"),
+          ("GET", "/dashboard"), ("GET", "/static/dashboard.js"),
           ("GET", "/static/vendor/chart.umd.min.js"), ("GET", "/api/dashboard"), ("POST", "/api/command"),
           ("GET", "/api/export"), ("GET", "/metrics"), ("GET", "/ratings"), ("GET", "/static/ratings.js"),
           ("GET", "/api/ratings"), ("POST", "/api/ratings/undo"), ("POST", "/api/ratings/comment")]
@@ -171,6 +171,8 @@ def test_a_new_token_in_the_file_revokes_the_old_one_at_once_and_the_page_names_
             assert await status("a-fresh-token-nobody-has-seen") == 401 and await status(old) == 401
             path.write_text(old + "\n")
             path.chmod(0o600)
+            async with http.post(url + "/logout", allow_redirects=False) as r:  # no session left: still out
+                assert r.status == 303 and r.headers["Location"] == "/"
             async with http.get(url + "/api/about", headers={"Authorization": f"Bearer {old}"}) as r:
                 assert (await r.json())["version"] is None
             adapters = state.responder.adapters_dir

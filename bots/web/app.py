@@ -265,7 +265,8 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
 def build_app(state: WebApp) -> web.Application:
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        public = (request.method, request.path) in {("POST", "/login"), ("GET", "/login.css")}
+        # Logging out needs no login: a page whose session ran out still gets the login page, not JSON
+        public = (request.method, request.path) in {("POST", "/login"), ("POST", "/logout"), ("GET", "/login.css")}
         if not public and not state.authenticated(request):
             if request.path.startswith("/api/") or request.method != "GET":
                 return _json_error(401, "log in first: the token `rlfleet web` printed, as a Bearer header")
