@@ -556,6 +556,38 @@ def test_in_a_browser_log_in_chat_and_rate_with_a_thumb_stars_a_comment_and_a_re
     asyncio.run(go())
 
 
+def test_a_new_conversation_stops_the_answer_in_hand_and_takes_the_next_message_at_once(
+        queued_home, endless_model_dir, monkeypatch):
+    from playwright.async_api import async_playwright, expect
+
+    async def go():
+        async with web_rig(queued_home, endless_model_dir, monkeypatch, max_new_tokens=900) as (state, url), \
+                async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                await page.goto(url + "/")
+                await page.fill("input[name=token]", state.token)
+                await page.click("button[type=submit]")
+                await page.fill("#text", "go on and on")
+                await page.press("#text", "Enter")
+                await expect(page.locator("article.ai.streaming .text")).not_to_be_empty(timeout=30_000)
+                await page.click("#new")
+                await expect(page.locator("article")).to_have_count(0)
+                await expect(page.locator("#send")).to_be_enabled(timeout=3_000)  # not after 900 unseen tokens
+                await page.fill("#text", "hello again")
+                await page.press("#text", "Enter")
+                await expect(page.locator("article.you .text")).to_have_text("hello again")
+                await expect(page.locator("article.ai .rate .good")).to_be_visible(timeout=60_000)
+                assert errors == []
+            finally:
+                await browser.close()
+            assert captures(state.cfg) == 1  # the new answer's: the stopped one was never finished
+    asyncio.run(go())
+
+
 def test_rlfleet_web_makes_a_private_token_and_serves_behind_it_with_its_workers(queued_home, web_model_dir):
     env = {**os.environ, "RLFLEET_MODEL": str(web_model_dir)}
     # Every address: allowed, with a warning to put TLS in front (no traffic leaves this machine here).

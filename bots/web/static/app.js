@@ -6,6 +6,7 @@ const STORE = "rlfleet.chat";
 let state = { conversation: null, turns: [] };  // turns: {role, content, capture?, version?, rated?}
 let reasons = [];
 let busy = false;  // an answer is streaming: another message waits until it is done
+let inflight = null;  // its request: "New conversation" aborts it (the server stops drawing at once)
 
 function save() { localStorage.setItem(STORE, JSON.stringify(state)); }
 
@@ -105,7 +106,7 @@ function wire(el, turn) {
 // a message the server refused, or an answer that failed, is shown with its error and never sent again
 // as history. Rating controls appear only on an answer with a capture to rate.
 async function ask(text) {
-  const convo = state;  // "New conversation" pressed meanwhile: the answer still belongs to this one
+  const convo = state;
   const history = convo.turns.map((t) => ({ role: t.role, content: t.content })).slice(-8);
   userTurn(text);
   const turn = { role: "assistant", content: "" };
@@ -113,9 +114,12 @@ async function ask(text) {
   el.classList.add("streaming");
   busy = true;
   $("#send").disabled = true;
+  const ctl = new AbortController();
+  inflight = ctl;
   try {
     const r = await fetch("/api/chat", { method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ conversation: convo.conversation, text, history }), credentials: "same-origin" });
+      body: JSON.stringify({ conversation: convo.conversation, text, history }), credentials: "same-origin",
+      signal: ctl.signal });
     if (r.status === 401) { location.reload(); return; }
     if (!r.ok) { const e = await r.json().catch(() => ({})); say(el, e.message || `HTTP ${r.status}`, false); return; }
     let finished = false;
@@ -151,15 +155,24 @@ async function ask(text) {
     convo.turns.push({ role: "user", content: text }, turn);
     if (state === convo) save();
   } catch (e) {
-    say(el, `the answer broke off: ${e.message || e}`, false);
+    if (!ctl.signal.aborted) say(el, `the answer broke off: ${e.message || e}`, false);
   } finally {
     el.classList.remove("streaming");
-    busy = false;
-    $("#send").disabled = false;
+    if (inflight === ctl) {
+      inflight = null;
+      busy = false;
+      $("#send").disabled = false;
+    }
   }
 }
 
 function startOver(conversation) {
+  if (inflight) {  // an answer nobody will see any more: stopped, not waited for
+    inflight.abort();
+    inflight = null;
+    busy = false;
+    $("#send").disabled = false;
+  }
   state = { conversation, turns: [] };
   save();
   $("#log").textContent = "";
