@@ -26,6 +26,7 @@ from .errors import BadInput, ConfigError, NotFound
 from .events import PLATFORMS, Capture, Rating, Undo
 from .fast_apply import fast_apply
 from .ledger import RunLedger
+from .registry import version_name
 from .schema import Baseline, CaptureRow, ProcessedEvent, RatingRow, TrainRun
 
 
@@ -553,16 +554,16 @@ class Store(RunLedger):
         where = [RatingRow.train_model == model]
         if f.state != "all":
             where.append(RatingRow.state == f.state)
-        if f.source:
-            where.append(RatingRow.source == f.source)
+        if f.source:  # as people type them: `Slack`, `v3`, ` 3 `
+            where.append(func.lower(RatingRow.source) == f.source.strip().lower())
         if f.actor:
-            where.append(RatingRow.actor == f.actor)
+            where.append(RatingRow.actor == f.actor.strip())
         if f.value:
             where.append(RatingRow.value == f.value)
-        if f.version == "pending":
+        if f.version.strip().lower() == "pending":
             where.append(RatingRow.run_id.is_(None))
-        elif f.version:
-            where.append(TrainRun.version == f.version)
+        elif f.version.strip():
+            where.append(TrainRun.version == version_name(f.version))
         if f.text:  # the words of the rating or of the answer it rates (LIKE's wildcards taken literally)
             like = "%" + f.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
             where.append(or_(RatingRow.comment.ilike(like, escape="\\"),

@@ -132,6 +132,22 @@ def test_trained_then_undone_rating_comes_back_as_a_retraction(store):
     assert store.baseline(MODEL) == (0.5, 0)
 
 
+def test_the_ratings_browser_reads_a_version_and_a_source_as_people_type_them(store):
+    from rlfleet.shared.store import RatingFilter
+
+    c = Capture(prompt=[{"role": "user", "content": "q"}], response="a", model="m", owner="U1", source="slack")
+    store.apply_capture(c)
+    rid = store.apply_rating(Rating(value=1, target=c.capture_id, source="slack", actor="U1"), MODEL).rating_id
+    run = store.create_run(MODEL)
+    store.start_run(run, None)
+    store.finish_run(run, model=MODEL, version="v0001", parent=None, metrics={}, advantages={rid: 0.5},
+                     retracted=[], new_ema=0.5, promote=True)
+    for f, n in [(RatingFilter(version="v1"), 1), (RatingFilter(version=" 1 "), 1), (RatingFilter(version="v0001"), 1),
+                 (RatingFilter(version="v2"), 0), (RatingFilter(version="Pending"), 0),
+                 (RatingFilter(source="Slack"), 1), (RatingFilter(source="web"), 0), (RatingFilter(actor=" U1"), 1)]:
+        assert store.browse_ratings(MODEL, f)[0] == n, f
+
+
 def test_rejected_run_consumes_nothing(store):
     c = cap()
     store.apply_capture(c)
