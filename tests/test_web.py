@@ -375,8 +375,9 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                     asyncio.ensure_future(dialog.accept())
                 page.on("dialog", accept)
                 # Paused, the rating that reaches the threshold starts no run; resuming starts it.
-                await page.click("#pause")
+                await page.dblclick("#pause")  # one command: the second click finds the button busy
                 await expect(page.locator("#training-state")).to_have_text("idle · automatic training paused")
+                await expect(page.locator("#action-said")).to_contain_text("automatic training paused")
                 await expect(page.locator("#pause")).to_have_text("Resume automatic training")
                 await rate_by_api(http, url, "four", value=-1)
                 await expect(page.locator("#threshold-text")).to_have_text("4 pending: a run is due", timeout=30_000)
@@ -444,6 +445,9 @@ def test_the_ratings_browser_filters_undoes_and_edits_comments(queued_home, web_
                 assert r.status == 400  # a page of nothing is not a request
             async with http.get(url + "/api/ratings", params={"text": "%"}) as r:
                 assert [x["comment"] for x in (await r.json())["ratings"]] == ["50% too long"]  # % is literal
+            for params, n in [({"source": " Slack "}, 2), ({"version": "PENDING"}, 3), ({"version": "1"}, 0)]:
+                async with http.get(url + "/api/ratings", params=params) as r:  # as people type them
+                    assert (await r.json())["total"] == n, params
             browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             try:
                 page = await browser.new_page()

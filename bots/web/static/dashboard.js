@@ -21,12 +21,21 @@ function chart(id, type, data, options) {
   charts[id] = new Chart($(id), { type, data, options: { animation: false, responsive: true, ...options } });
 }
 
+let acting = false;  // a command in flight: a second click (a double-click) is not a second command
+
 async function act(body, question) {
-  if (question && !window.confirm(question)) return;
-  const r = await post("/api/command", body);
-  const said = $("#action-said");
-  said.textContent = r.message;
-  said.className = "said " + (r.ok ? "ok" : "err");
+  if (acting || (question && !window.confirm(question))) return;
+  acting = true;
+  document.querySelectorAll("main button").forEach((b) => { b.disabled = true; });
+  try {
+    const r = await post("/api/command", body);
+    const said = $("#action-said");
+    said.textContent = r.message;
+    said.className = "said " + (r.ok ? "ok" : "err");
+  } finally {
+    acting = false;
+    document.querySelectorAll("main button").forEach((b) => { b.disabled = false; });
+  }
   refresh();
 }
 
