@@ -91,7 +91,8 @@ ROUTES: list[tuple[str, str, type[BaseModel] | None, str, bool]] = [
     ("post", "/v1/captures", CaptureIn, "Record an answer so it can be rated", False),
     ("post", "/v1/ratings", RatingIn, "Rate an answer by message ref, capture id or `last`", False),
     ("post", "/v1/undo", UndoIn, "Take back your latest rating (or your rating of `target`)", False),
-    ("get", "/v1/status", None, "Model, ratings, adapter versions, training", False),
+    ("get", "/v1/status", None, "Model, ratings, adapter versions, training (a non-admin key: its own people's scopes "
+     "only)", False),
     ("post", "/v1/commands", CommandIn, "train, rollback, promote, reset, pause, resume (admin keys only)", True),
 ]
 MAX_PROMPT_MESSAGES = MAX_MESSAGES

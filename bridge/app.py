@@ -71,6 +71,16 @@ def acting_as(key: Key, name: str | None) -> str:
     return name if key.admin else f"{key.id}:{name}"
 
 
+def visible_status(status: dict, key: Key) -> dict:
+    """What ``key`` may read of the status: an admin key all of it; a gateway key the scopes of its own
+    people only (``…:gw:alice``), not every person's id and counts."""
+    if key.admin:
+        return status
+    mine = {k: v for k, v in (status.get("scopes") or {}).items()
+            if k.startswith("person:") and k.split(":", 2)[-1].startswith(f"{key.id}:")}
+    return {**status, "scopes": mine}
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -206,7 +216,7 @@ class Bridge:
         raw = self.handle.redis.get(status_key(self.slug))
         if not raw:
             return _error(503, NO_STATUS)
-        return web.json_response(json.loads(raw))
+        return web.json_response(visible_status(json.loads(raw), auth[0]))
 
 
 BRIDGE: web.AppKey[Bridge] = web.AppKey("bridge", Bridge)

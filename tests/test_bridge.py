@@ -355,3 +355,14 @@ def test_health_and_openapi_need_no_auth(bridge):
         spec = json.loads(resp.read())
     assert {"/v1/captures", "/v1/ratings", "/v1/undo", "/v1/status", "/v1/commands"} <= set(spec["paths"])
     assert spec["components"]["schemas"]["RatingIn"]["properties"]["value"]
+
+
+def test_a_gateway_key_reads_the_scopes_of_its_own_people_only():
+    from rlfleet.bridge.app import visible_status
+
+    status = {"ratings": {"total": 9}, "scopes": {k: {"ratings": {"total": 1}} for k in (
+        "person:bridge:gateway:alice", "person:bridge:bob", "person:slack:U123", "channel:slack:C1",
+        "person:bridge:other:gateway:x")}}
+    seen = visible_status(status, Key("gateway", GATEWAY_SECRET, False))
+    assert set(seen["scopes"]) == {"person:bridge:gateway:alice"} and seen["ratings"] == {"total": 9}
+    assert visible_status(status, Key("local", SECRET, True)) == status  # an admin key reads everything
