@@ -6,6 +6,8 @@ imports the worker's code or torch.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,30 @@ def progress_key(slug: str) -> str:
 
 def train_lock_key(slug: str) -> str:
     return f"rlfleet:train:lock:{slug}"
+
+
+# The training lock's value: a training job's id, a trigger's claim, or a process training in its own
+# thread (an environment agent without background=True): ``inline:<host>:<pid>``.
+INLINE_HOLDER = "inline:"
+
+
+def inline_holder() -> str:
+    """The lock value of this process training inline."""
+    return f"{INLINE_HOLDER}{socket.gethostname()}:{os.getpid()}"
+
+
+def inline_holder_alive(value: bytes | str | None) -> bool | None:
+    """None: ``value`` is not an inline holder; else whether that process may still be training (one on
+    another machine is taken to be: its lock's TTL ends it)."""
+    text = as_text(value) if value is not None else ""
+    if not text.startswith(INLINE_HOLDER):
+        return None
+    host, _, pid = text[len(INLINE_HOLDER):].rpartition(":")
+    if host != socket.gethostname():
+        return True
+    from .embedded_redis import pid_alive
+
+    return pid.isdigit() and pid_alive(int(pid))
 
 
 TRAINING_BUSY = "a training run is already queued or running"  # the trigger's answer while one is

@@ -16,7 +16,7 @@ from rq import Queue
 from . import durability, inbox, scopes
 from .bothealth import bots_status
 from .config import Config
-from .queue import TRAIN_QUEUE, QueueHandle, progress_key, push_key, status_key, train_lock_key
+from .queue import TRAIN_QUEUE, QueueHandle, inline_holder_alive, progress_key, push_key, status_key, train_lock_key
 from .registry import AdapterRegistry
 from .schema import AdapterVersion
 from .store import Store
@@ -73,7 +73,8 @@ def read_training(store: Store, conn: redis.Redis | None, slug: str) -> Training
         return TrainingState(paused=paused)
     state, error = "idle", None
     if run.state in ("queued", "running"):
-        alive = conn is None or conn.exists(train_lock_key(slug))
+        holder = conn.get(train_lock_key(slug)) if conn is not None else b"?"
+        alive = bool(holder) and inline_holder_alive(holder) is not False
         if alive:
             state = run.state
         else:  # its worker died and nothing holds the run: say so instead of "running" forever

@@ -461,3 +461,39 @@ def test_init_configures_bots_by_flags_and_by_the_wizard(home, monkeypatch):
     assert [p for p in ("slack", "discord", "telegram", "teams") if cfg.bots.get(p).enabled] == ["discord", "teams"]
     assert cfg.bots.discord.token_env == "MY_DISCORD_TOKEN" and cfg.bots.discord.admins == ["111-a", "222"]
     assert cfg.bots.discord.raters == [] and cfg.bots.teams.admins == [] and cfg.bots.teams.raters == ["333"]
+
+
+def test_a_run_trained_in_an_agents_own_process_is_running_while_it_lives_and_failed_once_it_is_gone(
+        queued_home, rconn, monkeypatch):
+    """An environment agent without background=True trains in its own process, with no training job:
+    its lock (inline:<host>:<pid>) keeps `status` and a worker starting on the data dir from calling
+    the run dead while that process lives; once it is gone, both do."""
+    import socket
+    import subprocess as sp
+
+    import rlfleet.worker.context as worker_context
+    from rlfleet.shared.models import model_slug
+    from rlfleet.shared.queue import inline_holder, open_queue, train_lock_key
+    from rlfleet.shared.store import Store
+    from rlfleet.worker.runner import recover
+
+    monkeypatch.setattr(worker_context, "_CTX", None)
+    cfg = load_config()
+    slug, store = model_slug(cfg.model), Store(cfg.db_url)
+    run = store.create_run(slug)
+    store.start_run(run, None)
+    rconn.set(train_lock_key(slug), inline_holder())
+    handle = open_queue(cfg)
+    try:
+        assert status_json()["training"]["state"] == "running"
+        assert not any("interrupted" in n for n in recover(cfg, handle))
+        assert store.get_run(run).state == "running" and rconn.exists(train_lock_key(slug))
+        gone = sp.Popen(["true"])
+        gone.wait()  # a pid that was an agent's and is no more
+        rconn.set(train_lock_key(slug), f"inline:{socket.gethostname()}:{gone.pid}")
+        st = status_json()["training"]
+        assert st["state"] == "failed" and "stopped during the run" in st["error"]
+        assert any(f"run {run} was interrupted" in n for n in recover(cfg, handle))
+        assert store.get_run(run).state == "failed" and not rconn.exists(train_lock_key(slug))
+    finally:
+        handle.close()

@@ -312,9 +312,13 @@ def test_misuse_says_what_went_wrong_and_loses_nothing(queued_home, tiny_model_d
 
 
 def test_rewards_that_would_add_up_past_a_float_are_refused_and_the_episode_still_closes(queued_home,
-                                                                                       tiny_model_dir):
+                                                                                       tiny_model_dir,
+                                                                                       monkeypatch):
+    import rlfleet.gym.agent as agent_module
+    from rlfleet.shared.queue import inline_holder, train_lock_key
+
     agent = Pick(model=str(tiny_model_dir), home=queued_home, episodes_per_update=2, max_new_tokens=2,
-                 device="cpu", env="overflow", gamma=1.0)
+                 device="cpu", env="overflow", gamma=1.0, steps=1)
     try:
         agent.act(0)
         agent.assign_reward(1e308)
@@ -325,6 +329,15 @@ def test_rewards_that_would_add_up_past_a_float_are_refused_and_the_episode_stil
         agent.assign_reward(1.0)
         assert agent.terminate_episode() is None  # stored: its returns are finite
         assert agent._batch[-1].returns == [1e308 + 1.0, 1.0]
+        # The batch trains in this process: it holds the training lock as itself meanwhile (else
+        # `status` and a worker starting here would call the run dead), and lets go after.
+        held, real = [], agent_module.train_candidate
+        monkeypatch.setattr(agent_module, "train_candidate", lambda *a, **k: (
+            held.append(agent._redis().get(train_lock_key(agent.slug))), real(*a, **k))[1])
+        agent.act(2)
+        agent.assign_reward(-1.0)
+        assert agent.terminate_episode() is not None
+        assert held == [inline_holder().encode()] and not agent._redis().exists(train_lock_key(agent.slug))
     finally:
         agent.close()
 

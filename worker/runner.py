@@ -25,7 +25,15 @@ from rlfleet.shared import scopes
 from rlfleet.shared.config import Config, redact_url
 from rlfleet.shared.job_names import train_job_id
 from rlfleet.shared.models import model_slug
-from rlfleet.shared.queue import EVENTS_QUEUE, TRAIN_QUEUE, QueueHandle, ensure_drain, open_queue, train_lock_key
+from rlfleet.shared.queue import (
+    EVENTS_QUEUE,
+    TRAIN_QUEUE,
+    QueueHandle,
+    ensure_drain,
+    inline_holder_alive,
+    open_queue,
+    train_lock_key,
+)
 from rlfleet.shared.redis_text import as_text
 from rlfleet.shared.runs import fail_interrupted, was_interrupted, was_stopped
 from rlfleet.shared.store import Store
@@ -69,7 +77,8 @@ def _recover_lineage(store: Store, conn: redis.Redis, slug: str) -> list[str]:
     run = store.latest_run(slug)
     lock = train_lock_key(slug)
     released = False
-    if run is not None and run.state in ("queued", "running"):
+    inline = inline_holder_alive(conn.get(lock))  # an agent training in its own process: no job
+    if run is not None and run.state in ("queued", "running") and not inline:
         if _train_job_lost(conn, train_job_id(slug, run.id)):
             fail_interrupted(store, slug, run.id, "the training worker stopped during the run")
             conn.delete(lock)
@@ -78,7 +87,8 @@ def _recover_lineage(store: Store, conn: redis.Redis, slug: str) -> list[str]:
     elif run is not None and was_interrupted(run):
         released = True  # stopped for a reason outside its data (Redis lost mid-run, say): queue it again
     holder = conn.get(lock)
-    if holder and not is_claim(holder) and _train_job_lost(conn, as_text(holder)):
+    if holder and not is_claim(holder) and (inline is False or (
+            inline is None and _train_job_lost(conn, as_text(holder)))):
         # its run ended, but the worker died before letting go (killed in `train`'s cleanup)
         conn.delete(lock)
         notes.append("released the training lock of a dead worker")

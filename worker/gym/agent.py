@@ -56,7 +56,15 @@ from rlfleet.shared.job_names import GYM_RUN_JOB, train_job_id
 from rlfleet.shared.lifecycle import exit_on_stop_signals_by_default
 from rlfleet.shared.llamacpp_engine import ENGINES
 from rlfleet.shared.models import model_slug, pick_device, resolve_model
-from rlfleet.shared.queue import TRAIN_QUEUE, QueueHandle, open_queue, progress_key, wait_for
+from rlfleet.shared.queue import (
+    TRAIN_QUEUE,
+    QueueHandle,
+    inline_holder,
+    open_queue,
+    progress_key,
+    train_lock_key,
+    wait_for,
+)
 from rlfleet.shared.registry import AdapterRegistry
 from rlfleet.shared.responder import TurnCache
 from rlfleet.shared.status import publish_snapshot
@@ -429,6 +437,10 @@ class Agent:
         stats["run_id"] = run_id
         started = time.perf_counter()
         checked = ""
+        # Trained here: the lock says so, or `status` and a worker starting on this data dir take the
+        # running run for one whose worker died (none holds it)
+        lock = train_lock_key(self.slug)
+        held = not self.background and bool(conn.set(lock, inline_holder(), nx=True, ex=LOCK_TTL))
         try:
             if self.background:
                 candidate, stats["trained_by_pid"] = self._candidate_from_worker(conn, run_id, parent, samples)
@@ -455,6 +467,8 @@ class Agent:
             self.store.fail_run(run_id, f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            if held and conn.get(lock) == inline_holder().encode():
+                conn.delete(lock)
             conn.delete(progress_key(self.slug))
             publish_snapshot(self.cfg, self.store, conn, self.slug)  # what status and the dashboard read
         m = candidate.metrics
