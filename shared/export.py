@@ -57,7 +57,8 @@ def check_target(dest: Path, kind: Literal["file", "folder"], force: bool = Fals
                 raise BadInput(f"{shown} exists and is not an empty folder; pick a new one")
         elif dest.exists() or dest.is_symlink():
             if kind == "folder":
-                raise BadInput(f"{shown} exists and is not an empty folder; pick a new one")
+                raise BadInput(f"{shown} is a file, and this export writes a folder: give the path of a new "
+                               f"or empty folder, e.g. {example}")
             if not dest.is_file():
                 raise BadInput(f"{shown} exists and is not a regular file; pick a new name")
             if not force:

@@ -325,7 +325,7 @@ def _listing(root) -> set:
     (".", [], "'.' is not a file name"),
     ("a-folder", [], "a-folder is a folder: give a file name"),
     ("a-file", [], "a-file exists: pass --force to overwrite it"),
-    ("a-file", ["--format", "datasets"], "exists and is not an empty folder"),
+    ("a-file", ["--format", "datasets"], "a-file is a file, and this export writes a folder"),
     ("/dev/null", ["--force"], "/dev/null exists and is not a regular file"),
 ])
 def test_export_ratings_refuses_a_place_it_cannot_write_on_one_line_and_writes_nothing(
@@ -382,6 +382,8 @@ def test_adapter_and_merged_exports_refuse_a_place_they_cannot_write_before_load
     for kind in ("adapter", "merged"):
         with pytest.raises(BadInput, match="a-file is a file, not a folder"):
             rl("export", kind, tmp_path / "a-file" / "sub")
+        with pytest.raises(BadInput, match="a-file is a file, and this export writes a folder"):
+            rl("export", kind, tmp_path / "a-file")
         with pytest.raises(BadInput, match="the destination is empty"):
             rl("export", kind, "")
     with pytest.raises(BadInput, match="cannot write /proc/x"):

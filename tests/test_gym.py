@@ -342,6 +342,15 @@ def test_rewards_that_would_add_up_past_a_float_are_refused_and_the_episode_stil
         agent.close()
 
 
+def test_a_run_stopped_with_its_process_says_so_in_words():
+    from rlfleet.gym.agent import _stopped_by
+
+    assert _stopped_by(KeyboardInterrupt()).startswith("stopped: the agent's process was interrupted")
+    assert "exited (status 143)" in _stopped_by(SystemExit(143))  # a kill at Python's default
+    assert _stopped_by(RuntimeError("out of memory")) == "RuntimeError: out of memory"
+    assert _stopped_by(RuntimeError()) == "RuntimeError"  # not "RuntimeError: "
+
+
 def test_discounted_returns_and_the_batch_baseline_per_step():
     assert discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
     assert discounted_returns([1.0, 1.0], 1.0) == [2.0, 1.0]

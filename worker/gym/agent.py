@@ -464,7 +464,7 @@ class Agent:
             return {**stats, "version": None, "promoted": False, "skipped": why,
                     "seconds": time.perf_counter() - started}
         except BaseException as exc:
-            self.store.fail_run(run_id, f"{type(exc).__name__}: {exc}")
+            self.store.fail_run(run_id, _stopped_by(exc))
             raise
         finally:
             if held and conn.get(lock) == inline_holder().encode():
@@ -650,6 +650,15 @@ def storable(text: str) -> str:
     """``text`` as the store can hold it: a NUL byte (a small model may sample one) and lone surrogates
     as U+FFFD. The step trains on the answer as generated; only its stored copy differs."""
     return well_formed(text.replace("\x00", "\ufffd"))
+
+
+def _stopped_by(exc: BaseException) -> str:
+    """What ended a run, as `status` says it: a stop in words, a fault with its type and message."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped: the agent's process was interrupted (Ctrl-C or a kill); its episodes are kept"
+    if isinstance(exc, SystemExit):
+        return f"stopped: the agent's process exited (status {exc.code}); its episodes are kept"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _is_number(value: object) -> bool:
