@@ -357,6 +357,7 @@ def test_the_dashboard_draws_the_ratings_follows_them_live_and_pauses_training(q
                 await log_in(page, url, state.token)
                 await page.goto(url + "/dashboard")
                 await expect(page.locator("#total")).to_have_text("2")
+                await expect(page.locator("#versions tbody")).to_contain_text("no adapter versions yet")
                 assert await page.locator("#threshold").evaluate("e => [e.value, e.max]") == [2, 4]
                 await expect(page.locator("#threshold-text")).to_have_text("2 of 4 pending: 2 more start a run")
                 drawn = "id => Chart.getChart(document.querySelector(id)).data.datasets.map(" \

@@ -109,6 +109,14 @@ function fmt(v, digits) { return typeof v === "number" ? v.toFixed(digits) : "";
 
 function versions(history, current) {
   const body = $("#versions tbody"); body.textContent = "";
+  if (!history.length) {  // before the first run: say so, not an empty table
+    const tr = document.createElement("tr"), td = document.createElement("td");
+    td.colSpan = $("#versions thead tr").children.length;
+    td.className = "empty";
+    td.textContent = "no adapter versions yet: the first run starts when the pending ratings reach the threshold";
+    tr.append(td); body.append(tr);
+    return;
+  }
   for (const v of [...history].reverse()) {
     const tr = document.createElement("tr");
     const kl = v.heldout_kl !== null && v.heldout_kl !== undefined ? v.heldout_kl : v.final_mean_kl;
