@@ -19,6 +19,19 @@ def continues(messages: Sequence[Mapping[str, Any]]) -> bool:
     return bool(messages) and messages[-1].get("role") == "assistant"
 
 
+def without_earliest_turn(messages: Sequence[Mapping[str, Any]]) -> list[Any] | None:
+    """``messages`` less their earliest turn, whole: the first message after the system prompt and the
+    answers that follow it (a conversation goes on with what someone said). The last message always
+    stays; None when nothing but it and the system prompt is left to drop."""
+    first = next((i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"), None)
+    if first is None:
+        return None
+    rest = [*messages[:first], *messages[first + 1:]]
+    while first < len(rest) - 1 and rest[first].get("role") == "assistant":
+        del rest[first]
+    return rest
+
+
 def token_ids(encoded: Any) -> list[int]:
     """Token ids from whatever ``apply_chat_template`` or a tokenizer returned (a list, a batch of one,
     or a dict/BatchEncoding of them, as transformers 5 returns)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import llamacpp_engine, scopes
-from .chat_prompt import prompt_ids
+from .chat_prompt import prompt_ids, without_earliest_turn
 from .config import Config
 from .errors import ContextTooLong
 from .events import FinishReason
@@ -455,16 +455,14 @@ class LocalResponder:
         rather than being refused. :class:`ContextTooLong` when the last message alone leaves none."""
         msgs, room = list(messages), min(self.max_new_tokens, self.context_tokens // 4)
         while True:
-            first = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
+            shorter = without_earliest_turn(msgs)
             try:
-                self.check_fits(msgs, room if first is not None else 1)  # nothing left to drop: any room
+                self.check_fits(msgs, room if shorter is not None else 1)  # nothing left to drop: any room
                 return msgs
             except ContextTooLong:
-                if first is None:
+                if shorter is None:
                     raise
-                del msgs[first]  # a turn goes whole: the question and the answers after it
-                while first < len(msgs) - 1 and msgs[first]["role"] == "assistant":
-                    del msgs[first]
+                msgs = shorter
 
     def _room(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """``max_new_tokens`` cut to what the context leaves after the prompt (the answer then ends

@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 import redis
 
 from .. import scopes
+from ..chat_prompt import without_earliest_turn
 from ..errors import ContextTooLong, RlfleetError
 from ..events import Capture, Command, FinishReason, Message, Rating, Source, Undo, well_formed
 from ..inbox import Ticket
@@ -195,10 +196,11 @@ class UseCases:
                     completion = await self.answerer(messages, scope)
                     break
                 except ContextTooLong:
-                    if len(messages) == 1:
+                    shorter = without_earliest_turn(messages)
+                    if shorter is None:
                         raise ContextTooLong("the message is longer than the model reads at once: shorten it "
                                              "or split it") from None
-                    messages = _without_earliest_turn(messages)
+                    messages = shorter
         except RlfleetError as exc:
             log.warning("no answer: %s", exc)
             await fail(f"(no answer: {exc})")
@@ -395,11 +397,3 @@ def _event_id(event_id: str | None) -> dict[str, str]:
     """The event id a sender chose (idempotency across its retries), else a new one."""
     return {"event_id": event_id} if event_id else {}
 
-
-def _without_earliest_turn(messages: list[dict]) -> list[dict]:
-    """``messages`` less its first one, and the answers that then open it (a conversation begins with
-    what someone said)."""
-    rest = messages[1:]
-    while len(rest) > 1 and rest[0]["role"] == "assistant":
-        rest = rest[1:]
-    return rest
